@@ -1,0 +1,3 @@
+from hpc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The `dspark` command line.
+
+Each subcommand lives next to the stage it drives and exposes ``register(subparsers)``;
+modules are imported lazily so `dspark validate` on a login node does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hpc.errors import UserError
+
+# (command, module defining register(), one-line help); a module is imported only when its
+# command runs, so the top-level help never pays for torch or mlflow imports.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
+    ("devcluster", "hpc.launch.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
+    ("toy-target", "hpc.verifier.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
+    ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
+]
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dspark", description="Train DSpark speculative-decoding drafts on Slurm and prove what they are worth."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, module, help_text in COMMANDS:
+        if wanted == name:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        for line in str(err).splitlines() or [type(err).__name__]:
+            print(f"error: {line}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

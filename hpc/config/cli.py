@@ -1,0 +1,35 @@
+"""`dspark validate CONFIG [KEY=VALUE ...]`: every problem at once, exit 2 if any."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpc.errors import ConfigError
+
+
+def run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from hpc.config import resolve
+
+    try:
+        cfg = resolve(args.config, args.overrides, check_tracking=not args.offline)
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"{len(err.problems)} problem(s) in {args.config}", file=sys.stderr)
+        return 2
+    if args.print:
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    print(f"ok: {args.config} is valid ({cfg.name})")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a config on the login node, before anything is submitted")
+    p.add_argument("config", help="YAML config, e.g. configs/kimi-k2.6-dspark.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. train.lr=1e-4")
+    p.add_argument("--print", action="store_true", help="print the resolved config")
+    p.add_argument("--offline", action="store_true", help="skip the tracking-server reachability check")
+    p.set_defaults(func=run)

@@ -1,0 +1,212 @@
+"""YAML + CLI dotlist -> a typed DSparkConfig, with every problem collected, not just the first.
+
+OmegaConf stops at the first bad key when merging a whole file, so we apply the file leaf by
+leaf against the structured schema: each unknown key or type error becomes one line naming
+the key, the value and the fix, and the user sees all of them in one run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hpc.config.schema import DSparkConfig
+from hpc.errors import ConfigError, UserError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-4` as a string; users (and OmegaConf) mean a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _schema_keys(node: DictConfig) -> list[str]:
+    return [str(k) for k in node.keys()]
+
+
+def _is_struct_section(node: Any) -> bool:
+    """A section whose keys are fixed by a dataclass (as opposed to a free dict field)."""
+    return isinstance(node, DictConfig) and OmegaConf.get_type(node) not in (dict, None)
+
+
+def _unknown_key(path: str, key: str, parent: DictConfig) -> str:
+    close = difflib.get_close_matches(key, _schema_keys(parent), n=1)
+    hint = f"did you mean `{(path + '.' if path else '')}{close[0]}`?" if close else (
+        f"valid keys here: {', '.join(_schema_keys(parent))}"
+    )
+    full = f"{path}.{key}" if path else key
+    return f"{full}: unknown key; {hint}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[str]) -> None:
+    for key, value in data.items():
+        key = str(key)
+        full = f"{path}.{key}" if path else key
+        node = cfg if not path else OmegaConf.select(cfg, path)
+        if key not in node:
+            problems.append(f"{_unknown_key(path, key, node)} ({origin})")
+            continue
+        child = node._get_node(key)
+        if _is_struct_section(child) and isinstance(value, dict):
+            _apply(cfg, value, full, origin, problems)
+            continue
+        try:
+            # merge_with (not update) so lists of dicts become typed DataSource/... entries.
+            cfg.merge_with(OmegaConf.create(_nest(full, value)))
+        except OmegaConfBaseException as err:
+            reason = str(err).splitlines()[0]
+            problems.append(f"{full} = {_short(value)}: {reason} ({origin})")
+
+
+def _schema() -> DictConfig:
+    """The defaults, closed to unknown keys except inside free-form dict fields (sweep, env...)."""
+    cfg = OmegaConf.structured(DSparkConfig)
+    OmegaConf.set_struct(cfg, True)
+
+    def open_free_dicts(node: DictConfig) -> None:
+        for key in node.keys():
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                if _is_struct_section(child):
+                    open_free_dicts(child)
+                else:
+                    OmegaConf.set_struct(child, False)
+
+    open_free_dicts(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}; pass a YAML file such as configs/toy-cpu.yaml")
+    try:
+        # OmegaConf's loader reads 3e-4 as a float, as users expect (plain YAML 1.1 does not).
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)})")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections (cluster, verifier, ...)")
+    return data
+
+
+def _parse_overrides(overrides: list[str], problems: list[str]) -> list[tuple[str, Any]]:
+    parsed = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            problems.append(f"override `{item}`: expected KEY=VALUE, e.g. train.lr=1e-4")
+            continue
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.load(raw, Loader=_Loader) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
+    """Schema defaults <- YAML file <- dotlist overrides. Raises ConfigError listing every problem."""
+    cfg, problems = load_config_collecting(path, overrides)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_config_collecting(
+    path: str | Path | None, overrides: list[str] | None = None
+) -> tuple[DictConfig, list[str]]:
+    """Like load_config, but returns the problems; bad leaves keep their schema defaults."""
+    cfg = _schema()
+    problems: list[str] = []
+    if path is not None:
+        _apply(cfg, _read_yaml(Path(path)), "", str(path), problems)
+    for key, value in _parse_overrides(list(overrides or []), problems):
+        _apply(cfg, _nest(key, value), "", f"override {key}", problems)
+    if not problems:
+        try:
+            OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as err:
+            problems.append(f"{getattr(err, 'full_key', '?')}: {str(err).splitlines()[0]}")
+    return cfg, problems
+
+
+def to_object(cfg: DictConfig) -> DSparkConfig:
+    """The typed dataclass instance, interpolations resolved."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """Stable across key order and formatting: the identity of a resolved recipe."""
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def flatten(cfg: DictConfig | ListConfig | dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> leaf values, for MLflow params and sweep expansion."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if not isinstance(cfg, dict) else cfg
+    out: dict[str, Any] = {}
+    for key, value in container.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, full + "."))
+        else:
+            out[full] = value
+    return out
+
+
+def sweep_overrides(cfg: DictConfig) -> list[list[str]]:
+    """One dotlist per sweep variant (the cartesian product); [[]] when there is no sweep."""
+    import itertools
+
+    sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
+    keys = sorted(sweep)
+    combos = itertools.product(*(sweep[k] for k in keys))
+    return [[f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+             for k, v in zip(keys, combo)] for combo in combos] or [[]]
+
+
+def check_sweep(cfg: DictConfig) -> list[str]:
+    """Sweep keys must be config keys and every variant must itself be a valid config."""
+    problems = []
+    sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
+    for key, values in sweep.items():
+        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" or key.startswith("sweep"):
+            problems.append(f"sweep.{key}: not a config key; sweep over keys like train.lr")
+        elif not isinstance(values, list) or not values:
+            problems.append(f"sweep.{key} = {_short(values)}: give a non-empty list of values")
+        else:
+            for value in values:
+                probe = _schema()
+                sub: list[str] = []
+                _apply(probe, _nest(key, value), "", f"sweep {key}", sub)
+                problems.extend(sub)
+    return problems

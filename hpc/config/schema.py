@@ -1,0 +1,219 @@
+"""Typed configuration of a dspark-hpc pipeline.
+
+Every size, device, dtype and backend lives here, so the same code runs Kimi-K2.6 on H200
+nodes and the toy target on a laptop CPU. Defaults are the published kimi-k2.6-dspark
+recipe; `configs/*.yaml` override them and `dspark validate` checks the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+class FinalHidden(str, Enum):
+    """Which last hidden state the verifier capture returns."""
+
+    post_norm = "post_norm"  # after the target's final RMSNorm: what the lm_head sees
+    pre_norm = "pre_norm"  # output of the last decoder layer, before the final norm
+
+
+class VerifierBackend(str, Enum):
+    vllm = "vllm"
+    hf = "hf"  # in-process transformers, for CPU runs and small targets
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+@dataclass
+class ClusterConfig:
+    """Where jobs run. Roles get whole nodes: verifier nodes hand all their GPUs to vLLM."""
+
+    executor: str = "slurm"  # slurm | local (submitit's local executor, for the CPU demo)
+    partition: str = "gpu"
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "48:00:00"
+    verifier_nodes: int = 1
+    trainer_nodes: int = 1
+    eval_nodes: int = 1
+    regenerate_nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 16
+    mem: Optional[str] = None
+    signal_delay_s: int = 90  # --signal=USR2@90 so ranks can checkpoint before preemption
+    sbatch_extra: list[str] = field(default_factory=list)
+    log_dir: str = "runs/slurm"  # must be on a filesystem every node sees
+
+
+@dataclass
+class VerifierConfig:
+    """The target model and how it is served while we capture its hidden states."""
+
+    model: str = "moonshotai/Kimi-K2.6"
+    tokenizer: Optional[str] = None  # defaults to `model`
+    trust_remote_code: bool = True
+    backend: VerifierBackend = VerifierBackend.vllm
+    # Used when the target's config.json is not reachable from the login node.
+    num_hidden_layers: int = 61
+    hidden_size: int = 7168
+    vocab_size: int = 163840
+    # vLLM/speculators convention: id i is the INPUT of decoder layer i (HF hidden_states[i]).
+    aux_layer_ids: list[int] = field(default_factory=lambda: [1, 29, 57])
+    final_hidden: FinalHidden = FinalHidden.post_norm
+    tensor_parallel_size: int = 8
+    max_model_len: int = 20000
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    python: str = "python3"  # interpreter of the venv vLLM lives in
+    entrypoint: str = "vllm.entrypoints.openai.api_server"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    extra_args: list[str] = field(default_factory=list)
+    # fuse_allreduce_rms breaks CUDA-graph capture under spec-decode token expansion.
+    compilation_config: dict[str, Any] = field(
+        default_factory=lambda: {"pass_config": {"fuse_allreduce_rms": False}}
+    )
+    env: dict[str, str] = field(default_factory=dict)
+    capture_dir: str = "/dev/shm/dspark-captures"
+    health_timeout_s: float = 1800.0
+
+
+@dataclass
+class DraftConfig:
+    """The DSpark draft: a DFlash backbone of Qwen3 layers plus Markov and confidence heads."""
+
+    num_hidden_layers: int = 3
+    hidden_size: int = 7168
+    # 56 x 128 = 7168 = hidden: with these dims the draft is the card's 6.3 GB in bf16.
+    num_attention_heads: int = 56
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 18432
+    rope_theta: float = 50000.0
+    rms_norm_eps: float = 1e-6
+    block_size: int = 8
+    draft_vocab_size: int = 32000
+    mask_token_id: int = 163608
+    sample_from_anchor: bool = True
+    markov_rank: int = 256  # 0 together with enable_confidence_head=false is plain DFlash
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+
+
+@dataclass
+class DataSource:
+    path: str = ""  # a Hugging Face dataset id, or a local .jsonl/.parquet file or directory
+    split: str = "train"
+    format: str = "auto"  # auto | conversations | messages
+    max_rows: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    sources: list[DataSource] = field(
+        default_factory=lambda: [DataSource(path="mlabonne/open-perfectblend")]
+    )
+    regenerate: bool = True  # regenerate assistant turns with the target (on-policy data)
+    regen_temperature: float = 0.0
+    regen_max_tokens: int = 4096
+    output_dir: str = "runs/data"
+    max_seq_len: int = 20000
+    # Vocabulary pruning keeps this many target ids; one value, owned by the draft.
+    draft_vocab_size: int = "${draft.draft_vocab_size}"  # type: ignore[assignment]
+    seed: int = 0
+
+
+@dataclass
+class LossConfig:
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    kl_weight: float = 0.0
+    decay_gamma: float = 4.0  # slot k weighs exp(-k / gamma)
+    confidence_weight: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-4
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 300
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    global_batch_size: int = 8
+    grad_accumulation: int = 2
+    steps: int = 20000
+    max_anchors: int = 3072
+    loss: LossConfig = field(default_factory=LossConfig)
+    apply_verifier_norm: bool = False
+    checkpoint_interval: int = 500
+    keep_checkpoints: int = 3
+    output_dir: str = "runs/train"
+    seed: int = 0
+    device: str = "cuda"
+    dtype: str = "bfloat16"  # autocast dtype on GPU; CPU runs use float32
+    dist_backend: str = "nccl"  # gloo on CPU: same code path
+    attention: str = "auto"  # auto | flex | sdpa
+    # Trainer processes per trainer node; None means one per GPU (cluster.gpus_per_node).
+    ranks_per_node: Optional[int] = None
+
+
+@dataclass
+class ThirdPartyDraft:
+    name: str = ""
+    method: str = "eagle3"  # any vLLM speculative method
+    model: str = ""
+
+
+@dataclass
+class EvalConfig:
+    benchmarks: list[str] = field(
+        default_factory=lambda: [
+            "gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding",
+        ]
+    )
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 7])
+    max_tokens: int = 2048
+    code_max_tokens: int = 512  # livecodebench and speedbench_coding, as on the card
+    rows: Optional[int] = None  # None: 6 for the small sets, full manifests for code sets
+    concurrency: int = 1
+    temperature: float = 0.0
+    compare: list[ThirdPartyDraft] = field(default_factory=list)
+    data_dir: Optional[str] = None  # local override for offline clusters
+    output_dir: str = "runs/eval"
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///runs/mlflow.db"
+    experiment: str = "dspark"
+    registered_model: str = "kimi-k2.6-dspark"
+
+
+@dataclass
+class ScheduleConfig:
+    cron: Optional[str] = None
+    warm_start_from_champion: bool = True
+    promote_if_better: bool = True
+
+
+@dataclass
+class DSparkConfig:
+    name: str = "kimi-k2.6-dspark"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # One training array task per combination, e.g. {"train.lr": [3e-4, 1e-4]}.
+    sweep: dict[str, list[Any]] = field(default_factory=dict)

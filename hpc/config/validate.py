@@ -1,0 +1,315 @@
+"""Login-node checks: everything about a config that can be known without a GPU.
+
+Each check appends one line `key = value: what is wrong; what to do`. `validate` returns them
+all so a user fixes a config in one round trip instead of one submit per typo.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc.config.schema import DSparkConfig, FinalHidden
+
+BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
+SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
+MARKOV_HEADS = ("vanilla",)
+DTYPES = ("float32", "bfloat16", "float16")
+TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
+
+
+@dataclass
+class TargetShape:
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    source: str  # where the numbers came from, for messages
+
+
+def looks_like_path(value: str) -> bool:
+    """Hub ids (org/name) are not checked on a login node; explicit paths are."""
+    return value.startswith(("/", "./", "../", "~")) or Path(value).exists()
+
+
+def target_shape(cfg: DSparkConfig) -> TargetShape:
+    """The target's real dims from its config.json when reachable, else the configured ones."""
+    v = cfg.verifier
+    config_json = Path(v.model).expanduser() / "config.json"
+    if looks_like_path(v.model) and config_json.is_file():
+        data = json.loads(config_json.read_text())
+        data = data.get("text_config", data)  # multimodal wrappers keep the LM dims nested
+        return TargetShape(
+            data.get("num_hidden_layers", v.num_hidden_layers),
+            data.get("hidden_size", v.hidden_size),
+            data.get("vocab_size", v.vocab_size),
+            str(config_json),
+        )
+    return TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, key: str, value: Any, message: str) -> None:
+        self.problems.append(f"{key} = {value!r}: {message}")
+
+    def positive(self, key: str, value: float, fix: str = "") -> None:
+        if value is None or value <= 0:
+            self.fail(key, value, f"must be > 0{'; ' + fix if fix else ''}")
+
+    def nonneg(self, key: str, value: float) -> None:
+        if value is None or value < 0:
+            self.fail(key, value, "must be >= 0")
+
+    def one_of(self, key: str, value: Any, allowed: tuple) -> None:
+        if value not in allowed:
+            self.fail(key, value, f"must be one of {', '.join(map(str, allowed))}")
+
+    def path(self, key: str, value: str | None, what: str) -> None:
+        if value and looks_like_path(value) and not Path(value).expanduser().exists():
+            self.fail(key, value, f"{what} does not exist; fix the path or use a hub id")
+
+
+def _check_cluster(c: _Checker, cfg: DSparkConfig) -> None:
+    cl = cfg.cluster
+    c.one_of("cluster.executor", cl.executor, ("slurm", "local"))
+    for role in ("verifier", "trainer", "eval", "regenerate"):
+        n = getattr(cl, f"{role}_nodes")
+        if n < 1:
+            c.fail(f"cluster.{role}_nodes", n, f"every role needs at least one node; set cluster.{role}_nodes >= 1")
+    c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
+    c.positive("cluster.cpus_per_task", cl.cpus_per_task)
+    if not _SLURM_TIME.match(cl.time):
+        c.fail("cluster.time", cl.time, "not a Slurm time; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00")
+    if not 0 <= cl.signal_delay_s <= 65535:
+        c.fail("cluster.signal_delay_s", cl.signal_delay_s, "must be 0..65535 seconds")
+    if not cl.partition:
+        c.fail("cluster.partition", cl.partition, "set the Slurm partition to run in (see `sinfo`)")
+
+
+def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
+    v = cfg.verifier
+    c.path("verifier.model", v.model, "target model directory")
+    if v.model and looks_like_path(v.model) and Path(v.model).expanduser().is_dir():
+        if not (Path(v.model).expanduser() / "config.json").is_file():
+            c.fail("verifier.model", v.model, "directory has no config.json; point it at an HF model directory")
+    c.path("verifier.tokenizer", v.tokenizer, "tokenizer directory")
+    ids = list(v.aux_layer_ids)
+    if not ids:
+        c.fail("verifier.aux_layer_ids", ids, "need at least one layer id, e.g. [1, 29, 57]")
+    if len(set(ids)) != len(ids) or ids != sorted(ids):
+        c.fail("verifier.aux_layer_ids", ids, "must be strictly increasing without repeats")
+    for i in ids:
+        if not 0 <= i <= shape.num_hidden_layers:
+            c.fail(
+                "verifier.aux_layer_ids", ids,
+                f"id {i} outside 0..{shape.num_hidden_layers} (the target has "
+                f"{shape.num_hidden_layers} layers per {shape.source}); pick ids in that range",
+            )
+            break
+    if shape.source != "verifier.*":
+        for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+            mine, real = getattr(v, key), getattr(shape, key)
+            if mine != real:
+                c.fail(f"verifier.{key}", mine, f"the target's config.json says {real}; set verifier.{key}={real}")
+    c.positive("verifier.tensor_parallel_size", v.tensor_parallel_size)
+    gpus = cfg.cluster.gpus_per_node
+    if gpus > 0 and v.tensor_parallel_size > gpus:
+        c.fail("verifier.tensor_parallel_size", v.tensor_parallel_size,
+               f"larger than cluster.gpus_per_node={gpus}; tensor parallelism stays inside one node")
+    c.positive("verifier.max_model_len", v.max_model_len)
+    if not 0 < v.gpu_memory_utilization <= 1:
+        c.fail("verifier.gpu_memory_utilization", v.gpu_memory_utilization, "must be in (0, 1]")
+    if not 1 <= v.port <= 65535:
+        c.fail("verifier.port", v.port, "must be a TCP port 1..65535")
+    if v.backend.value == "vllm":
+        found = Path(v.python).expanduser().is_file() if "/" in v.python else shutil.which(v.python)
+        if not found:
+            c.fail("verifier.python", v.python,
+                   "interpreter not found; point it at the venv vLLM is installed in (bin/python)")
+    c.positive("verifier.health_timeout_s", v.health_timeout_s)
+    norm_pairs = {
+        (FinalHidden.pre_norm, False): "a pre-norm capture trains against wrong targets unless "
+        "train.apply_verifier_norm=true; set one of the two",
+        (FinalHidden.post_norm, True): "the capture is already post-norm, so applying the norm again "
+        "double-normalises; set train.apply_verifier_norm=false",
+    }
+    msg = norm_pairs.get((v.final_hidden, cfg.train.apply_verifier_norm))
+    if msg:
+        c.fail("verifier.final_hidden", v.final_hidden.value, msg)
+
+
+def _check_draft(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
+    d = cfg.draft
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "block_size", "draft_vocab_size"):
+        c.positive(f"draft.{key}", getattr(d, key))
+    c.positive("draft.rope_theta", d.rope_theta)
+    c.positive("draft.rms_norm_eps", d.rms_norm_eps)
+    if d.num_attention_heads > 0 and d.head_dim > 0 and d.num_attention_heads * d.head_dim != d.hidden_size:
+        c.fail("draft.num_attention_heads", d.num_attention_heads,
+               f"heads x head_dim = {d.num_attention_heads * d.head_dim} != draft.hidden_size={d.hidden_size}; "
+               "make them equal (e.g. 56 x 128 = 7168)")
+    if d.num_key_value_heads > 0 and d.num_attention_heads % d.num_key_value_heads:
+        c.fail("draft.num_key_value_heads", d.num_key_value_heads,
+               f"must divide draft.num_attention_heads={d.num_attention_heads} (grouped-query attention)")
+    if d.head_dim % 2:
+        c.fail("draft.head_dim", d.head_dim, "must be even for rotary embeddings")
+    if not 0 <= d.mask_token_id < shape.vocab_size:
+        c.fail("draft.mask_token_id", d.mask_token_id,
+               f"outside the target vocab 0..{shape.vocab_size - 1}; use a reserved id of the target tokenizer")
+    if d.draft_vocab_size > shape.vocab_size:
+        c.fail("draft.draft_vocab_size", d.draft_vocab_size,
+               f"larger than the target vocab {shape.vocab_size}; set it <= {shape.vocab_size}")
+    c.nonneg("draft.markov_rank", d.markov_rank)
+    c.one_of("draft.markov_head_type", d.markov_head_type, MARKOV_HEADS)
+    if d.enable_confidence_head and d.confidence_head_with_markov and d.markov_rank == 0:
+        c.fail("draft.confidence_head_with_markov", True,
+               "needs a Markov head; set draft.markov_rank > 0 or confidence_head_with_markov=false")
+    if cfg.eval.num_speculative_tokens:
+        largest = max(cfg.eval.num_speculative_tokens)
+        if d.block_size < largest:
+            c.fail("draft.block_size", d.block_size,
+                   f"smaller than the largest eval n={largest}; raise draft.block_size or lower eval.num_speculative_tokens")
+
+
+def _check_data(c: _Checker, cfg: DSparkConfig) -> None:
+    data = cfg.data
+    if not data.sources:
+        c.fail("data.sources", [], "need at least one source (HF dataset id or local .jsonl/.parquet)")
+    for i, src in enumerate(data.sources):
+        if not src.path:
+            c.fail(f"data.sources[{i}].path", src.path, "empty; give an HF dataset id or a local file")
+        c.path(f"data.sources[{i}].path", src.path, "data file")
+        c.one_of(f"data.sources[{i}].format", src.format, ("auto", "conversations", "messages"))
+    c.positive("data.max_seq_len", data.max_seq_len)
+    if data.max_seq_len <= cfg.draft.block_size:
+        c.fail("data.max_seq_len", data.max_seq_len, f"must exceed draft.block_size={cfg.draft.block_size}")
+    if data.max_seq_len > cfg.verifier.max_model_len:
+        c.fail("data.max_seq_len", data.max_seq_len,
+               f"longer than verifier.max_model_len={cfg.verifier.max_model_len}; raise that or lower this")
+    c.nonneg("data.regen_temperature", data.regen_temperature)
+    c.positive("data.regen_max_tokens", data.regen_max_tokens)
+
+
+def trainer_ranks(cfg: DSparkConfig) -> int:
+    per_node = cfg.train.ranks_per_node or max(cfg.cluster.gpus_per_node, 1)
+    return cfg.cluster.trainer_nodes * per_node
+
+
+def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
+    t = cfg.train
+    c.positive("train.lr", t.lr, "e.g. 3e-4")
+    c.positive("train.steps", t.steps)
+    c.nonneg("train.warmup_steps", t.warmup_steps)
+    if t.steps > 0 and t.warmup_steps >= t.steps:
+        c.fail("train.warmup_steps", t.warmup_steps, f"must be < train.steps={t.steps}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        c.fail("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    c.nonneg("train.weight_decay", t.weight_decay)
+    c.nonneg("train.grad_clip", t.grad_clip)
+    c.positive("train.global_batch_size", t.global_batch_size)
+    c.positive("train.grad_accumulation", t.grad_accumulation)
+    c.positive("train.max_anchors", t.max_anchors)
+    c.positive("train.checkpoint_interval", t.checkpoint_interval)
+    c.positive("train.keep_checkpoints", t.keep_checkpoints)
+    if t.ranks_per_node is not None:
+        c.positive("train.ranks_per_node", t.ranks_per_node)
+    loss = t.loss
+    for key in ("ce_weight", "tv_weight", "kl_weight", "confidence_weight"):
+        c.nonneg(f"train.loss.{key}", getattr(loss, key))
+    if loss.ce_weight + loss.tv_weight + loss.kl_weight <= 0:
+        c.fail("train.loss", "all zero", "at least one of ce_weight, tv_weight, kl_weight must be > 0")
+    c.positive("train.loss.decay_gamma", loss.decay_gamma, "e.g. 4.0 for block_size 8")
+    ranks = trainer_ranks(cfg)
+    if ranks > 0 and t.global_batch_size > 0 and t.grad_accumulation > 0 and t.global_batch_size % (ranks * t.grad_accumulation):
+        c.fail("train.global_batch_size", t.global_batch_size,
+               f"not divisible by trainer ranks x grad_accumulation = {ranks} x {t.grad_accumulation}; "
+               f"use a multiple of {ranks * t.grad_accumulation}")
+    if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", t.device):
+        c.fail("train.device", t.device, "must be cpu, cuda, cuda:N, mps or xpu")
+    c.one_of("train.dtype", t.dtype, DTYPES)
+    c.one_of("train.dist_backend", t.dist_backend, ("nccl", "gloo"))
+    if t.dist_backend == "nccl" and not t.device.startswith("cuda"):
+        c.fail("train.dist_backend", "nccl", "NCCL needs CUDA devices; use gloo on CPU")
+    c.one_of("train.attention", t.attention, ("auto", "flex", "sdpa"))
+
+
+def _check_eval(c: _Checker, cfg: DSparkConfig) -> None:
+    e = cfg.eval
+    if not e.benchmarks:
+        c.fail("eval.benchmarks", [], f"need at least one of {', '.join(BENCHMARKS)}")
+    for b in e.benchmarks:
+        if b not in BENCHMARKS:
+            c.fail("eval.benchmarks", b, f"unknown benchmark; choose from {', '.join(BENCHMARKS)}")
+    if not e.num_speculative_tokens:
+        c.fail("eval.num_speculative_tokens", [], "need at least one n, e.g. [3, 7]")
+    for n in e.num_speculative_tokens:
+        if n < 1:
+            c.fail("eval.num_speculative_tokens", n, "every n must be >= 1")
+    c.positive("eval.max_tokens", e.max_tokens)
+    c.positive("eval.code_max_tokens", e.code_max_tokens)
+    if e.rows is not None:
+        c.positive("eval.rows", e.rows)
+    c.positive("eval.concurrency", e.concurrency)
+    c.nonneg("eval.temperature", e.temperature)
+    c.path("eval.data_dir", e.data_dir, "benchmark data directory")
+    names = [d.name for d in e.compare]
+    for i, d in enumerate(e.compare):
+        if not d.name:
+            c.fail(f"eval.compare[{i}].name", d.name, "give the draft a name for the table, e.g. eagle3")
+        c.one_of(f"eval.compare[{i}].method", d.method, SPEC_METHODS)
+        if not d.model and d.method != "ngram":
+            c.fail(f"eval.compare[{i}].model", d.model, "needs the draft model path or hub id")
+    if len(set(names)) != len(names):
+        c.fail("eval.compare", names, "draft names must be unique")
+
+
+def _tracking_reachable(uri: str) -> str | None:
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except (urllib.error.URLError, OSError) as err:
+        return str(getattr(err, "reason", err))
+
+
+def _check_tracking(c: _Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
+    tr = cfg.tracking
+    scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
+    if scheme not in TRACKING_SCHEMES:
+        c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
+    elif scheme in ("http", "https") and check_tracking:
+        why = _tracking_reachable(tr.uri)
+        if why:
+            c.fail("tracking.uri", tr.uri, f"MLflow server unreachable ({why}); start it or fix the URI")
+    if not tr.experiment:
+        c.fail("tracking.experiment", tr.experiment, "set an experiment name")
+
+
+def _check_schedule(c: _Checker, cfg: DSparkConfig) -> None:
+    cron = cfg.schedule.cron
+    if cron is not None and len(cron.split()) != 5:
+        c.fail("schedule.cron", cron, "must have 5 fields: minute hour day month weekday, e.g. '0 3 * * 0'")
+
+
+def validate(cfg: DSparkConfig, check_tracking: bool = True) -> list[str]:
+    """All problems found, one line each; empty when the config is good to submit."""
+    c = _Checker()
+    shape = target_shape(cfg)
+    _check_cluster(c, cfg)
+    _check_verifier(c, cfg, shape)
+    _check_draft(c, cfg, shape)
+    _check_data(c, cfg)
+    _check_train(c, cfg)
+    _check_eval(c, cfg)
+    _check_tracking(c, cfg, check_tracking)
+    _check_schedule(c, cfg)
+    return c.problems

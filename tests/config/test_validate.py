@@ -1,0 +1,162 @@
+"""Login-node validation: every bad config is caught, named and explained, all at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.config import ConfigError, config_hash, load_config, resolve, sweep_overrides, to_object
+from hpc.config.validate import trainer_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
+
+
+def problems_for(overrides: list[str], path: Path = KIMI) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        resolve(path, overrides, check_tracking=False)
+    return info.value.problems
+
+
+def test_kimi_recipe_is_valid_and_matches_the_card():
+    cfg = resolve(KIMI, check_tracking=False)
+    d, t, v = cfg.draft, cfg.train, cfg.verifier
+    assert (d.draft_vocab_size, v.vocab_size, d.markov_rank, d.mask_token_id) == (32000, 163840, 256, 163608)
+    assert v.aux_layer_ids == [1, 29, 57] and v.final_hidden.value == "post_norm"
+    assert (cfg.data.max_seq_len, t.steps, t.lr, t.schedule.value, t.warmup_steps) == (20000, 20000, 3e-4, "cosine", 300)
+    assert (t.global_batch_size, t.grad_accumulation, t.max_anchors) == (8, 2, 3072)
+    assert (t.loss.ce_weight, t.loss.tv_weight, t.loss.decay_gamma) == (0.1, 0.9, 4.0)
+    assert t.apply_verifier_norm is False
+    assert cfg.eval.num_speculative_tokens == [3, 7]
+    assert (v.tensor_parallel_size, v.max_model_len) == (8, 20000)
+    assert v.compilation_config["pass_config"]["fuse_allreduce_rms"] is False
+    assert d.num_attention_heads * d.head_dim == d.hidden_size == 7168
+    # One value, owned by the draft: the data section reads it by interpolation.
+    assert cfg.data.draft_vocab_size == d.draft_vocab_size
+
+
+def test_dotlist_overrides_apply_with_types():
+    cfg = resolve(KIMI, ["train.lr=1e-4", "verifier.aux_layer_ids=[2,30,58]", "cluster.account=abc"],
+                  check_tracking=False)
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.verifier.aux_layer_ids == [2, 30, 58]
+    assert cfg.cluster.account == "abc"
+
+
+def test_config_hash_follows_content_not_formatting():
+    a = load_config(KIMI)
+    b = load_config(KIMI, ["train.lr=0.0003"])
+    c = load_config(KIMI, ["train.lr=1e-4"])
+    assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+# Each case: overrides that break exactly one rule, and the key the message must name.
+BAD_CASES = {
+    "unknown top-level key": (["trian.lr=1"], "trian: unknown key; did you mean `train`"),
+    "unknown nested key": (["train.learning_rate=1"], "train.learning_rate: unknown key"),
+    "wrong type": (["train.steps=many"], "train.steps"),
+    "bad enum": (["verifier.final_hidden=mid_norm"], "verifier.final_hidden"),
+    "negative lr": (["train.lr=-0.1"], "train.lr"),
+    "zero steps": (["train.steps=0"], "train.steps"),
+    "warmup past steps": (["train.warmup_steps=30000"], "train.warmup_steps"),
+    "aux id past the last layer": (["verifier.aux_layer_ids=[1,29,99]"], "verifier.aux_layer_ids"),
+    "aux ids unsorted": (["verifier.aux_layer_ids=[29,1]"], "strictly increasing"),
+    "no aux ids": (["verifier.aux_layer_ids=[]"], "verifier.aux_layer_ids"),
+    "heads x head_dim != hidden": (["draft.num_attention_heads=64"], "draft.num_attention_heads"),
+    "kv heads do not divide heads": (["draft.num_key_value_heads=5"], "draft.num_key_value_heads"),
+    "block smaller than eval n": (["draft.block_size=4"], "draft.block_size"),
+    "mask id outside vocab": (["draft.mask_token_id=163840"], "draft.mask_token_id"),
+    "draft vocab above target vocab": (["draft.draft_vocab_size=200000"], "draft.draft_vocab_size"),
+    "pre-norm capture without norm": (["verifier.final_hidden=pre_norm"], "verifier.final_hidden"),
+    "post-norm capture normed twice": (["train.apply_verifier_norm=true"], "double-normalises"),
+    "missing model path": (["verifier.model=/nonexistent/kimi"], "verifier.model"),
+    "missing data file": (["data.sources=[{path: ./no/such.jsonl}]"], "data.sources[0].path"),
+    "no trainer nodes": (["cluster.trainer_nodes=0"], "cluster.trainer_nodes"),
+    "no verifier nodes": (["cluster.verifier_nodes=0"], "cluster.verifier_nodes"),
+    "batch not divisible": (["train.global_batch_size=10"], "train.global_batch_size"),
+    "tp above gpus per node": (["verifier.tensor_parallel_size=16"], "verifier.tensor_parallel_size"),
+    "nccl on cpu": (["train.device=cpu"], "train.dist_backend"),
+    "unknown benchmark": (["eval.benchmarks=[gsm8k,mmlu]"], "eval.benchmarks"),
+    "zero n": (["eval.num_speculative_tokens=[0,3]"], "eval.num_speculative_tokens"),
+    "bad slurm time": (["cluster.time=two days"], "cluster.time"),
+    "bad tracking uri": (["tracking.uri=mlflow-server:5000"], "tracking.uri"),
+    "bad cron": (["schedule.cron=every sunday"], "schedule.cron"),
+    "sweep over a non-key": (["sweep={train.lrate: [1e-4]}"], "sweep.train.lrate: not a config key"),
+    "sweep value of wrong type": (["sweep={train.steps: [abc]}"], "train.steps"),
+    "confidence with markov but no markov": (["draft.markov_rank=0"], "draft.confidence_head_with_markov"),
+    "missing vllm interpreter": (["verifier.python=/nope/bin/python"], "verifier.python"),
+    "seq len over model len": (["data.max_seq_len=40000"], "data.max_seq_len"),
+    "malformed override": (["train.lr"], "expected KEY=VALUE"),
+}
+
+
+@pytest.mark.parametrize("overrides,needle", list(BAD_CASES.values()), ids=list(BAD_CASES))
+def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
+    problems = problems_for(overrides)
+    assert any(needle in p for p in problems), problems
+    # One line per problem, each naming what to do or what is allowed.
+    assert all("\n" not in p for p in problems)
+
+
+def test_all_problems_are_reported_at_once():
+    problems = problems_for(["train.lr=-1", "draft.block_size=2", "nosuch.key=1", "train.steps=abc"])
+    keys = ["train.lr", "draft.block_size", "nosuch", "train.steps"]
+    assert all(any(k in p for p in problems) for k in keys), problems
+
+
+def test_target_config_json_is_the_source_of_truth(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 1000}))
+    problems = problems_for([f"verifier.model={target}"])
+    text = "\n".join(problems)
+    # aux id 29 does not exist in a 4-layer target, and the configured dims disagree.
+    assert "id 29 outside 0..4" in text
+    assert "verifier.hidden_size" in text and "config.json says 64" in text
+    assert "draft.mask_token_id" in text  # 163608 is outside a 1000-token vocab
+
+
+def test_trainer_ranks_and_sweep_expansion():
+    cfg = load_config(KIMI, ["sweep={train.lr: [3e-4, 1e-4], train.warmup_steps: [100]}"])
+    variants = sweep_overrides(cfg)
+    assert variants == [["train.lr=0.0003", "train.warmup_steps=100"],
+                        ["train.lr=0.0001", "train.warmup_steps=100"]]
+    for v in variants:
+        resolve(KIMI, v, check_tracking=False)
+    assert trainer_ranks(to_object(cfg)) == 4
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_validate_exit_codes_and_no_traceback():
+    ok = run_cli("validate", str(KIMI), "--offline")
+    assert ok.returncode == 0, ok.stderr
+    bad = run_cli("validate", str(KIMI), "train.lr=-1", "draft.block_size=2", "--offline")
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["validate", "/no/such/config.yaml"], "config file not found"),
+    (["validate", str(KIMI), "train..lr=1"], "unknown key"),
+    (["validate", str(KIMI), "tracking.uri=http://127.0.0.1:9"], "MLflow server unreachable"),
+])
+def test_cli_user_errors_are_one_line(args, needle):
+    res = run_cli(*args)
+    assert res.returncode != 0
+    assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_invalid_yaml_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {lr: [1,\n")
+    res = run_cli("validate", str(bad))
+    assert res.returncode == 2 and "not valid YAML" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,5 @@
+"""Shared test plumbing: the session fixtures for real infrastructure live in tests/fixtures/."""
+
+pytest_plugins = [
+    "tests.fixtures.infra",
+]
