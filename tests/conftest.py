@@ -2,4 +2,6 @@
 
 pytest_plugins = [
     "tests.fixtures.infra",
+    "tests.fixtures.slurm",
+    "tests.fixtures.mlflow",
 ]

@@ -1,0 +1,45 @@
+"""The tracking server the pipeline logs to: runs round-trip params, metrics and artifacts."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hpc.errors import UserError
+from hpc.track.server import MlflowServer, free_port, is_healthy
+
+
+def test_run_round_trips_params_metrics_and_artifact(mlflow_server, tmp_path):
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    mlflow.set_experiment("roundtrip")
+    note = tmp_path / "results.json"
+    note.write_text('{"accept_len": 3.14}')
+    with mlflow.start_run(run_name="probe") as run:
+        mlflow.log_params({"train.lr": 3e-4, "draft.block_size": 8})
+        for step, loss in enumerate([2.0, 1.5, 1.25]):
+            mlflow.log_metric("loss", loss, step=step)
+        mlflow.log_artifact(str(note))
+    client = MlflowClient(mlflow_server.uri)
+    got = client.get_run(run.info.run_id)
+    assert got.data.params == {"train.lr": "0.0003", "draft.block_size": "8"}
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(0, 2.0), (1, 1.5), (2, 1.25)]
+    local = client.download_artifacts(run.info.run_id, "results.json", str(tmp_path / "dl"))
+    assert open(local).read() == note.read_text()
+
+
+def test_server_binds_loopback_only(mlflow_server):
+    assert mlflow_server.host == "127.0.0.1"
+    assert is_healthy(mlflow_server.uri)
+
+
+def test_unreachable_server_is_reported(tmp_path):
+    assert not is_healthy(f"http://127.0.0.1:{free_port()}", timeout=0.5)
+
+
+def test_server_that_cannot_start_names_the_cause(tmp_path, mlflow_server):
+    # The port is taken by the session server: the second one must fail with its log tail.
+    clash = MlflowServer(tmp_path / "clash", port=mlflow_server.port)
+    with pytest.raises(UserError, match="mlflow server"):
+        clash.start(timeout_s=30)
