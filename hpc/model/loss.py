@@ -1,0 +1,174 @@
+"""The DSpark training objective on one packed row.
+
+Per supervised slot k: `ce_w * CE(argmax target) + tv_w * TV + kl_w * KL(target || draft)`,
+weighted by exp(-k / gamma) (k from 0) and normalised by the number of supervised slots; plus
+`confidence_w * BCE(confidence, 1 - TV detached)` with the same weights. Targets are the frozen
+verifier lm_head rows of the draft vocab applied to the captured last hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc.model import metrics as M
+from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, training_mask
+from hpc.model.dspark import DSparkDraft, sdpa_attention
+from hpc.model.layers import RMSNorm
+
+
+@dataclass
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    kl: float = 0.0
+    decay_gamma: float = 4.0
+    confidence: float = 1.0
+
+    @classmethod
+    def from_config(cls, loss_cfg) -> "LossWeights":
+        return cls(loss_cfg.ce_weight, loss_cfg.tv_weight, loss_cfg.kl_weight, loss_cfg.decay_gamma,
+                   loss_cfg.confidence_weight)
+
+
+@dataclass
+class PackedRow:
+    """One row of captured verifier states; several documents may be packed in it."""
+
+    input_ids_T: torch.Tensor
+    loss_mask_T: torch.Tensor
+    aux_TnH: torch.Tensor  # [T, n_aux, H_target]
+    last_hidden_TH: torch.Tensor  # [T, H_target], post- or pre-norm per the capture
+    doc_ids_T: torch.Tensor | None = None
+    position_ids_T: torch.Tensor | None = None
+
+    def __post_init__(self):
+        T = self.input_ids_T.numel()
+        if self.doc_ids_T is None:
+            self.doc_ids_T = torch.zeros(T, dtype=torch.long, device=self.input_ids_T.device)
+        if self.position_ids_T is None:
+            self.position_ids_T = torch.arange(T, device=self.input_ids_T.device)
+
+
+class VerifierHead(nn.Module):
+    """Frozen verifier lm_head rows of the draft vocab, with its final norm when asked for."""
+
+    def __init__(self, lm_head_VH: torch.Tensor, t2d_V: torch.Tensor, norm_weight_H: torch.Tensor | None = None,
+                 eps: float = 1e-6, keep_full: bool = False):
+        super().__init__()
+        self.register_buffer("draft_rows_DH", lm_head_VH[t2d_V].clone())
+        # The full head only serves the off-vocab mass metric; at Kimi scale it is 2.3 GB.
+        self.register_buffer("full_VH", lm_head_VH.clone() if keep_full else None)
+        self.register_buffer("t2d_V", t2d_V.clone())
+        self.norm = None
+        if norm_weight_H is not None:
+            self.norm = RMSNorm(norm_weight_H.numel(), eps)
+            self.norm.weight.data.copy_(norm_weight_H)
+        self.requires_grad_(False)
+
+    def hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(last_hidden) if self.norm is not None else last_hidden
+
+    def forward(self, last_hidden_SH: torch.Tensor) -> torch.Tensor:
+        return self.hidden(last_hidden_SH).to(self.draft_rows_DH.dtype) @ self.draft_rows_DH.T
+
+
+def slot_decay(block_size: int, gamma: float, sample_from_anchor: bool, device=None) -> torch.Tensor:
+    """exp(-k/gamma) from the first predicting slot (slot 1 in DFlash layout, whose slot 0 is the bonus)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if not sample_from_anchor:
+        k = (k - 1).clamp(min=0)
+    return torch.exp(-k / gamma)
+
+
+def pick_attention(kind: str, device: torch.device) -> str:
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return kind
+
+
+def objective(
+    logits_NBD: torch.Tensor, target_logits_NBD: torch.Tensor, valid_NB: torch.Tensor,
+    conf_logits_NB: torch.Tensor | None, weights: LossWeights, sample_from_anchor: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(total loss, unweighted parts, per-slot acceptance 1 - TV) for N blocks of B slots."""
+    B = logits_NBD.shape[1]
+    logp_NBD = F.log_softmax(logits_NBD.float(), -1)
+    logq_NBD = F.log_softmax(target_logits_NBD.float(), -1)
+    p_NBD, q_NBD = logp_NBD.exp(), logq_NBD.exp()
+    mask_NB = valid_NB.float()
+    decay_B = slot_decay(B, weights.decay_gamma, sample_from_anchor, device=mask_NB.device)
+    denom = mask_NB.sum() + 1e-5
+
+    def reduce(per_slot_NB: torch.Tensor) -> torch.Tensor:
+        return (per_slot_NB * mask_NB * decay_B).sum() / denom
+
+    accept_NB = M.accept_prob(p_NBD, q_NBD)
+    ce_NB = -logp_NBD.gather(-1, logq_NBD.argmax(-1, keepdim=True)).squeeze(-1)  # hard label: target argmax
+    kl_NB = (q_NBD * (logq_NBD - logp_NBD)).sum(-1)
+    parts = {"ce": reduce(ce_NB), "tv": reduce(1.0 - accept_NB), "kl": reduce(kl_NB)}
+    loss = weights.ce * parts["ce"] + weights.tv * parts["tv"] + weights.kl * parts["kl"]
+    if conf_logits_NB is not None:
+        bce_NB = F.binary_cross_entropy_with_logits(conf_logits_NB.float(), accept_NB.detach(), reduction="none")
+        parts["confidence"] = reduce(bce_NB)
+        loss = loss + weights.confidence * parts["confidence"]
+    return loss, parts, accept_NB
+
+
+def dspark_loss(
+    model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+    generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    a = model.args
+    B = a.block_size
+    if anchors_N is None:
+        anchors_N = select_anchors(row.loss_mask_T, B, max_anchors, generator).to(row.input_ids_T.device)
+    if anchors_N.numel() == 0:
+        zero = model.lm_head.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
+        return zero, {"supervised_slots": torch.tensor(0.0)}
+    blocks = make_blocks(row.input_ids_T, row.loss_mask_T, row.position_ids_T, row.doc_ids_T, anchors_N, B,
+                         a.mask_token_id, a.sample_from_anchor)
+    ctx_TH = model.project_context(row.aux_TnH)
+    if pick_attention(attention, ctx_TH.device) == "flex":
+        attend = flex_attention_fn(anchors_N, row.doc_ids_T, B)
+    else:
+        attend = sdpa_attention(training_mask(anchors_N, row.doc_ids_T, B))
+    h_QH = model.backbone(ctx_TH, row.position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
+                          attend)
+    logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten())
+    with torch.no_grad():
+        target_logits_QD = head(row.last_hidden_TH[blocks.target_idx_NB.flatten()]).float()
+
+    N = anchors_N.numel()
+    conf_NB = conf_Q.view(N, B) if conf_Q is not None else None
+    loss, parts, accept_NB = objective(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1),
+                                       blocks.valid_NB, conf_NB, weights, a.sample_from_anchor)
+    mask_NB = blocks.valid_NB.float()
+    denom = mask_NB.sum() + 1e-5
+    out: dict[str, torch.Tensor] = {}
+    if conf_NB is not None:
+        sel = blocks.valid_NB
+        conf_prob = torch.sigmoid(conf_NB.detach().float())[sel]
+        out["confidence_ece"] = M.expected_calibration_error(conf_prob, accept_NB.detach()[sel])
+        out["confidence_brier"] = M.brier(conf_prob, accept_NB.detach()[sel])
+
+    with torch.no_grad():
+        # In the DFlash layout slot 0 is the bonus token, not a draft: leave it out of the chain.
+        first = 0 if a.sample_from_anchor else 1
+        accept, mask_NB = accept_NB.detach()[:, first:], mask_NB[:, first:]
+        out.update({f"loss_{k}": v.detach() for k, v in parts.items()})
+        out["loss"] = loss.detach()
+        out["accept_rate"] = (accept * mask_NB).sum() / denom
+        out["accept_len"] = M.expected_acceptance_length(accept, mask_NB)
+        greedy_NB = M.greedy_acceptance(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1))[:, first:]
+        out["greedy_accept_len"] = M.expected_acceptance_length(greedy_NB, mask_NB)
+        out["per_position_accept"] = M.per_position_acceptance(accept, mask_NB)
+        out["supervised_slots"] = mask_NB.sum()
+        if head.full_VH is not None:
+            sample = blocks.target_idx_NB.flatten()[blocks.valid_NB.flatten()][:256]
+            out["target_mass_outside_vocab"] = M.mass_outside_draft_vocab(
+                head.hidden(row.last_hidden_TH[sample]), head.full_VH, head.t2d_V)
+    return loss, out
