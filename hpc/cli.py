@@ -49,3 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dspark ... | head`: the reader left, which is not an error
+        sys.stderr.close()
+        return 0

@@ -1,0 +1,226 @@
+"""The dev Slurm cluster end to end: real jobs through submitit 1.5.4, and its error paths.
+
+The cluster tests share one session cluster (`slurm_cluster`); under CI=true a cluster that
+cannot come up fails them instead of skipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import cloudpickle
+import pytest
+import submitit
+from submitit.core.utils import FailedJobError
+
+from hpc.cli import main
+from hpc.errors import UserError
+from hpc.launch import devcluster, devcluster_host
+from hpc.launch.devcluster import DevCluster
+from hpc.launch.devcluster_conf import DevClusterSpec, render_slurm_conf
+from tests.fixtures.slurm import SlurmCluster
+from tests.launch import slurm_jobs
+
+# Jobs unpickle these functions in a fresh interpreter that may not have the repo on its path.
+cloudpickle.register_pickle_by_value(slurm_jobs)
+
+JOB_TIMEOUT_S = 60.0
+R = TypeVar("R")
+
+
+def _executor(cluster: SlurmCluster, folder: Path, **params: Any) -> submitit.AutoExecutor:
+    # tmp_path is on the one host every "node" shares, so it works as submitit's shared folder.
+    executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
+    executor.update_parameters(
+        slurm_partition=cluster.partition, timeout_min=2, cpus_per_task=1, **params
+    )
+    return executor
+
+
+def _wait_until(what: str, check: Callable[[], bool], timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s")
+        time.sleep(0.25)
+
+
+def _result(job: submitit.Job[R]) -> R:
+    # Job.result() blocks forever on a stuck job; bound it so a failure names the job.
+    _wait_until(f"job {job.job_id} done", job.done)
+    return job.result()
+
+
+def _max_overlap(intervals: list[tuple[float, float]]) -> int:
+    # At equal times an end sorts before a start: back-to-back tasks do not overlap.
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+# ---- the cluster itself -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30, func_only=True)
+def test_up_is_idempotent_and_status_reports_idle(
+    slurm_cluster: SlurmCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = DevCluster(slurm_cluster.state_dir, partition=slurm_cluster.partition)
+    start = time.monotonic()
+    assert cluster.up() is False
+    assert time.monotonic() - start < 5
+
+    assert main(["devcluster", "up", "--dir", str(slurm_cluster.state_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "already up" in out
+    assert f"export SLURM_CONF={slurm_cluster.env['SLURM_CONF']}" in out
+
+    assert main(["devcluster", "status", "--dir", str(slurm_cluster.state_dir)]) == 0
+    out = capsys.readouterr().out
+    for name in ["munged", "mariadbd", "slurmdbd", "slurmctld"]:
+        assert re.search(rf"^\s+{name}\s+running, pid \d+$", out, re.M), out
+    for node in slurm_cluster.node_names:
+        assert re.search(rf"^{node} {slurm_cluster.partition}\*? idle ", out, re.M), out
+
+
+# ---- real jobs through submitit ------------------------------------------------------------
+
+
+@pytest.mark.timeout(90, func_only=True)
+def test_array_parallelism_limit_holds(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    limit, count = 2, 4
+    # 3 nodes x 2 CPUs could run all 4 tasks at once: only the array limit holds them back.
+    executor = _executor(slurm_cluster, tmp_path, slurm_array_parallelism=limit)
+    jobs = executor.map_array(slurm_jobs.timed_square, range(count), [3.0] * count)
+    results = [_result(job) for job in jobs]
+
+    assert [r[0] for r in results] == [x * x for x in range(count)]
+    peak = _max_overlap([(start, end) for _, start, end in results])
+    assert peak <= limit, f"{peak} tasks overlapped with slurm_array_parallelism={limit}"
+    # The throttle is Slurm's, not an accident of scheduling: it is in the array spec submitted.
+    scripts = list(tmp_path.rglob("*submission*.sh"))
+    assert any(f"--array=0-{count - 1}%{limit}" in p.read_text() for p in scripts), scripts
+
+
+@pytest.mark.timeout(90, func_only=True)
+def test_two_node_job_gloo_all_reduce(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    executor = _executor(slurm_cluster, tmp_path, nodes=2, tasks_per_node=1)
+    job = executor.submit(slurm_jobs.gloo_all_reduce)
+    _wait_until(f"job {job.job_id} done", job.done)
+    results = sorted(job.results(), key=lambda r: r["rank"])
+
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert all(r["value"] == 3.0 for r in results), results  # (0 + 1) + (1 + 1) on every rank
+    nodes = [r["node"] for r in results]
+    assert len(set(nodes)) == 2 and set(nodes) <= set(slurm_cluster.node_names), nodes
+    assert [r["node_id"] for r in results] == [0, 1]
+    assert all(r["master_addr"] == nodes[0] for r in results)
+
+
+@pytest.mark.timeout(90, func_only=True)
+def test_afterok_child_of_failed_parent_is_cancelled(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    executor = _executor(slurm_cluster, tmp_path)
+    parent = executor.submit(slurm_jobs.fail, "parent fails on purpose")
+    executor.update_parameters(slurm_dependency=f"afterok:{parent.job_id}")
+    marker = tmp_path / "child-ran"
+    child = executor.submit(slurm_jobs.touch, str(marker))
+
+    with pytest.raises(FailedJobError, match="parent fails on purpose"):
+        _result(parent)
+
+    # job.state is cached by submitit's watcher: ask sacct afresh on every poll.
+    def child_state() -> str:
+        return child.get_info(mode="force").get("State", "")
+
+    _wait_until(
+        "child leaves PENDING",
+        lambda: child_state() not in {"", "PENDING", "RUNNING", "UNKNOWN"},
+        timeout_s=30,
+    )
+    assert child_state().startswith("CANCELLED"), child_state()
+    sacct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", child.job_id, "-o", "State,AllocNodes,NodeList"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    # Start is no proof: Slurm may stamp it with the cancel time. No allocation is.
+    state, alloc_nodes, nodelist = sacct.split("|")
+    assert state.startswith("CANCELLED") and alloc_nodes == "0", sacct
+    assert nodelist == "None assigned", sacct
+    assert not marker.exists()
+    assert not child.paths.result_pickle.exists()
+
+
+# ---- error paths (no cluster needed) --------------------------------------------------------
+
+
+def test_missing_binaries_without_root_is_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(devcluster_host.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(devcluster_host.os, "geteuid", lambda: 1000)
+    state = tmp_path / "dc"
+
+    assert main(["devcluster", "up", "--dir", str(state)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: devcluster needs munged")
+    assert "slurmctld" in err[0] and "root on Debian/Ubuntu" in err[0]
+    assert not state.exists()
+
+
+def test_failed_apt_install_is_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 100, "", "E: Unable to locate package slurmd\n")
+
+    monkeypatch.setattr(devcluster_host, "missing_binaries", lambda: ["slurmd"])
+    monkeypatch.setattr(devcluster_host, "can_apt_install", lambda: True)
+    monkeypatch.setattr(devcluster_host, "_no_service_starts", contextlib.nullcontext)
+    monkeypatch.setattr(devcluster_host.subprocess, "run", fake_run)
+
+    with pytest.raises(UserError) as info:
+        devcluster_host.ensure_installed()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "apt-get install" in message and "Unable to locate package slurmd" in message
+    assert ["apt-get", "update"] in calls  # retried after refreshing the package lists
+
+
+def test_up_needs_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devcluster, "ensure_installed", lambda: None)
+    monkeypatch.setattr(devcluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="must run as root"):
+        DevCluster(tmp_path / "dc").up()
+
+
+def test_hosts_entries_added_once(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 node1  # already there")
+    for _ in range(2):
+        devcluster_host.ensure_hosts_entries(["node1", "node2", "node3"], hosts)
+    assert hosts.read_text().splitlines()[-1] == "127.0.0.1 node2 node3"
+    assert hosts.read_text().count("node2") == 1
+
+
+def test_slurm_conf_follows_spec() -> None:
+    text = render_slurm_conf(DevClusterSpec(Path("/x"), partition="gpu", num_nodes=2))
+    assert "PartitionName=gpu Nodes=node1,node2 Default=YES" in text
+    assert "NodeName=node2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002" in text
+    assert "node3" not in text
+    assert "DependencyParameters=kill_invalid_depend" in text
+    assert "AuthInfo=socket=/x/munge/munge.sock,cred_expire=10" in text
+    assert "AccountingStoragePass=/x/munge/munge.sock" in text
