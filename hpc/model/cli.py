@@ -1,0 +1,69 @@
+"""`dspark export CHECKPOINT OUT` and `dspark export --shapes-only CONFIG`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from hpc.errors import UserError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def shapes_only(config: str, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpc.config import resolve
+    from hpc.model.dspark import DSparkArgs
+    from hpc.model.export import shapes_only_inventory
+
+    cfg = resolve(config, overrides, check_tracking=False)
+    rows = shapes_only_inventory(DSparkArgs.from_config(cfg))
+    table = Table(title=f"{cfg.name}: exported tensors (built on the meta device, nothing allocated)")
+    for col in ("tensor", "shape", "dtype", "size"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for name, shape, dtype, nbytes in rows:
+        table.add_row(name, "x".join(map(str, shape)), str(dtype).removeprefix("torch."), _human(nbytes))
+    total = sum(r[3] for r in rows)
+    console = Console(width=120)
+    console.print(table)
+    console.print(f"{len(rows)} tensors, {_human(total)} ({total / 2**30:.2f} GiB), "
+                  f"{sum(math.prod(r[1]) for r in rows) / 1e9:.3f} B elements")
+    return 0
+
+
+def export(checkpoint: str, out: str, n: int | None) -> int:
+    from hpc.model.export import export_draft, load_draft
+
+    src = Path(checkpoint)
+    model = load_draft(src)
+    verifier = json.loads((src / "config.json").read_text()).get("speculators_config", {}).get("verifier", {})
+    export_draft(model, out, verifier.get("name_or_path"), verifier.get("architectures", []), n)
+    print(f"exported {src} -> {out} ({'dflash' if model.args.is_dflash else 'dspark'}, bf16)")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.shapes_only:
+        return shapes_only(args.source, args.rest)
+    if len(args.rest) != 1:
+        raise UserError("usage: dspark export CHECKPOINT OUT  (or --shapes-only CONFIG [KEY=VALUE ...])")
+    return export(args.source, args.rest[0], args.n)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a draft in the format vLLM serves (config.json + model.safetensors)")
+    p.add_argument("source", help="checkpoint directory, or a config with --shapes-only")
+    p.add_argument("rest", nargs="*", help="OUT directory (or KEY=VALUE overrides with --shapes-only)")
+    p.add_argument("--shapes-only", action="store_true", help="print the tensor inventory of a config; allocate nothing")
+    p.add_argument("--n", type=int, default=None, help="speculative tokens to advertise (default: block size)")
+    p.set_defaults(func=run)

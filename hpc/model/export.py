@@ -1,0 +1,164 @@
+"""The checkpoint vLLM serves: `config.json` (speculators format) + one `model.safetensors`.
+
+A DSpark draft exports as `speculators_model_type: dspark` (Qwen3DSparkModel). Its DFlash
+ablation (no Markov, no confidence head, DFlash slot layout) exports as `dflash`
+(DFlashDraftModel), which vLLM on CPU can also decode. Weights are bf16; d2t int64, t2d bool.
+Writes go to a temporary sibling directory renamed into place, so a reader never sees half
+an export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hpc.errors import UserError
+from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.vocab import check_d2t
+
+WEIGHTS = "model.safetensors"
+KEEP_DTYPE = {"d2t": torch.int64, "t2d": torch.bool}
+
+
+def layer_config(a: DSparkArgs, max_position_embeddings: int) -> dict:
+    """A complete Qwen3 config: vLLM fills gaps with its own defaults (rope_theta 1e6)."""
+    return {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "hidden_act": "silu",
+        "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+        "vocab_size": a.target_vocab_size, "max_position_embeddings": max_position_embeddings,
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+
+
+def speculators_config(a: DSparkArgs, verifier: str | None, verifier_arch: list[str], n: int,
+                       max_position_embeddings: int = 32768) -> dict:
+    algo = "dflash" if a.is_dflash else "dspark"
+    out = {
+        "speculators_model_type": algo,
+        "architectures": ["DFlashDraftModel"] if a.is_dflash else ["Qwen3DSparkModel"],
+        "transformer_layer_config": layer_config(a, max_position_embeddings),
+        "draft_vocab_size": a.draft_vocab_size,
+        "target_hidden_size": a.target_hidden_size,
+        "block_size": a.block_size,
+        "aux_hidden_state_layer_ids": list(a.aux_layer_ids),
+        "mask_token_id": a.mask_token_id,
+        # vLLM defaults this to False and speculators to True: never leave it implicit.
+        "sample_from_anchor": a.sample_from_anchor,
+        "torch_dtype": "bfloat16",
+        "speculators_config": {
+            "algorithm": algo,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": n}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_arch)},
+        },
+    }
+    if a.is_dflash:
+        out["dflash_config"] = {"mask_token_id": a.mask_token_id,
+                                "target_layer_ids": [i - 1 for i in a.aux_layer_ids],
+                                "sample_from_anchor": False}
+    else:
+        out.update({"markov_rank": a.markov_rank, "markov_head_type": a.markov_head_type,
+                    "enable_confidence_head": a.enable_confidence_head,
+                    "confidence_head_with_markov": a.confidence_head_with_markov})
+    return out
+
+
+def args_from_export_config(cfg: dict) -> DSparkArgs:
+    t = cfg["transformer_layer_config"]
+    algo = cfg.get("speculators_model_type")
+    if algo not in ("dspark", "dflash"):
+        raise UserError(f"config.json has speculators_model_type={algo!r}; expected dspark or dflash")
+    dflash = algo == "dflash"
+    return DSparkArgs(
+        hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
+        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"], intermediate_size=t["intermediate_size"], rope_theta=t["rope_theta"],
+        rms_norm_eps=t["rms_norm_eps"], block_size=cfg["block_size"], draft_vocab_size=cfg["draft_vocab_size"],
+        mask_token_id=cfg["mask_token_id"], sample_from_anchor=bool(cfg.get("sample_from_anchor", not dflash)),
+        markov_rank=0 if dflash else cfg["markov_rank"], markov_head_type=cfg.get("markov_head_type", "vanilla"),
+        enable_confidence_head=False if dflash else cfg.get("enable_confidence_head", False),
+        confidence_head_with_markov=cfg.get("confidence_head_with_markov", True),
+        target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], target_vocab_size=t["vocab_size"],
+        aux_layer_ids=list(cfg["aux_hidden_state_layer_ids"]),
+    )
+
+
+def export_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to(KEEP_DTYPE.get(name, torch.bfloat16)).contiguous().cpu()
+            for name, t in model.state_dict().items()}
+
+
+def atomic_dir(out: Path):
+    """Context manager: a temp dir next to `out`, renamed over it on success."""
+    class _Atomic:
+        def __enter__(self_inner) -> Path:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self_inner.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            return self_inner.tmp
+
+        def __exit__(self_inner, exc_type, *_):
+            if exc_type is not None:
+                shutil.rmtree(self_inner.tmp, ignore_errors=True)
+                return False
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            if out.exists():
+                out.rename(old)
+            self_inner.tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+            return False
+    return _Atomic()
+
+
+def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = None,
+                 verifier_arch: list[str] | None = None, n: int | None = None) -> Path:
+    out = Path(out)
+    a = model.args
+    if a.is_dflash and a.sample_from_anchor:
+        raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
+    check_d2t(model.d2t, a.target_vocab_size)
+    cfg = speculators_config(a, verifier, verifier_arch or [], n or (a.block_size - (0 if a.sample_from_anchor else 1)))
+    with atomic_dir(out) as tmp:
+        save_file(export_tensors(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> DSparkDraft:
+    """An export (or a checkpoint in the same layout) back into a model, shapes checked by name."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / WEIGHTS
+    if not cfg_file.is_file() or not weights.is_file():
+        raise UserError(f"{path} is not a draft export: it needs config.json and {WEIGHTS}")
+    model = DSparkDraft(args_from_export_config(json.loads(cfg_file.read_text())))
+    tensors = load_file(str(weights))
+    expected = model.state_dict()
+    problems = [f"{k}: missing from {weights.name}" for k in expected if k not in tensors]
+    problems += [f"{k}: unexpected tensor (not in the config's model)" for k in tensors if k not in expected]
+    problems += [f"{k}: shape {tuple(tensors[k].shape)} in the file, config says {tuple(v.shape)}"
+                 for k, v in expected.items() if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        raise UserError(f"{path} does not match its config.json: " + "; ".join(problems[:5]))
+    check_d2t(tensors["d2t"].long(), model.args.target_vocab_size)
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
+    return model.to(device=device, dtype=dtype) if dtype != torch.float32 or device != "cpu" else model
+
+
+def shapes_only_inventory(args: DSparkArgs) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    """(name, shape, export dtype, bytes) for every exported tensor, built on the meta device."""
+    with torch.device("meta"):
+        model = DSparkDraft(args)
+    rows = []
+    for name, t in model.state_dict().items():
+        dtype = KEEP_DTYPE.get(name, torch.bfloat16)
+        rows.append((name, tuple(t.shape), dtype, t.numel() * torch.empty((), dtype=dtype).element_size()))
+    return rows

@@ -1,0 +1,105 @@
+"""Export in the format vLLM serves, and back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hpc.errors import UserError
+from hpc.model.dspark import DSparkArgs
+from hpc.model.export import export_draft, load_draft, shapes_only_inventory
+from tests.model.test_dspark import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DSPARK_KEYS = {
+    "speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size", "block_size",
+    "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type",
+    "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size", "speculators_config",
+}
+
+
+def test_dspark_export_round_trips_bit_exact(tmp_path):
+    model = tiny_model()
+    out = export_draft(model, tmp_path / "draft", verifier="/models/toy", verifier_arch=["Qwen3ForCausalLM"], n=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert DSPARK_KEYS <= set(cfg)
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["Qwen3DSparkModel"]
+    assert cfg["sample_from_anchor"] is True
+    layer = cfg["transformer_layer_config"]
+    assert layer["vocab_size"] == model.args.target_vocab_size and layer["rope_theta"] == model.args.rope_theta
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "dspark" and sc["verifier"]["name_or_path"] == "/models/toy"
+    assert sc["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 4}
+
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("model.") for k in tensors)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+
+    back = load_draft(out)
+    for name, ref in model.state_dict().items():
+        want = ref if name in ("d2t", "t2d") else ref.to(torch.bfloat16).float()
+        assert torch.equal(back.state_dict()[name], want), name
+    # Re-exporting the import is byte-identical: nothing is lost on the way back.
+    again = export_draft(back, tmp_path / "again", verifier="/models/toy", verifier_arch=["Qwen3ForCausalLM"], n=4)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_dflash_ablation_exports_as_dflash(tmp_path):
+    model = tiny_model(markov_rank=0, enable_confidence_head=False, sample_from_anchor=False)
+    cfg = json.loads((export_draft(model, tmp_path / "d") / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == model.args.block_size - 1
+    assert not any("markov" in k or "confidence" in k for k in load_file(str(tmp_path / "d" / "model.safetensors")))
+    with pytest.raises(UserError, match="sample_from_anchor=false"):
+        export_draft(tiny_model(markov_rank=0, enable_confidence_head=False), tmp_path / "bad")
+
+
+def test_mismatched_checkpoint_names_tensor_and_shapes(tmp_path):
+    out = export_draft(tiny_model(), tmp_path / "draft")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :10].contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match=r"fc.weight: shape \(32, 10\) in the file, config says \(32, 96\)"):
+        load_draft(out)
+
+
+def test_d2t_outside_target_vocab_is_rejected(tmp_path):
+    out = export_draft(tiny_model(), tmp_path / "draft")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + 1000
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match="outside the target vocab"):
+        load_draft(out)
+
+
+def test_kimi_inventory_is_the_published_44_tensors_6_3_gb():
+    from hpc.config import resolve
+
+    cfg = resolve(ROOT / "configs" / "kimi-k2.6-dspark.yaml", check_tracking=False)
+    rows = shapes_only_inventory(DSparkArgs.from_config(cfg))
+    assert len(rows) == 44
+    total = sum(r[3] for r in rows)
+    assert 6.25e9 < total < 6.35e9
+    assert dict((r[0], r[1]) for r in rows)["markov_head.markov_w1.weight"] == (163840, 256)
+
+
+def test_cli_export_and_shapes_only(tmp_path):
+    ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
+    run = subprocess.run([sys.executable, "-m", "hpc", "export", str(ckpt), str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    shapes = subprocess.run([sys.executable, "-m", "hpc", "export", "--shapes-only",
+                             "configs/kimi-k2.6-dspark.yaml"], capture_output=True, text=True, cwd=ROOT)
+    assert shapes.returncode == 0 and "44 tensors, 6.30 GB" in shapes.stdout
+    missing = subprocess.run([sys.executable, "-m", "hpc", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "not a draft export" in missing.stderr and "Traceback" not in missing.stderr
