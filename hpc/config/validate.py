@@ -161,6 +161,10 @@ def _check_draft(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
     if d.num_key_value_heads > 0 and d.num_attention_heads % d.num_key_value_heads:
         c.fail("draft.num_key_value_heads", d.num_key_value_heads,
                f"must divide draft.num_attention_heads={d.num_attention_heads} (grouped-query attention)")
+    if d.hidden_size != shape.hidden_size:
+        c.fail("draft.hidden_size", d.hidden_size,
+               f"must equal the target hidden size {shape.hidden_size}: the draft embeds tokens with the "
+               "target's embed_tokens")
     if d.head_dim % 2:
         c.fail("draft.head_dim", d.head_dim, "must be even for rotary embeddings")
     if not 0 <= d.mask_token_id < shape.vocab_size:

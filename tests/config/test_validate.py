@@ -91,6 +91,8 @@ BAD_CASES = {
     "missing vllm interpreter": (["verifier.python=/nope/bin/python"], "verifier.python"),
     "seq len over model len": (["data.max_seq_len=40000"], "data.max_seq_len"),
     "malformed override": (["train.lr"], "expected KEY=VALUE"),
+    "draft hidden differs from target": (["draft.hidden_size=4096", "draft.num_attention_heads=32"],
+                                         "draft.hidden_size"),
 }
 
 
