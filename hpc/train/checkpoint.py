@@ -1,0 +1,147 @@
+"""Training checkpoints: everything needed to resume bit-exactly, with no pickle anywhere.
+
+Layout of `step_00001234/` (written as a hidden temp dir, renamed when complete):
+- `model.safetensors` + `config.json`: the draft in the export layout (fp32), so
+  `dspark export` reads a checkpoint directly;
+- `optimizer.safetensors` + `optimizer.json`: optimizer tensors and hyper-parameters;
+- `state.json`: step, epoch, data ledger, python RNG state;
+- `rank{r}.safetensors`: each rank's torch RNG states (CPU, CUDA, the anchor generator).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    # Sample ids trained in the current epoch: a restart skips them, so no sample is seen twice.
+    ledger: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    for name, value in meta["scalars"].items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_tensors(generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch_cuda_{i}"] = s
+    if generator is not None:
+        out["anchor_generator"] = generator.get_state()
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], generator: torch.Generator | None) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    if generator is not None and "anchor_generator" in tensors:
+        generator.set_state(tensors["anchor_generator"])
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(Path(root))
+    return found[-1] if found else None
+
+
+def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dict, opt: torch.optim.Optimizer,
+                    state: TrainState, generator: torch.Generator | None, keep: int) -> Path:
+    """Collective: every rank writes its RNG file; rank 0 writes the rest and renames."""
+    root = Path(root)
+    final = root / f"step_{state.step:08d}"
+    tmp = root / f".step_{state.step:08d}.tmp"
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    save_file(rng_tensors(generator), str(tmp / f"rank{rank}.safetensors"))
+    if rank == 0:
+        weights = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
+                   for k, v in model.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(export_config, indent=2) + "\n")
+        opt_t, opt_meta = optimizer_tensors(opt)
+        save_file(opt_t, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+        py_state = random.getstate()
+        (tmp / "state.json").write_text(json.dumps({**asdict(state), "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}))
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                    generator: torch.Generator | None) -> TrainState:
+    path = Path(path)
+    weights = load_file(str(path / "model.safetensors"))
+    ref = model.state_dict()
+    model.load_state_dict({k: v.to(ref[k].dtype) for k, v in weights.items()})
+    if opt is not None:
+        restore_optimizer(opt, load_file(str(path / "optimizer.safetensors")),
+                          json.loads((path / "optimizer.json").read_text()))
+    raw = json.loads((path / "state.json").read_text())
+    py = raw.pop("python_rng")
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    rank_file = path / f"rank{_rank()}.safetensors"
+    if rank_file.exists():
+        restore_rng(load_file(str(rank_file)), generator)
+    return TrainState(**raw)

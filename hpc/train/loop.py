@@ -1,0 +1,193 @@
+"""The trainer: DDP over trainer ranks, gradient accumulation, warmup + cosine LR, atomic
+checkpoints with exact resume, and a clean stop on SIGUSR2/SIGTERM.
+
+Each optimizer step consumes `global_batch_size` samples: every rank runs `grad_accumulation`
+micro-steps of `global / (ranks * accumulation)` samples packed into one row. The ledger of
+consumed sample ids is identical on every rank (gathered each micro-step), so a checkpoint
+from rank 0 tells any restart exactly which samples of the epoch are done.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc.model.dspark import DSparkDraft
+from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
+from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from hpc.train.schedule import lr_factor
+from hpc.verifier.hf_backend import Capture
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: the launcher reads it as "checkpointed, requeue me"
+
+
+class RequeueRequested(Exception):
+    """Raised after the checkpoint that a preemption/termination signal asked for."""
+
+
+@dataclass
+class MicroBatch:
+    mine: list[Capture]  # this rank's samples
+    consumed_ids: list[int]  # every rank's sample ids of this micro-step, in order
+    epoch: int
+
+
+def pack(captures: list[Capture]) -> PackedRow:
+    """Concatenate samples into one row; document ids keep blocks from seeing a neighbour."""
+    docs = [torch.full((c.input_ids_T.numel(),), i, dtype=torch.long) for i, c in enumerate(captures)]
+    return PackedRow(
+        torch.cat([c.input_ids_T for c in captures]), torch.cat([c.loss_mask_T for c in captures]),
+        torch.cat([c.aux_TnH for c in captures]), torch.cat([c.last_hidden_TH for c in captures]),
+        torch.cat(docs), torch.cat([torch.arange(c.input_ids_T.numel()) for c in captures]),
+    )
+
+
+class DraftLoss(nn.Module):
+    """The draft plus its objective as one forward, so DDP's gradient hooks see the whole step."""
+
+    def __init__(self, model: DSparkDraft):
+        super().__init__()
+        self.model = model
+
+    def forward(self, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+                generator: torch.Generator, attention: str):
+        return dspark_loss(self.model, row, head, weights, max_anchors, generator, attention)
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Trainer:
+    def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
+                 device: str = "cpu", autocast_dtype: torch.dtype | None = None):
+        self.cfg = train_cfg
+        self.rank, self.world = _dist()
+        self.model = model.to(device)
+        self.head = head.to(device)
+        self.device = torch.device(device)
+        # Buffers (d2t/t2d) are identical everywhere and never change: do not re-broadcast them.
+        wrapped = DraftLoss(self.model)
+        self.ddp = DDP(wrapped, broadcast_buffers=False) if self.world > 1 else wrapped
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        self.generator = torch.Generator().manual_seed(train_cfg.seed * 1009 + self.rank)
+        self.weights = LossWeights.from_config(train_cfg.loss)
+        self.export_config = export_config
+        self.ckpt_dir = Path(out_dir) / "checkpoints"
+        self.state = TrainState()
+        self.autocast_dtype = autocast_dtype
+        self.stop_requested = False
+
+    # -- resume / checkpoint -----------------------------------------------------------------
+    def resume(self, path: str | Path | None = None) -> bool:
+        path = path or latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return False
+        self.state = load_checkpoint(path, self.model, self.opt, self.generator)
+        return True
+
+    def checkpoint(self) -> Path:
+        return save_checkpoint(self.ckpt_dir, self.model, self.export_config, self.opt, self.state, self.generator,
+                               self.cfg.keep_checkpoints)
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    @property
+    def micro_batch_size(self) -> int:
+        return self.cfg.global_batch_size // (self.world * self.cfg.grad_accumulation)
+
+    def _micro_loss(self, captures: list[Capture]) -> tuple[torch.Tensor, dict]:
+        row = pack(captures)
+        row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
+                                                      row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))
+        enabled = self.autocast_dtype is not None and self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
+            return self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.cfg.attention)
+
+    def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        cfg = self.cfg
+        lr = cfg.lr * lr_factor(self.state.step, cfg.warmup_steps, cfg.steps, cfg.schedule.value, cfg.min_lr_ratio)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        totals: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
+            with sync:
+                loss, metrics = self._micro_loss(mb.mine)
+                (loss / len(micro_batches)).backward()
+            for k, v in metrics.items():
+                if v.numel() == 1:
+                    totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+            if mb.epoch != self.state.epoch:  # a new epoch: every sample is due again
+                self.state.ledger, self.state.epoch = [], mb.epoch
+            self.state.ledger.extend(mb.consumed_ids)
+            self.state.samples_seen += len(mb.consumed_ids)
+        if cfg.grad_clip > 0:
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.state.step += 1
+        totals = self._mean_over_ranks(totals)
+        totals["lr"] = lr
+        self.state.losses.append(totals.get("loss", float("nan")))
+        return totals
+
+    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1 or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world for k, v in zip(keys, t)}
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _install_signals(self) -> dict:
+        """Slurm sends USR2 (--signal=USR2@90) before preemption and TERM on cancel/timeout."""
+        def request_stop(signum, _frame):
+            self.stop_requested = True
+        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGUSR2, signal.SIGTERM)}
+
+    def _agreed_stop(self) -> bool:
+        if self.world == 1:
+            return self.stop_requested
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self, batches: Iterator[MicroBatch], on_step: Callable[[int, dict], None] | None = None,
+            max_steps: int | None = None) -> TrainState:
+        previous = self._install_signals()
+        try:
+            return self._run(batches, on_step, max_steps)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run(self, batches: Iterator[MicroBatch], on_step, max_steps: int | None) -> TrainState:
+        end = min(self.cfg.steps, max_steps) if max_steps is not None else self.cfg.steps
+        while self.state.step < end:
+            try:
+                micro = [next(batches) for _ in range(self.cfg.grad_accumulation)]
+            except StopIteration:
+                break
+            metrics = self.step(micro)
+            if on_step is not None:
+                on_step(self.state.step, metrics)
+            stop = self._agreed_stop()
+            if stop or self.state.step % self.cfg.checkpoint_interval == 0 or self.state.step == end:
+                self.checkpoint()
+            if stop:
+                raise RequeueRequested(f"checkpointed at step {self.state.step}; requeue to continue")
+        return self.state
