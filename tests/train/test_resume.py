@@ -110,3 +110,20 @@ def test_signal_checkpoints_and_asks_for_requeue(target_dir, tmp_path):
     with pytest.raises(RequeueRequested, match="step 3"):
         trainer.run(batches, on_step=on_step)
     assert [p.name for p in list_checkpoints(trainer.ckpt_dir)] == ["step_00000003"]
+
+
+def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from hpc.track.server import free_port
+    from tests.train import ddp_worker
+
+    mp.start_processes(ddp_worker.main, args=(2, free_port(), str(target_dir), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 4  # all-reduced metrics
+    assert r0["digest"] == r1["digest"]  # same weights on both replicas
+    assert r0["ledger"] == r1["ledger"] and len(set(r0["ledger"])) == 16  # 4 steps x 4 samples, none twice
+    assert len(list((tmp_path / "checkpoints").glob("step_*/rank1.safetensors"))) == 1
