@@ -4,4 +4,6 @@ pytest_plugins = [
     "tests.fixtures.infra",
     "tests.fixtures.slurm",
     "tests.fixtures.mlflow",
+    "tests.fixtures.toy",
+    "tests.fixtures.vllm",
 ]

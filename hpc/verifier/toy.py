@@ -1,0 +1,261 @@
+"""Toy verifier targets: tiny HF models that vLLM can serve, built offline and deterministically.
+
+The real targets (Kimi-K2.x) need a GPU node; every stage of the pipeline is instead exercised on
+CPU against toys that keep the same *interfaces*: an HF directory with safetensors weights, a
+byte-level BPE tokenizer with a chat template and a reserved mask token, and either a dense Qwen3
+(outputs match HF exactly in vLLM) or a DeepseekV3 (MLA + MoE, Kimi's architecture).
+
+The corpus is Python standard-library source, present on every machine. Builds are cached under
+a hash of everything that affects the result, so a second call returns at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.errors import UserError
+
+ARCHS = ("qwen3", "deepseek_v3")
+
+# Kimi-style chat markers, so chat-template code written against the toy also fits the real target.
+PAD, SYSTEM, USER, ASSISTANT, MIDDLE, END, MASK = (
+    "<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<|mask|>",
+)
+SPECIAL_TOKENS = [PAD, SYSTEM, USER, ASSISTANT, MIDDLE, END, MASK]
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# A fixed, sorted list of long-lived stdlib modules (present from 3.8 to 3.13); missing ones are
+# skipped, and the cache key holds the files' contents, so another Python simply builds anew.
+CORPUS_MODULES = sorted([
+    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "codecs.py", "collections/__init__.py",
+    "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py", "difflib.py",
+    "enum.py", "fnmatch.py", "fractions.py", "functools.py", "gettext.py", "glob.py", "gzip.py", "heapq.py",
+    "inspect.py", "ipaddress.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py", "operator.py",
+    "os.py", "pathlib.py", "pprint.py", "queue.py", "random.py", "shlex.py", "shutil.py", "statistics.py",
+    "string.py", "subprocess.py", "tarfile.py", "textwrap.py", "threading.py", "tokenize.py", "typing.py",
+    "uuid.py", "warnings.py",
+])
+
+# Versions whose changes alter the built files (tokenizer format, weight layout, numerics).
+KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+READY = ".toy-ready"
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    """Everything that determines a toy build; its hash names the cache entry."""
+
+    arch: str = "qwen3"
+    seed: int = 0
+    steps: int = 300
+    vocab_size: int = 3072
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    # DeepseekV3 only. vLLM's CPU MLA path needs kv_lora_rank=512 and qk_rope_head_dim=64.
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    n_routed_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 96
+    first_k_dense_replace: int = 1
+    # Training.
+    seq_len: int = 128
+    batch_size: int = 8
+    lr: float = 3e-3
+    chat_fraction: float = 0.25  # share of windows wrapped as a user/assistant turn
+    corpus_limit: int = 0  # first N corpus files only (0: all); keeps tiny test builds quick
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise UserError(f"toy arch {self.arch!r} unknown; choose one of {', '.join(ARCHS)}")
+
+    @classmethod
+    def preset(cls, arch: str, seed: int = 0, steps: int | None = None) -> "ToyConfig":
+        """The default build per arch; the DeepseekV3 toy only needs non-random hidden states."""
+        default_steps = {"qwen3": 300, "deepseek_v3": 60}[arch] if arch in ARCHS else 0
+        cfg = cls(arch=arch, seed=seed, steps=default_steps if steps is None else steps)
+        if arch == "deepseek_v3":
+            cfg = dataclasses.replace(cfg, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)
+        return cfg
+
+    @classmethod
+    def tiny(cls, arch: str = "qwen3", seed: int = 0, steps: int = 4) -> "ToyConfig":
+        """A seconds-long build for tests of the build itself (determinism, caching)."""
+        return dataclasses.replace(
+            cls.preset(arch, seed, steps), vocab_size=512, hidden_size=64, num_layers=2,
+            intermediate_size=128, seq_len=32, batch_size=2, corpus_limit=6,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus and tokenizer
+
+
+def corpus_files(limit: int = 0) -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in CORPUS_MODULES if (stdlib / name).is_file()]
+    if len(files) < 10:
+        raise UserError(f"toy corpus: only {len(files)} stdlib sources found under {stdlib}")
+    return files[:limit] if limit > 0 else files
+
+
+def read_corpus(files: list[Path]) -> list[str]:
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (any byte string encodes) with the chat markers and mask token reserved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token=END, pad_token=PAD, mask_token=MASK,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, MIDDLE], model_max_length=4096,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def make_model(cfg: ToyConfig, tok):
+    """A freshly initialised HF model for cfg; the caller seeds torch first."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, dtype="float32",
+    )
+    if cfg.arch == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=cfg.head_dim)
+        return transformers.Qwen3ForCausalLM(config)
+    config = transformers.DeepseekV3Config(
+        **common, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
+        n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        n_shared_experts=1, moe_intermediate_size=cfg.moe_intermediate_size,
+        first_k_dense_replace=cfg.first_k_dense_replace, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, num_nextn_predict_layers=0,
+        # vLLM's DeepseekV3 reads these (Kimi/DeepSeek-V3 routing); HF keeps them as plain attributes.
+        topk_method="noaux_tc", scoring_func="sigmoid",
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache and build
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE") or "~/.cache/dspark").expanduser()
+
+
+def build_key(cfg: ToyConfig, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    for pkg in KEY_PACKAGES:
+        h.update(f"{pkg}=={importlib.metadata.version(pkg)}".encode())
+    for f in files:
+        h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def _build_into(cfg: ToyConfig, files: list[Path], out: Path, progress: bool) -> dict:
+    import torch
+
+    from hpc.verifier.toy_train import greedy_sample, train
+
+    texts = read_corpus(files)
+    tok = train_tokenizer(texts, cfg.vocab_size)
+    torch.manual_seed(cfg.seed)
+    model = make_model(cfg, tok)
+    loss = train(model, tok, texts, cfg, progress=progress)
+    model.eval()
+    sample = greedy_sample(model, tok, "def ", max_new_tokens=32)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    info = {
+        "config": dataclasses.asdict(cfg), "final_loss": loss, "greedy_sample": sample,
+        "corpus": [f.name for f in files], "vocab_size": len(tok), "mask_token_id": tok.mask_token_id,
+    }
+    (out / "toy_build.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def build_toy_target(
+    out_dir: str | Path | None = None,
+    arch: str = "qwen3",
+    seed: int = 0,
+    *,
+    steps: int | None = None,
+    config: ToyConfig | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+) -> Path:
+    """Build (or fetch from the cache) a toy HF target; return its directory.
+
+    With ``out_dir`` the cached directory is copied there and ``out_dir`` is returned;
+    otherwise the cache path itself is returned (treat it as read-only).
+    """
+    cfg = config or ToyConfig.preset(arch, seed, steps)
+    files = corpus_files(cfg.corpus_limit)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    entry = root / "toy" / f"{cfg.arch}-{build_key(cfg, files)}"
+    if not (entry / READY).is_file():
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # Parallel test sessions or jobs build one entry once; the others wait and reuse it.
+        with open(entry.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (entry / READY).is_file():
+                tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                _build_into(cfg, files, tmp, progress)
+                (tmp / READY).write_text("")
+                shutil.rmtree(entry, ignore_errors=True)
+                tmp.rename(entry)
+    if out_dir is None:
+        return entry
+    out = Path(out_dir)
+    shutil.copytree(entry, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(READY))
+    return out
+
+
+def build_info(model_dir: str | Path) -> dict:
+    """What a toy build recorded: config, final loss, greedy sample, corpus."""
+    return json.loads((Path(model_dir) / "toy_build.json").read_text())

@@ -1,0 +1,43 @@
+"""`dspark toy-target`: build the CPU toy targets (see hpc/verifier/toy.py)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from hpc.verifier.toy import ARCHS
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "toy-target",
+        help="build tiny offline HF targets (Qwen3, DeepseekV3) that vLLM can serve on CPU",
+        description="Build deterministic toy targets from Python stdlib source. Cached by build config: "
+        "a second call returns at once. With --arch all, OUT receives one directory per arch.",
+    )
+    p.add_argument("out", nargs="?", type=Path, help="copy the build here (default: print the cache path)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=[*ARCHS, "all"], default="all")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: per-arch preset)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $DSPARK_CACHE or ~/.cache/dspark")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.verifier.toy import build_info, build_toy_target
+
+    archs = list(ARCHS) if args.arch == "all" else [args.arch]
+    for arch in archs:
+        out = None
+        if args.out is not None:
+            out = args.out / arch if len(archs) > 1 else args.out
+        t0 = time.perf_counter()
+        path = build_toy_target(
+            out, arch=arch, seed=args.seed, steps=args.steps, cache_dir=args.cache_dir, progress=True
+        )
+        info = build_info(path)
+        print(f"{arch}: {path}  ({time.perf_counter() - t0:.1f}s)")
+        print(f"  final loss {info['final_loss']:.3f}, vocab {info['vocab_size']}, mask id {info['mask_token_id']}")
+        print(f"  greedy: {info['greedy_sample']!r}")
+    return 0

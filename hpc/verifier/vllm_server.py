@@ -1,0 +1,147 @@
+"""An OpenAI-compatible vLLM server in a subprocess, driven from another interpreter.
+
+The server runs from the vLLM venv (see vllm_env.py) in its own process group, so stopping it
+also stops the engine-core processes it forks. Readiness is `/health` answering 200; a server
+that never gets there raises UserError with the tail of its log, which is where the cause is.
+
+    with start_vllm_server(python, model_dir) as server:
+        requests.post(f"{server.url}/v1/completions", json={...})
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.errors import UserError
+
+# CPU-safe defaults: vLLM sees ~10 GiB on a small host and refuses its default 0.92 utilisation;
+# cudagraph capture does not apply on CPU.
+DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.5"]
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class VLLMServer:
+    proc: subprocess.Popen
+    host: str
+    port: int
+    model: str
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                self.stop()
+                raise UserError(
+                    f"vLLM server for {self.model} exited with code {self.proc.returncode} before it was "
+                    f"healthy; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise UserError(
+                    f"vLLM server for {self.model} not healthy after {timeout:.0f}s; "
+                    f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # The leader may be gone while forked workers in its group still hold memory.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_vllm_server(
+    python: str | Path,
+    model: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    log_path: str | Path | None = None,
+    timeout: float = 300.0,
+    wait: bool = True,
+) -> VLLMServer:
+    """Start `vllm.entrypoints.openai.api_server` (``vllm serve`` fails for vllm-cpu) and wait for it."""
+    port = port or free_port(host)
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="dspark-vllm-")) / "server.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", host, "--port", str(port), *DEFAULT_ARGS, *extra_args,
+    ]
+    # The caller's venv must not leak into vLLM's interpreter; PYTHONPATH stays (our own
+    # plugins, e.g. a KV connector module, are imported from it).
+    full_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    full_env.update({**DEFAULT_ENV, **(env or {})})
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, start_new_session=True,
+        )
+    server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path)
+    if wait:
+        server.wait_healthy(timeout)
+    return server

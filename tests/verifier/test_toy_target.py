@@ -1,0 +1,121 @@
+"""The toy targets: deterministic, cached, with a usable tokenizer and a non-degenerate model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from hpc.verifier import toy, toy_train
+from hpc.verifier.toy import MASK, ToyConfig, build_info, build_toy_target
+
+pytestmark = pytest.mark.slow  # builds models (tiny ones in seconds; the session toys ~2 min cold)
+
+
+def _tensors(path: Path) -> dict:
+    return load_file(path / "model.safetensors")
+
+
+def test_same_seed_gives_identical_build(tmp_path):
+    a = build_toy_target(config=ToyConfig.tiny(seed=3), cache_dir=tmp_path / "a")
+    b = build_toy_target(config=ToyConfig.tiny(seed=3), cache_dir=tmp_path / "b")
+    c = build_toy_target(config=ToyConfig.tiny(seed=4), cache_dir=tmp_path / "c")
+    assert a.name == b.name  # same cache key
+    ta, tb, tc = _tensors(a), _tensors(b), _tensors(c)
+    assert ta.keys() == tb.keys()
+    assert all(ta[k].equal(tb[k]) for k in ta), "same seed must give bit-identical weights"
+    assert not all(ta[k].equal(tc[k]) for k in ta), "another seed must change the weights"
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    assert build_info(a)["final_loss"] == build_info(b)["final_loss"]
+    assert not list(a.parent.glob("*.tmp*")), "no half-built entry left behind"
+
+
+def test_cache_hit_returns_without_rebuilding(tmp_path, monkeypatch):
+    cfg = ToyConfig.tiny(seed=1)
+    first = build_toy_target(config=cfg, cache_dir=tmp_path)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("cache hit rebuilt the toy target")
+
+    monkeypatch.setattr(toy, "_build_into", must_not_run)
+    t0 = time.perf_counter()
+    again = build_toy_target(config=cfg, cache_dir=tmp_path)
+    assert again == first
+    assert time.perf_counter() - t0 < 2.0
+    copied = build_toy_target(tmp_path / "out", config=cfg, cache_dir=tmp_path)
+    assert copied == tmp_path / "out" and (copied / "model.safetensors").is_file()
+    assert not (copied / toy.READY).exists()
+
+
+def test_only_safetensors_are_written(toy_target):
+    names = {p.name for p in toy_target.iterdir()}
+    assert "model.safetensors" in names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
+
+
+def test_mask_token_is_reserved(toy_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_target)
+    config = json.loads((toy_target / "config.json").read_text())
+    assert tok.mask_token == MASK
+    assert 0 <= tok.mask_token_id < config["vocab_size"]
+    assert tok(MASK, add_special_tokens=False)["input_ids"] == [tok.mask_token_id]
+    # Ordinary text (even text that spells the marker's pieces) never produces the mask id.
+    text = toy.corpus_files()[0].read_text()[:20000] + " <|mask |> mask <| |>"
+    assert tok.mask_token_id not in tok(text, add_special_tokens=False)["input_ids"]
+    assert len(tok) == config["vocab_size"]
+
+
+def test_chat_template_renders(toy_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_target)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    full = tok.apply_chat_template(conv, tokenize=False)
+    prompt = tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
+    assert full == "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>hello<|im_end|>"
+    assert full.startswith(prompt) and prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
+    assert tok.eos_token == "<|im_end|>"
+    gen = json.loads((toy_target / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_token_id
+    ids = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.convert_tokens_to_ids("<|im_assistant|>") in ids
+
+
+@pytest.fixture(scope="module")
+def hf_toy(toy_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(toy_target), AutoModelForCausalLM.from_pretrained(toy_target).eval()
+
+
+@pytest.mark.parametrize("prompt", ["class Foo:\n    def __init__(self", "import os\n\ndef "])
+def test_greedy_output_is_not_degenerate(hf_toy, toy_target, prompt):
+    tok, model = hf_toy
+    out = toy_train.greedy_ids(model, tok(prompt)["input_ids"], 32)
+    counts = Counter(out)
+    assert len(counts) >= 6, tok.decode(out)
+    assert counts.most_common(1)[0][1] <= 16, tok.decode(out)
+    assert build_info(toy_target)["final_loss"] < 5.5
+
+
+def test_cli_copies_cached_build(toy_target, tmp_path, capsys):
+    from hpc.cli import main
+
+    assert main(["toy-target", str(tmp_path / "out"), "--arch", "qwen3"]) == 0
+    printed = capsys.readouterr().out
+    assert "final loss" in printed and "greedy:" in printed
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (toy_target / "model.safetensors").read_bytes()
+
+
+def test_deepseek_toy_has_the_shape_vllm_needs(toy_deepseek):
+    config = json.loads((toy_deepseek / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
+    assert config["num_hidden_layers"] > config["first_k_dense_replace"], "needs at least one MoE layer"

@@ -1,0 +1,108 @@
+"""vLLM on CPU against the toy targets: same greedy tokens as HF, DeepseekV3 loads, clear failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+import requests
+
+from hpc.errors import UserError
+from hpc.verifier.toy_train import greedy_ids
+from hpc.verifier.vllm_env import MARKER, ensure_vllm_venv
+from hpc.verifier.vllm_server import DEFAULT_ENV, start_vllm_server
+
+PROMPTS = [
+    "def ",
+    "class Foo:\n    def __init__(self",
+    "import os\nimport sys\n\n",
+    "<|im_user|>user<|im_middle|>def parse(text):<|im_end|><|im_assistant|>assistant<|im_middle|>",
+]
+NEW_TOKENS = 24
+
+
+def test_missing_torch_wheel_fails_early_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_WHEEL_DIR", str(tmp_path / "wheels"))
+    with pytest.raises(UserError) as err:
+        ensure_vllm_venv(tmp_path / "venv")
+    assert "torch 2.13.0+cpu" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "venv").exists()
+
+
+def test_ready_venv_is_reused_without_pip(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (venv / MARKER).write_text("")
+    monkeypatch.setenv("DSPARK_WHEEL_DIR", str(tmp_path / "none"))  # a rebuild would fail loudly
+    assert ensure_vllm_venv(venv) == venv / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_vllm_greedy_matches_hf(vllm_server, toy_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_target)
+    model = AutoModelForCausalLM.from_pretrained(toy_target).eval()
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    resp = requests.post(
+        f"{vllm_server.url}/v1/completions",
+        json={
+            "model": str(toy_target), "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+        },
+        timeout=120,
+    )
+    resp.raise_for_status()
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    for prompt, ids, choice in zip(PROMPTS, prompts, choices):
+        expected = greedy_ids(model, ids, NEW_TOKENS)
+        assert choice["token_ids"] == expected, f"prompt {prompt!r}: vLLM {choice['text']!r}"
+
+
+@pytest.mark.slow
+def test_vllm_runs_the_deepseek_toy(vllm_python, toy_deepseek):
+    # Offline engine in-process: ~10x quicker to start than a second server, same model loader.
+    script = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(toy_deepseek)!r}, dtype="float32", enforce_eager=True,
+                  gpu_memory_utilization=0.5, max_model_len=512)
+        out = llm.generate([{{"prompt_token_ids": [10, 20, 30, 40]}}],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        print("RESULT", json.dumps(list(out[0].outputs[0].token_ids)))
+    """)
+    env = {**os.environ, **DEFAULT_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [str(vllm_python), "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    ids = json.loads(result.split(" ", 1)[1])
+    assert len(ids) == 8 and all(isinstance(i, int) for i in ids), tail
+
+
+@pytest.mark.slow
+def test_server_that_never_gets_healthy_raises_with_log(vllm_python, tmp_path):
+    log = tmp_path / "server.log"
+    server = start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, wait=False)
+    with pytest.raises(UserError) as err:
+        server.wait_healthy(timeout=3)
+    message = str(err.value)
+    assert "not healthy after 3s" in message and str(log) in message
+    assert "vllm.entrypoints.openai.api_server" in message  # the log's lines are shown
+    assert server.proc.poll() is not None, "the server must be stopped"
+
+
+@pytest.mark.slow
+def test_server_that_exits_raises_with_its_error(vllm_python, tmp_path):
+    log = tmp_path / "server.log"
+    with pytest.raises(UserError) as err:
+        start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, timeout=300)
+    message = str(err.value)
+    assert "exited with code" in message
+    assert "no-such-model" in message, message
