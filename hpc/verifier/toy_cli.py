@@ -21,6 +21,7 @@ def register(subparsers) -> None:
     p.add_argument("--arch", choices=[*ARCHS, "all"], default="all")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: per-arch preset)")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: $DSPARK_CACHE or ~/.cache/dspark")
+    p.add_argument("--conversations", type=int, default=256, help="toy chat rows written to OUT/data/train.jsonl")
     p.set_defaults(func=run)
 
 
@@ -40,4 +41,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{arch}: {path}  ({time.perf_counter() - t0:.1f}s)")
         print(f"  final loss {info['final_loss']:.3f}, vocab {info['vocab_size']}, mask id {info['mask_token_id']}")
         print(f"  greedy: {info['greedy_sample']!r}")
+    if args.out is not None and args.arch == "all":
+        from hpc.verifier.toy_data import write_toy_conversations
+
+        data = write_toy_conversations(args.out / "data" / "train.jsonl", n=args.conversations, seed=args.seed)
+        print(f"data: {data}  ({args.conversations} conversations from stdlib source)")
     return 0
