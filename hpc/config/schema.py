@@ -166,6 +166,18 @@ class TrainConfig:
 
 
 @dataclass
+class StreamConfig:
+    """Verifier -> trainer hidden-state streaming over torch.distributed point-to-point."""
+
+    dtype: str = "auto"  # auto: bfloat16 with NCCL, float32 with gloo (CPU training is fp32)
+    buffer_per_trainer: int = 8  # samples a trainer may have in flight: the backpressure bound
+    prefetch: int = 2  # captures a streamer prepares ahead of the network
+    heartbeat_s: float = 2.0
+    peer_timeout_s: float = 30.0  # a silent peer is declared dead after this long
+    port: int = 0  # 0: derived from the Slurm job id
+
+
+@dataclass
 class ThirdPartyDraft:
     name: str = ""
     method: str = "eagle3"  # any vLLM speculative method
@@ -212,6 +224,7 @@ class DSparkConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

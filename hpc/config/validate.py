@@ -247,6 +247,18 @@ def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
     c.one_of("train.attention", t.attention, ("auto", "flex", "sdpa"))
 
 
+def _check_stream(c: _Checker, cfg: DSparkConfig) -> None:
+    st = cfg.stream
+    c.one_of("stream.dtype", st.dtype, ("auto", *DTYPES))
+    c.positive("stream.buffer_per_trainer", st.buffer_per_trainer)
+    c.positive("stream.prefetch", st.prefetch)
+    c.positive("stream.heartbeat_s", st.heartbeat_s)
+    if st.peer_timeout_s <= st.heartbeat_s:
+        c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")
+    if not 0 <= st.port <= 65535:
+        c.fail("stream.port", st.port, "must be 0 (derive from the job id) or a TCP port")
+
+
 def _check_eval(c: _Checker, cfg: DSparkConfig) -> None:
     e = cfg.eval
     if not e.benchmarks:
@@ -313,6 +325,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True) -> list[str]:
     _check_draft(c, cfg, shape)
     _check_data(c, cfg)
     _check_train(c, cfg)
+    _check_stream(c, cfg)
     _check_eval(c, cfg)
     _check_tracking(c, cfg, check_tracking)
     _check_schedule(c, cfg)

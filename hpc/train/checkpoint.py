@@ -34,13 +34,13 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -97,16 +97,16 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dict, opt: torch.optim.Optimizer,
-                    state: TrainState, generator: torch.Generator | None, keep: int) -> Path:
+                    state: TrainState, generator: torch.Generator | None, keep: int, group=None) -> Path:
     """Collective: every rank writes its RNG file; rank 0 writes the rest and renames."""
     root = Path(root)
     final = root / f"step_{state.step:08d}"
     tmp = root / f".step_{state.step:08d}.tmp"
-    rank = _rank()
+    rank = _rank(group)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     save_file(rng_tensors(generator), str(tmp / f"rank{rank}.safetensors"))
     if rank == 0:
         weights = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
@@ -118,19 +118,19 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
         py_state = random.getstate()
         (tmp / "state.json").write_text(json.dumps({**asdict(state), "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}))
-    _barrier()
+    _barrier(group)
     if rank == 0:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-                    generator: torch.Generator | None) -> TrainState:
+                    generator: torch.Generator | None, group=None) -> TrainState:
     path = Path(path)
     weights = load_file(str(path / "model.safetensors"))
     ref = model.state_dict()
@@ -141,7 +141,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, opt: torch.optim.O
     raw = json.loads((path / "state.json").read_text())
     py = raw.pop("python_rng")
     random.setstate((py[0], tuple(py[1]), py[2]))
-    rank_file = path / f"rank{_rank()}.safetensors"
+    rank_file = path / f"rank{_rank(group)}.safetensors"
     if rank_file.exists():
         restore_rng(load_file(str(rank_file)), generator)
     return TrainState(**raw)

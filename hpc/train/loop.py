@@ -63,23 +63,25 @@ class DraftLoss(nn.Module):
         return dspark_loss(self.model, row, head, weights, max_anchors, generator, attention)
 
 
-def _dist() -> tuple[int, int]:
+def _dist(group) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
 class Trainer:
     def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
-                 device: str = "cpu", autocast_dtype: torch.dtype | None = None):
+                 device: str = "cpu", autocast_dtype: torch.dtype | None = None, group=None):
         self.cfg = train_cfg
-        self.rank, self.world = _dist()
+        # `group` holds the trainer ranks only: streamers share the default world for p2p.
+        self.group = group
+        self.rank, self.world = _dist(group)
         self.model = model.to(device)
         self.head = head.to(device)
         self.device = torch.device(device)
         # Buffers (d2t/t2d) are identical everywhere and never change: do not re-broadcast them.
         wrapped = DraftLoss(self.model)
-        self.ddp = DDP(wrapped, broadcast_buffers=False) if self.world > 1 else wrapped
+        self.ddp = DDP(wrapped, broadcast_buffers=False, process_group=group) if self.world > 1 else wrapped
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
         self.generator = torch.Generator().manual_seed(train_cfg.seed * 1009 + self.rank)
@@ -95,12 +97,12 @@ class Trainer:
         path = path or latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
-        self.state = load_checkpoint(path, self.model, self.opt, self.generator)
+        self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.group)
         return True
 
     def checkpoint(self) -> Path:
         return save_checkpoint(self.ckpt_dir, self.model, self.export_config, self.opt, self.state, self.generator,
-                               self.cfg.keep_checkpoints)
+                               self.cfg.keep_checkpoints, self.group)
 
     # -- one optimizer step ----------------------------------------------------------------------
     @property
@@ -149,7 +151,7 @@ class Trainer:
             return values
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return {k: float(v) / self.world for k, v in zip(keys, t)}
 
     # -- the loop -----------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class Trainer:
         if self.world == 1:
             return self.stop_requested
         flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
     def run(self, batches: Iterator[MicroBatch], on_step: Callable[[int, dict], None] | None = None,
