@@ -55,8 +55,8 @@ def train_cfg(**kw) -> TrainConfig:
     return cfg
 
 
-def make_trainer(target_dir, out_dir, init_seed: int, **kw) -> tuple[Trainer, HFVerifier]:
-    verifier = HFVerifier(str(target_dir), [1, 2, 3])
+def make_parts(target_dir, init_seed: int, **kw):
+    """(train config, draft, verifier head, export config) for the random target."""
     tensors = load_target_tensors(target_dir)
     torch.manual_seed(init_seed)
     args = DSparkArgs(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -68,8 +68,13 @@ def make_trainer(target_dir, out_dir, init_seed: int, **kw) -> tuple[Trainer, HF
     model.t2d.copy_(t2d)
     model.embed_tokens.weight.data.copy_(tensors["embed_tokens"])
     head = VerifierHead(tensors["lm_head"], t2d)
-    trainer = Trainer(train_cfg(**kw), model, head, speculators_config(args, None, [], 4), out_dir)
-    return trainer, verifier
+    return train_cfg(**kw), model, head, speculators_config(args, None, [], 4)
+
+
+def make_trainer(target_dir, out_dir, init_seed: int, **kw) -> tuple[Trainer, HFVerifier]:
+    verifier = HFVerifier(str(target_dir), [1, 2, 3])
+    cfg, model, head, export = make_parts(target_dir, init_seed, **kw)
+    return Trainer(cfg, model, head, export, out_dir), verifier
 
 
 def run(trainer, verifier, max_steps=None):

@@ -1,0 +1,133 @@
+"""Trainer side of the stream: a receiver thread per trainer rank and the micro-batch source.
+
+The thread keeps one header receive posted per streamer (NCCL cannot receive from any
+source), pulls sample bodies, and hands credits back as the training loop consumes samples.
+A streamer silent for longer than `peer_timeout_s` (no sample, no heartbeat) is declared
+dead: the source then stops the step loop on every trainer rank at the same step, so the
+driver can checkpoint and exit naming the peer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpc.stream.protocol import Header, Kind, empty_header, recv_sample_body, send_header, send_ids
+from hpc.train.loop import MicroBatch
+
+
+class PeerDied(RuntimeError):
+    pass
+
+
+class StreamReceiver:
+    """One blocking receive thread per streamer, and one control thread that owns every send.
+
+    (Polling `irecv(...).is_completed()` does not work on gloo: it stays False until waited.)
+    """
+
+    def __init__(self, streamers: list[int], capacity: int, device, peer_timeout_s: float = 30.0,
+                 names: dict[int, str] | None = None):
+        self.streamers = list(streamers)
+        self.device = device
+        self.timeout = peer_timeout_s
+        self.names = names or {}
+        # Each streamer may hold a share of this trainer's buffer; together they fill it.
+        self.share = max(1, capacity // len(self.streamers))
+        self.samples: queue.Queue = queue.Queue()
+        self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
+        self._last_seen = {s: time.monotonic() for s in self.streamers}
+        self.error: str | None = None
+        self.wait_s = 0.0
+
+    def start(self, ledger: list[int], epoch: int, send_ledger: bool) -> "StreamReceiver":
+        if send_ledger:
+            for s in self.streamers:
+                send_ids(Kind.LEDGER, ledger, s, self.device, epoch)
+        for s in self.streamers:
+            send_header(Header(Kind.CREDIT, length=self.share), s, self.device)
+        for s in self.streamers:
+            threading.Thread(target=self._recv_loop, args=(s,), daemon=True).start()
+        threading.Thread(target=self._control_loop, daemon=True).start()
+        return self
+
+    def consumed(self, source_rank: int) -> None:
+        self._events.put(("credit", source_rank, ""))
+
+    def _name(self, rank: int) -> str:
+        return self.names.get(rank, f"streamer rank {rank}")
+
+    def _recv_loop(self, s: int) -> None:
+        try:
+            while True:
+                buf = empty_header(self.device)
+                dist.recv(buf, src=s)
+                self._last_seen[s] = time.monotonic()
+                h = Header.parse(buf)
+                if h.kind == Kind.SAMPLE:
+                    self.samples.put((s, h.epoch, recv_sample_body(h, s, self.device)))
+                    self._last_seen[s] = time.monotonic()
+                elif h.kind == Kind.STOP:
+                    self._events.put(("stop", s, ""))
+                    return
+        except Exception as err:  # noqa: BLE001 - a closed socket is how gloo reports a dead peer
+            self._events.put(("error", s, f"{self._name(s)} failed: {str(err).splitlines()[0][:160]}"))
+
+    def _control_loop(self) -> None:
+        live = set(self.streamers)
+        try:
+            while live:
+                try:
+                    kind, s, msg = self._events.get(timeout=0.2)
+                except queue.Empty:
+                    kind, s, msg = "tick", -1, ""
+                if kind == "credit" and s in live:
+                    send_header(Header(Kind.CREDIT, length=1), s, self.device)
+                elif kind == "stop":
+                    send_header(Header(Kind.STOP), s, self.device)  # acknowledge: no more credits
+                    live.discard(s)
+                elif kind == "error":
+                    raise PeerDied(msg)
+                now = time.monotonic()
+                dead = [d for d in live if now - self._last_seen[d] > self.timeout]
+                if dead:
+                    raise PeerDied(f"{self._name(dead[0])} sent nothing for {self.timeout:.0f} s "
+                                   "(no sample, no heartbeat): it died or hangs")
+        except Exception as err:  # noqa: BLE001 - reported to the training thread, which decides
+            self.error = str(err)
+        self.samples.put(None)
+
+    def get(self):
+        t0 = time.monotonic()
+        item = self.samples.get()
+        self.wait_s += time.monotonic() - t0
+        if item is None:
+            self.samples.put(None)  # every later get also sees the end
+        return item
+
+
+def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int, group=None) -> Iterator[MicroBatch]:
+    """Full micro-batches while every trainer rank has one; all ranks stop at the same step."""
+    while True:
+        mine = []
+        while len(mine) < micro_batch_size:
+            item = receiver.get()
+            if item is None:
+                break
+            mine.append(item)
+        full = torch.tensor([1 if len(mine) == micro_batch_size else 0])
+        world = dist.get_world_size(group)
+        dist.all_reduce(full, op=dist.ReduceOp.MIN, group=group)
+        if not full.item():
+            return
+        ids = torch.tensor([cap.sample_id for _, _, cap in mine], dtype=torch.int64)
+        gathered = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(gathered, ids, group=group)
+        for src, _, _ in mine:
+            receiver.consumed(src)
+        yield MicroBatch([cap for _, _, cap in mine], torch.cat(gathered).tolist(), max(e for _, e, _ in mine))

@@ -1,0 +1,134 @@
+"""The streamer: one process per verifier node, pushing captures to trainer ranks.
+
+It asks its verifier backend for captures in a prefetch thread (the verifier's forward never
+waits on the network), and sends each capture to the trainer that has granted it the most
+credits, i.e. the least-loaded one from this streamer's view. Trainers grant credits only for
+free buffer slots, which bounds what is in flight (backpressure). The trainer's ledger,
+received at start, lists sample ids already trained this epoch: they are skipped, so a
+restart neither repeats nor drops a sample.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hpc.stream.protocol import Header, Kind, empty_header, recv_ids, send_header, send_sample
+from hpc.verifier.hf_backend import Capture
+
+CaptureFn = Callable[[int, list[int], list[int]], Capture]
+
+
+@dataclass
+class StreamerStats:
+    sent: int = 0
+    skipped: int = 0  # already in the ledger
+    failed: int = 0  # capture errors (e.g. a corrupt capture file): that sample only
+    bytes: int = 0
+    per_trainer: dict[int, int] = field(default_factory=dict)
+    wait_credit_s: float = 0.0
+
+
+def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: CaptureFn, out: queue.Queue,
+              stats: StreamerStats, stop: threading.Event) -> None:
+    for epoch, sample_id, ids, mask in rows:
+        if stop.is_set():
+            return
+        try:
+            cap = capture(sample_id, ids, mask)
+        except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
+            stats.failed += 1
+            print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
+            continue
+        out.put((epoch, cap))
+    out.put(None)
+
+
+def run_streamer(rows: Callable[[set[int], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,
+                 trainers: list[int], device: torch.device | str, dtype: torch.dtype, prefetch: int = 2,
+                 heartbeat_s: float = 2.0) -> StreamerStats:
+    """Stream every row not yet trained.
+
+    `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
+    ledger's ids in that first epoch.
+    """
+    stats = StreamerStats(per_trainer={t: 0 for t in trainers})
+    ledger_header = empty_header(device)
+    dist.recv(ledger_header, src=trainers[0])
+    header = Header.parse(ledger_header)
+    ledger = set(recv_ids(header, trainers[0], device))
+    stats.skipped = len(ledger)
+
+    credits = {t: 0 for t in trainers}
+    acked: set[int] = set()
+    changed = threading.Condition()
+
+    def credit_loop(t: int) -> None:
+        """Blocking receives from one trainer: credits, then its STOP acknowledgement."""
+        while True:
+            buf = empty_header(device)
+            dist.recv(buf, src=t)
+            h = Header.parse(buf)
+            with changed:
+                if h.kind == Kind.CREDIT:
+                    credits[t] += h.length
+                elif h.kind == Kind.STOP:
+                    acked.add(t)
+                changed.notify_all()
+            if h.kind == Kind.STOP:
+                return
+
+    for t in trainers:
+        threading.Thread(target=credit_loop, args=(t,), daemon=True).start()
+    last_beat = time.monotonic()
+
+    def heartbeat_if_due() -> None:
+        nonlocal last_beat
+        if time.monotonic() - last_beat > heartbeat_s:
+            for t in trainers:
+                send_header(Header(Kind.HEARTBEAT), t, device)
+            last_beat = time.monotonic()
+
+    ready: queue.Queue = queue.Queue(maxsize=prefetch)
+    stop = threading.Event()
+    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), capture, ready, stats, stop),
+                                daemon=True)
+    producer.start()
+    try:
+        while True:
+            try:
+                item = ready.get(timeout=heartbeat_s / 2)
+            except queue.Empty:  # a slow capture (long prefill): tell the trainers we are alive
+                heartbeat_if_due()
+                continue
+            if item is None:
+                break
+            epoch, cap = item
+            t0 = time.monotonic()
+            with changed:
+                while True:
+                    best = max(trainers, key=lambda t: (credits[t], -stats.per_trainer[t]))
+                    if credits[best] > 0:
+                        credits[best] -= 1
+                        break
+                    changed.wait(timeout=heartbeat_s / 2)
+                    heartbeat_if_due()  # alive, only held back by full trainer buffers
+            stats.wait_credit_s += time.monotonic() - t0
+            stats.bytes += send_sample(cap, epoch, best, device, dtype)
+            stats.sent += 1
+            stats.per_trainer[best] += 1
+            last_beat = time.monotonic()
+        for t in trainers:
+            send_header(Header(Kind.STOP), t, device)
+        with changed:  # late credits are harmless; wait until every trainer has acknowledged
+            while len(acked) < len(trainers):
+                changed.wait(timeout=heartbeat_s)
+    finally:
+        stop.set()
+    return stats

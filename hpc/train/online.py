@@ -1,0 +1,152 @@
+"""One online training world: trainer ranks [0, T) and one streamer per verifier node [T, T+V).
+
+The same function runs every rank, on a laptop over gloo or on H200 nodes over NCCL: the
+rank decides the role. Trainers form their own process group for DDP; the default world
+carries the streamers' point-to-point traffic.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.export import speculators_config
+from hpc.model.loss import VerifierHead
+from hpc.stream.receiver import StreamReceiver, stream_micro_batches
+from hpc.stream.streamer import run_streamer
+from hpc.train.loop import EXIT_REQUEUE, RequeueRequested, Trainer
+from hpc.train.sources import epoch_order
+from hpc.train.target_weights import load_target_tensors
+
+EXIT_PEER_DIED = 3
+
+
+@dataclass
+class World:
+    rank: int
+    n_trainers: int
+    n_streamers: int
+
+    @property
+    def size(self) -> int:
+        return self.n_trainers + self.n_streamers
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.n_trainers
+
+    @property
+    def trainers(self) -> list[int]:
+        return list(range(self.n_trainers))
+
+    @property
+    def streamers(self) -> list[int]:
+        return list(range(self.n_trainers, self.size))
+
+
+def init_world(w: World, backend: str, master_addr: str, port: int, timeout_s: float = 600.0):
+    """Default group over everyone, plus the trainer-only group (every rank must create it)."""
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group(backend, rank=w.rank, world_size=w.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(w.trainers)
+
+
+def write_rows(path: str | Path, rows: Iterable) -> Path:
+    """Tokenised rows as JSONL (`{id, input_ids, loss_mask}`), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"id": r.sample_id, "input_ids": r.input_ids, "loss_mask": r.loss_mask}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_token_rows(path: str | Path) -> dict[int, tuple[list[int], list[int]]]:
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        rows[int(r["id"])] = (r["input_ids"], r["loss_mask"])
+    return rows
+
+
+def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: int, epochs: int):
+    """Streamer v takes every V-th id of each epoch's seeded order, minus the ledger."""
+    v = w.rank - w.n_trainers
+
+    def gen(ledger: set[int], start_epoch: int):
+        for epoch in range(start_epoch, epochs):
+            order = epoch_order(sorted(rows), seed, epoch)
+            for i in order[v::w.n_streamers]:
+                if epoch == start_epoch and i in ledger:
+                    continue
+                yield epoch, i, *rows[i]
+    return gen
+
+
+def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm: bool) -> tuple[DSparkDraft, VerifierHead]:
+    """The draft with the target's frozen embedding, and the verifier head over the draft vocab."""
+    tensors = load_target_tensors(target_dir)
+    vocab = load_file(str(vocab_file))
+    model = DSparkDraft(args)
+    model.d2t.copy_(vocab["d2t"])
+    model.t2d.copy_(vocab["t2d"])
+    model.embed_tokens.weight.data.copy_(tensors["embed_tokens"].float())
+    head = VerifierHead(tensors["lm_head"].float(), vocab["t2d"], tensors["norm"].float() if norm else None)
+    return model, head
+
+
+def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead, out_dir: str | Path,
+                verifier_name: str | None, on_step: Callable | None = None, device: str = "cpu") -> int:
+    """Train from the stream until the data or the step budget ends; returns the exit code."""
+    export_cfg = speculators_config(model.args, verifier_name, [], model.args.block_size)
+    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device, group=group)
+    trainer.resume()
+    names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
+    receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, "cpu", stream_cfg.peer_timeout_s, names)
+    receiver.start(trainer.state.ledger, trainer.state.epoch, send_ledger=w.rank == 0)
+
+    def step_hook(step: int, metrics: dict) -> None:
+        # What the stream looks like from here: samples waiting, and time spent waiting for them.
+        metrics["stream_buffered"] = receiver.samples.qsize()
+        metrics["data_wait_s"] = receiver.wait_s
+        if on_step is not None:
+            on_step(step, metrics)
+    try:
+        trainer.run(stream_micro_batches(receiver, trainer.micro_batch_size, group), on_step=step_hook)
+    except RequeueRequested as why:
+        print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    # Whatever stopped the loop, the progress so far is saved before anyone exits.
+    if trainer.state.step % train_cfg.checkpoint_interval and trainer.state.step != train_cfg.steps:
+        trainer.checkpoint()
+    failed = torch.tensor([1.0 if receiver.error else 0.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if failed.item():
+        msg = receiver.error or "another trainer rank lost its streamer"
+        print(f"trainer {w.rank}: stopping at step {trainer.state.step}, checkpoint saved: {msg}",
+              file=sys.stderr, flush=True)
+        return EXIT_PEER_DIED
+    return 0

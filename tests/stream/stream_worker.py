@@ -1,0 +1,54 @@
+"""One rank of the streaming tests: trainer ranks [0, T), streamer ranks [T, T+V)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: str, out_dir: str,
+         n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000) -> None:
+    from hpc.config.schema import StreamConfig
+    from hpc.train.online import World, init_world, read_token_rows, run_trainer, streamer_rows
+    from tests.train.test_resume import make_parts, rows
+
+    w = World(rank, n_trainers, n_streamers)
+    group = init_world(w, "gloo", "127.0.0.1", port, timeout_s=120)
+    out = Path(out_dir)
+    stream_cfg = StreamConfig(buffer_per_trainer=3, heartbeat_s=0.5, peer_timeout_s=peer_timeout_s)
+    data = rows(n_rows)
+    code = 0
+    if w.is_trainer:
+        cfg, model, head, _ = make_parts(target_dir, init_seed=0, steps=steps, checkpoint_interval=2)
+        depth = []
+
+        def on_step(step, metrics):
+            depth.append(metrics["stream_buffered"])
+            (out / f"progress{rank}").write_text(str(step))
+
+        code = run_trainer(w, group, cfg, stream_cfg, model, head, out_dir, None,
+                           on_step=on_step)
+        from hpc.train.checkpoint import latest_checkpoint
+        ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
+        ledger = json.loads((ckpt / "state.json").read_text())["ledger"] if ckpt else []
+        (out / f"trainer{rank}.json").write_text(json.dumps(
+            {"code": code, "ledger": ledger, "max_depth": max(depth, default=0),
+             "step": json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0}))
+    else:
+        from hpc.stream.streamer import run_streamer
+        from hpc.verifier.hf_backend import HFVerifier
+
+        verifier = HFVerifier(target_dir, [1, 2, 3])
+
+        def capture(sample_id, ids, mask):
+            if sample_id == corrupt_id:
+                raise ValueError("truncated capture file")
+            return verifier.capture(sample_id, ids, mask)
+        stats = run_streamer(streamer_rows(data, w, seed=3, epochs=1), capture, w.trainers, "cpu", torch.float32,
+                             prefetch=2, heartbeat_s=stream_cfg.heartbeat_s)
+        (out / f"streamer{rank}.json").write_text(json.dumps(
+            {"sent": stats.sent, "failed": stats.failed, "per_trainer": stats.per_trainer, "skipped": stats.skipped}))
+    os._exit(code)  # a dead peer can leave gloo's teardown waiting forever

@@ -1,0 +1,77 @@
+"""Streaming verifier states to DDP trainers over gloo: real processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from hpc.track.server import free_port
+from hpc.train.online import EXIT_PEER_DIED
+from tests.stream import stream_worker
+from tests.train.test_resume import target_dir  # noqa: F401 - module fixture: a random Qwen3 target
+
+
+def launch(T, V, target, out, n_rows, **kw):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=stream_worker.main, args=(r, T, V, port, str(target), str(out), n_rows), kwargs=kw)
+             for r in range(T + V)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def wait_all(procs, timeout=300):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+        assert not p.is_alive(), "a rank hung"
+    return [p.exitcode for p in procs]
+
+
+def read(out, name):
+    return json.loads((out / name).read_text())
+
+
+def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):  # noqa: F811
+    codes = wait_all(launch(2, 2, target_dir, tmp_path, 32, corrupt_id=5))
+    assert codes == [0, 0, 0, 0]
+    t0, t1 = read(tmp_path, "trainer0.json"), read(tmp_path, "trainer1.json")
+    s2, s3 = read(tmp_path, "streamer2.json"), read(tmp_path, "streamer3.json")
+    assert t0["ledger"] == t1["ledger"]  # one global ledger
+    ledger = t0["ledger"]
+    assert len(ledger) == len(set(ledger))  # no sample trained twice
+    assert 5 not in ledger and s2["failed"] + s3["failed"] == 1  # the corrupt capture cost one sample
+    # 31 good samples, 4 per step: every complete step's samples were trained, at most one step short.
+    assert len(ledger) % 4 == 0 and 31 - len(ledger) < 8
+    # Both verifiers fed both trainers, and no trainer buffered more than its credit allows.
+    assert all(n > 0 for s in (s2, s3) for n in s["per_trainer"].values())
+    assert max(t0["max_depth"], t1["max_depth"]) <= 3 * 1 + 3  # buffer_per_trainer (+ one per streamer share)
+
+
+def test_killed_verifier_is_noticed_and_a_restart_loses_nothing(target_dir, tmp_path):  # noqa: F811
+    procs = launch(2, 1, target_dir, tmp_path, 48, peer_timeout_s=5.0)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "progress0").exists() or int((tmp_path / "progress0").read_text()) < 2:
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    os.kill(procs[2].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    codes = wait_all(procs[:2], timeout=120)
+    noticed = time.monotonic() - killed_at
+    assert codes == [EXIT_PEER_DIED, EXIT_PEER_DIED] and noticed < 30
+    first = read(tmp_path, "trainer0.json")
+    assert first["step"] >= 2 and len(first["ledger"]) == 4 * first["step"]
+
+    for name in ("trainer0.json", "trainer1.json", "progress0"):
+        (tmp_path / name).unlink(missing_ok=True)
+    codes = wait_all(launch(2, 1, target_dir, tmp_path, 48))
+    assert codes == [0, 0, 0]
+    final = read(tmp_path, "trainer0.json")["ledger"]
+    assert final[: len(first["ledger"])] == first["ledger"]  # the restart continued the same epoch
+    assert len(final) == len(set(final)) and 48 - len(final) < 4  # nothing twice; only the epoch tail left
