@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc.model import metrics as M
-from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, training_mask
-from hpc.model.dspark import DSparkDraft, sdpa_attention
+from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
+from hpc.model.dspark import DSparkDraft
 from hpc.model.layers import RMSNorm
 
 
@@ -135,7 +135,7 @@ def dspark_loss(
     if pick_attention(attention, ctx_TH.device) == "flex":
         attend = flex_attention_fn(anchors_N, row.doc_ids_T, B)
     else:
-        attend = sdpa_attention(training_mask(anchors_N, row.doc_ids_T, B))
+        attend = tiled_sdpa_attention_fn(anchors_N, row.doc_ids_T, B)
     h_QH = model.backbone(ctx_TH, row.position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
                           attend)
     logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten())

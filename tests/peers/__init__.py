@@ -1,0 +1,1 @@
+"""Peer implementations we compare against (speculators), each in its own venv."""
