@@ -153,6 +153,9 @@ class TrainConfig:
     max_anchors: int = 3072
     loss: LossConfig = field(default_factory=LossConfig)
     apply_verifier_norm: bool = False
+    # The draft lm_head starts as the verifier's lm_head rows of the draft vocab; speculators
+    # keeps it frozen there, which is the default here too.
+    train_lm_head: bool = False
     checkpoint_interval: int = 500
     keep_checkpoints: int = 3
     output_dir: str = "runs/train"

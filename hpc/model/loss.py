@@ -127,7 +127,7 @@ def dspark_loss(
     if anchors_N is None:
         anchors_N = select_anchors(row.loss_mask_T, B, max_anchors, generator).to(row.input_ids_T.device)
     if anchors_N.numel() == 0:
-        zero = model.lm_head.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
+        zero = model.fc.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
         return zero, {"supervised_slots": torch.tensor(0.0)}
     blocks = make_blocks(row.input_ids_T, row.loss_mask_T, row.position_ids_T, row.doc_ids_T, anchors_N, B,
                          a.mask_token_id, a.sample_from_anchor)

@@ -97,14 +97,19 @@ def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: 
     return gen
 
 
-def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm: bool) -> tuple[DSparkDraft, VerifierHead]:
-    """The draft with the target's frozen embedding, and the verifier head over the draft vocab."""
+def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm: bool,
+                train_lm_head: bool = False) -> tuple[DSparkDraft, VerifierHead]:
+    """The draft with the target's frozen embedding and lm_head rows, and the verifier head."""
     tensors = load_target_tensors(target_dir)
     vocab = load_file(str(vocab_file))
     model = DSparkDraft(args)
     model.d2t.copy_(vocab["d2t"])
     model.t2d.copy_(vocab["t2d"])
     model.embed_tokens.weight.data.copy_(tensors["embed_tokens"].float())
+    # Start from what the verifier would say about the draft's own hidden state: far better
+    # than random, and what speculators does.
+    model.lm_head.weight.data.copy_(tensors["lm_head"].float()[vocab["t2d"]])
+    model.lm_head.weight.requires_grad_(train_lm_head)
     head = VerifierHead(tensors["lm_head"].float(), vocab["t2d"], tensors["norm"].float() if norm else None)
     return model, head
 

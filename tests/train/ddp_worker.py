@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 
 def main(rank: int, world: int, port: int, target_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -1,0 +1,49 @@
+"""Single-process training with an in-process verifier: for tests, quick CPU runs and the
+DFlash/vLLM parity checks. The online pipeline (`hpc.train.online`) shares every piece."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+from hpc.model.dspark import DSparkArgs
+from hpc.model.export import speculators_config
+from hpc.train.checkpoint import latest_checkpoint
+from hpc.train.loop import Trainer
+from hpc.train.online import build_draft
+from hpc.train.prepare import load_prepared, prepare_data
+from hpc.train.sources import local_micro_batches
+from hpc.verifier.hf_backend import HFVerifier
+
+
+def target_architectures(model_dir: str) -> list[str]:
+    import json
+
+    cfg = Path(model_dir) / "config.json"
+    return json.loads(cfg.read_text()).get("architectures", []) if cfg.is_file() else []
+
+
+def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None = None,
+                     on_step: Callable[[int, dict], None] | None = None) -> Path:
+    """Prepare data, train on one rank with an HF verifier, return the last checkpoint."""
+    out_dir = Path(out_dir or cfg.train.output_dir)
+    train_cfg = copy.deepcopy(cfg.train)
+    if steps is not None:
+        train_cfg.steps = steps
+        train_cfg.warmup_steps = min(train_cfg.warmup_steps, max(steps // 10, 1))
+    train_cfg.ranks_per_node = 1
+    prepare_data(cfg, out_dir)
+    rows, vocab_file = load_prepared(out_dir)
+    args = DSparkArgs.from_config(cfg)
+    model, head = build_draft(args, cfg.verifier.model, vocab_file, norm=cfg.train.apply_verifier_norm,
+                              train_lm_head=cfg.train.train_lm_head)
+    verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,
+                          trust_remote_code=cfg.verifier.trust_remote_code)
+    export = speculators_config(args, cfg.verifier.model, target_architectures(cfg.verifier.model), args.block_size)
+    trainer = Trainer(train_cfg, model, head, export, out_dir)
+    trainer.resume()
+    batches = local_micro_batches(verifier, rows, trainer.micro_batch_size, 0, 1, train_cfg.seed,
+                                  trainer.state.ledger, trainer.state.epoch)
+    trainer.run(batches, on_step=on_step)
+    return latest_checkpoint(trainer.ckpt_dir)
