@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc.errors import UserError
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
 
@@ -79,6 +80,9 @@ class DSparkDraft(nn.Module):
     def __init__(self, args: DSparkArgs):
         super().__init__()
         a = self.args = args
+        if not 0 <= a.mask_token_id < a.target_vocab_size:
+            raise UserError(f"mask_token_id {a.mask_token_id} is outside the target vocab 0..{a.target_vocab_size - 1}; "
+                            "use a reserved id of the target tokenizer (draft.mask_token_id)")
         n_aux = len(a.aux_layer_ids)
         self.embed_tokens = nn.Embedding(a.target_vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the verifier's, frozen

@@ -103,3 +103,12 @@ def test_cli_export_and_shapes_only(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "hpc", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "not a draft export" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_mask_token_outside_vocab_is_rejected(tmp_path):
+    out = export_draft(tiny_model(), tmp_path / "draft")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mask_token_id"] = cfg["transformer_layer_config"]["vocab_size"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="mask_token_id 64 is outside the target vocab"):
+        load_draft(out)
