@@ -29,11 +29,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
+        # As the server itself binds: a port in TIME_WAIT after a restart is free, a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return True
         except OSError:
             return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Any live (non-zombie) process in the group? `kill -0` says yes to zombies that a slow
+    init has not reaped yet, so read /proc instead."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def is_healthy(uri: str, timeout: float = 2.0) -> bool:
@@ -102,6 +117,16 @@ class MlflowServer:
         except subprocess.TimeoutExpired:
             os.killpg(pgid, signal.SIGKILL)
             self.proc.wait()
+        # The server forks uvicorn and job workers into the same group: wait until all are gone.
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def __enter__(self) -> "MlflowServer":
         return self.start()

@@ -1,0 +1,133 @@
+"""MLflow logging that never stalls or kills a training job.
+
+Metrics go into a queue; a background thread ships them in batches. If the tracking server
+is down, nothing is lost: the batch stays in the buffer (and the run itself is created late,
+once the server answers) and is flushed when the server is back. Training never waits on HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+# A dead server must fail fast in the background thread, not retry for minutes.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+@dataclass
+class _Pending:
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: deque = field(default_factory=deque)  # (key, value, timestamp_ms, step)
+    artifacts: list[tuple[str, str | None]] = field(default_factory=list)
+
+
+class RunLogger:
+    def __init__(self, uri: str, experiment: str, run_name: str, parent_run_id: str | None = None,
+                 tags: dict[str, str] | None = None, flush_every_s: float = 2.0, run_id: str | None = None):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+        self.experiment, self.run_name, self.parent_run_id = experiment, run_name, parent_run_id
+        self.run_id = run_id
+        self.pending = _Pending(tags=dict(tags or {}))
+        self.flush_every_s = flush_every_s
+        self.last_error: str | None = None
+        self.flushed_metrics = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    # -- the training thread's side: O(1), no I/O ------------------------------------------------
+    def log_params(self, params: dict) -> None:
+        with self._lock:
+            self.pending.params.update({k: str(v)[:6000] for k, v in params.items()})
+
+    def set_tags(self, tags: dict) -> None:
+        with self._lock:
+            self.pending.tags.update({k: str(v) for k, v in tags.items()})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        with self._lock:
+            for k, v in metrics.items():
+                self.pending.metrics.append((k, float(v), now, step))
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        with self._lock:
+            self.pending.artifacts.append((str(path), artifact_path))
+
+    # -- background ------------------------------------------------------------------------------
+    def _ensure_run(self) -> None:
+        if self.run_id is not None:
+            return
+        exp = self.client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        tags = {"mlflow.runName": self.run_name}
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
+        self.run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
+
+    def flush(self) -> bool:
+        """Ship what is buffered; False (and everything kept) if the server did not take it."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        with self._lock:
+            params, tags = dict(self.pending.params), dict(self.pending.tags)
+            metrics = list(self.pending.metrics)[:1000]
+            artifacts = list(self.pending.artifacts)
+        try:
+            self._ensure_run()
+            if params or tags or metrics:
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in metrics],
+                                      params=[Param(k, v) for k, v in params.items()],
+                                      tags=[RunTag(k, v) for k, v in tags.items()])
+            for path, artifact_path in artifacts:
+                self.client.log_artifact(self.run_id, path, artifact_path)
+        except Exception as err:  # noqa: BLE001 - any failure means: keep the buffer, retry later
+            self.last_error = str(err).splitlines()[0][:200]
+            return False
+        with self._lock:
+            for k in params:
+                if self.pending.params.get(k) == params[k]:
+                    del self.pending.params[k]
+            for k in tags:
+                if self.pending.tags.get(k) == tags[k]:
+                    del self.pending.tags[k]
+            for _ in metrics:
+                self.pending.metrics.popleft()
+            del self.pending.artifacts[:len(artifacts)]
+        self.flushed_metrics += len(metrics)
+        self.last_error = None
+        return True
+
+    @property
+    def buffered(self) -> int:
+        with self._lock:
+            return len(self.pending.metrics)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_every_s)
+            self._wake.clear()
+            while self.buffered and self.flush():  # drain in batches while the server takes them
+                pass
+            if not self.buffered:
+                self.flush()  # params/tags/artifacts without metrics
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the thread after a last flush; True if nothing is left unsent."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while (self.buffered or self.pending.params or self.pending.artifacts) and time.monotonic() < deadline:
+            if not self.flush():
+                break
+        return not (self.buffered or self.pending.params or self.pending.artifacts)
