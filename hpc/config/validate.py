@@ -128,8 +128,8 @@ def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
     c.positive("verifier.max_model_len", v.max_model_len)
     if not 0 < v.gpu_memory_utilization <= 1:
         c.fail("verifier.gpu_memory_utilization", v.gpu_memory_utilization, "must be in (0, 1]")
-    if not 1 <= v.port <= 65535:
-        c.fail("verifier.port", v.port, "must be a TCP port 1..65535")
+    if not 0 <= v.port <= 65535:
+        c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
     if v.backend.value == "vllm":
         found = Path(v.python).expanduser().is_file() if "/" in v.python else shutil.which(v.python)
         if not found:

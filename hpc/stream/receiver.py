@@ -44,6 +44,7 @@ class StreamReceiver:
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self.error: str | None = None
         self.wait_s = 0.0
+        self._done = threading.Event()
 
     def start(self, ledger: list[int], epoch: int, send_ledger: bool) -> "StreamReceiver":
         if send_ledger:
@@ -58,6 +59,12 @@ class StreamReceiver:
 
     def consumed(self, source_rank: int) -> None:
         self._events.put(("credit", source_rank, ""))
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Training is over: tell every streamer to stop sending here, wait for their goodbyes."""
+        self._events.put(("close", -1, ""))
+        self._done.wait(timeout_s)
+        return self._done.is_set()
 
     def _name(self, rank: int) -> str:
         return self.names.get(rank, f"streamer rank {rank}")
@@ -80,17 +87,23 @@ class StreamReceiver:
 
     def _control_loop(self) -> None:
         live = set(self.streamers)
+        told: set[int] = set()  # streamers we sent STOP to: their STOP back is the goodbye
         try:
             while live:
                 try:
                     kind, s, msg = self._events.get(timeout=0.2)
                 except queue.Empty:
                     kind, s, msg = "tick", -1, ""
-                if kind == "credit" and s in live:
+                if kind == "credit" and s in live and s not in told:
                     send_header(Header(Kind.CREDIT, length=1), s, self.device)
                 elif kind == "stop":
-                    send_header(Header(Kind.STOP), s, self.device)  # acknowledge: no more credits
+                    if s not in told:  # the streamer ran out of data: acknowledge, no more credits
+                        send_header(Header(Kind.STOP), s, self.device)
                     live.discard(s)
+                elif kind == "close":
+                    for d in live - told:
+                        send_header(Header(Kind.STOP), d, self.device)
+                    told |= live
                 elif kind == "error":
                     raise PeerDied(msg)
                 now = time.monotonic()
@@ -101,6 +114,7 @@ class StreamReceiver:
         except Exception as err:  # noqa: BLE001 - reported to the training thread, which decides
             self.error = str(err)
         self.samples.put(None)
+        self._done.set()
 
     def get(self):
         t0 = time.monotonic()

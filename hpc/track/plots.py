@@ -1,0 +1,36 @@
+"""PNG plots people would rather look at than read: written atomically, logged to MLflow."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # compute nodes have no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    tmp.replace(out)
+    return out
+
+
+def loss_curve_png(losses: list[float], out: str | Path, title: str = "") -> Path:
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{title} training loss".strip())
+    ax.grid(alpha=0.3)
+    path = _save(fig, Path(out))
+    plt.close(fig)
+    return path

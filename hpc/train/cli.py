@@ -1,0 +1,58 @@
+"""`dspark train CONFIG [KEY=VALUE ...]`: the online pipeline on this machine.
+
+One streamer process per verifier node (hosting the verifier backend) and
+trainer_nodes x ranks_per_node trainer processes, over gloo on CPU (NCCL on GPUs), exactly
+as inside a Slurm allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    from hpc.config import resolve
+    from hpc.config.validate import trainer_ranks
+    from hpc.track.server import free_port
+    from hpc.train.prepare import prepare_data
+
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+    cfg = resolve(args.config, overrides, check_tracking=False)
+    prep = prepare_data(cfg)
+    print(f"data: {prep.stats.summary()}; draft vocab {cfg.draft.draft_vocab_size}"
+          + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
+    T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, cfg, T, V, "127.0.0.1", port), name=f"rank{r}") for r in range(T + V)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
+    return max(codes, key=abs) if any(codes) else 0
+
+
+def _entry(rank, cfg, T, V, addr, port) -> None:
+    import os
+    import sys
+
+    from hpc.train.driver import rank_main
+
+    code = rank_main(rank, cfg, T, V, addr, port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A receive thread of a dead peer can block forever in C++; interpreter teardown would abort.
+    os._exit(code)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run online training on this machine (verifier + streamer + trainers)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.set_defaults(func=run)

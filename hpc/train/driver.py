@@ -1,0 +1,145 @@
+"""Every rank of an online training world runs `rank_main`: the rank decides the role.
+
+On one machine (`dspark train`) the ranks are local processes over gloo; in a Slurm
+allocation the launcher computes the same ranks from the node index. Trainer rank 0 owns the
+progress display and the MLflow run; the last checkpoint is exported for vLLM at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from hpc.config.schema import DSparkConfig
+
+
+def stream_dtype(cfg: DSparkConfig) -> torch.dtype:
+    if cfg.stream.dtype != "auto":
+        return getattr(torch, cfg.stream.dtype)
+    return torch.bfloat16 if cfg.train.dist_backend == "nccl" else torch.float32
+
+
+def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
+    """The configured verifier backend's capture function (called in the streamer)."""
+    v = cfg.verifier
+    if v.backend.value == "hf":
+        from hpc.verifier.hf_backend import HFVerifier
+
+        verifier = HFVerifier(v.model, list(v.aux_layer_ids), v.final_hidden.value, device=device,
+                              trust_remote_code=v.trust_remote_code)
+        return verifier.capture, None
+    from hpc.verifier.vllm_backend import VLLMVerifier
+
+    verifier = VLLMVerifier(cfg.verifier, log_path=log_dir / f"vllm-verifier-{os.getpid()}.log")
+    return verifier.capture, verifier
+
+
+class Progress:
+    """Step, loss, samples/s, data-wait share and ETA on one line (rich), for trainer rank 0."""
+
+    def __init__(self, total: int, start: int, global_batch: int):
+        from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+        self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.global_batch = global_batch
+        self.t0, self.start = time.monotonic(), start
+        self.bar.start()
+
+    def update(self, step: int, m: dict) -> dict:
+        elapsed = max(time.monotonic() - self.t0, 1e-6)
+        rate = (step - self.start) * self.global_batch / elapsed
+        extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed}
+        self.bar.update(self.task, completed=step, info=f"loss {m.get('loss', float('nan')):.3f}  "
+                        f"acc_len {m.get('accept_len', 0):.2f}  {rate:.1f} samples/s  "
+                        f"wait {extra['data_wait_fraction']:.0%}")
+        return extra
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
+              parent_run_id: str | None = None) -> int:
+    from hpc.model.dspark import DSparkArgs
+    from hpc.stream.streamer import run_streamer
+    from hpc.train.online import World, build_draft, init_world, run_trainer, streamer_rows
+    from hpc.train.prepare import load_prepared
+
+    w = World(rank, n_trainers, n_streamers)
+    out = Path(cfg.train.output_dir)
+    device = cfg.train.device
+    if device == "cpu":  # every rank of this world shares the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.size))
+    group = init_world(w, cfg.train.dist_backend, master_addr, port)
+    rows, vocab_file = load_prepared(out)
+    if not w.is_trainer:
+        capture, closer = make_capture(cfg, "cpu" if device == "cpu" else "cuda", out)
+        try:
+            stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), capture, w.trainers,
+                                 "cuda" if cfg.train.dist_backend == "nccl" else "cpu", stream_dtype(cfg),
+                                 cfg.stream.prefetch, cfg.stream.heartbeat_s)
+            print(f"streamer {rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
+                  f"skipped {stats.failed} bad captures", flush=True)
+        finally:
+            if closer is not None:
+                closer.close()
+        return 0
+    if device.startswith("cuda"):
+        device = f"cuda:{w.rank % max(torch.cuda.device_count(), 1)}"
+    args = DSparkArgs.from_config(cfg)
+    model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
+                              cfg.train.train_lm_head)
+    logger = progress = None
+    if w.rank == 0:
+        from hpc.config import flatten
+        from hpc.track.logger import RunLogger
+
+        logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
+                           tags={"stage": "train", "slurm_job_id": os.environ.get("SLURM_JOB_ID", "local")})
+        logger.log_params(flatten(_as_dictconfig(cfg)))
+        progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
+
+    def on_step(step: int, metrics: dict) -> None:
+        if progress is not None:
+            metrics.update(progress.update(step, metrics))
+            logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+
+    code = run_trainer(w, group, cfg.train, cfg.stream, model, head, out, cfg.verifier.model, on_step, device)
+    if w.rank == 0:
+        progress.close()
+        _finish(cfg, out, logger)
+    return code
+
+
+def _as_dictconfig(cfg: DSparkConfig):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(cfg)
+
+
+def _finish(cfg: DSparkConfig, out: Path, logger) -> None:
+    """Export the last checkpoint for vLLM, plot the loss curve, hand both to MLflow."""
+    import json
+
+    from hpc.model.export import export_draft, load_draft
+    from hpc.track.plots import loss_curve_png
+    from hpc.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is not None:
+        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.model,
+                              json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"],
+                              max(cfg.eval.num_speculative_tokens))
+        losses = json.loads((ckpt / "state.json").read_text())["losses"]
+        png = loss_curve_png(losses, out / "loss_curve.png", title=cfg.name)
+        logger.log_artifact(str(png))
+        logger.log_artifact(str(export / "config.json"), "export")
+        logger.log_artifact(str(export / "model.safetensors"), "export")
+        print(f"exported {ckpt.name} -> {export}", flush=True)
+    if not logger.close(timeout_s=30):
+        print(f"tracking server unreachable ({logger.last_error}); metrics kept only in {out}", flush=True)

@@ -1,0 +1,77 @@
+"""Small reads from a target's checkpoint: its text config and its final RMSNorm.
+
+The vLLM backend needs the final norm's weight to turn vLLM's pre-norm capture into the
+post-norm state the lm_head sees, without loading the model (Kimi-K2.6 is ~600 GB): only the
+index and the one shard holding `...model.norm.weight` are read. A hub id is resolved through
+the local Hugging Face cache, where vLLM has already downloaded the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hpc.errors import UserError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def target_file(model: str | Path, name: str, *, required: bool = True) -> Path | None:
+    """`name` inside a local model directory, or from the HF cache/hub for a repo id."""
+    local = Path(model)
+    if local.is_dir():
+        path = local / name
+        if path.is_file():
+            return path
+        if required:
+            raise UserError(f"{path} not found")
+        return None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(str(model), name))
+    except EntryNotFoundError:
+        if required:
+            raise UserError(f"{name} not found in {model}") from None
+        return None
+    except Exception as err:  # noqa: BLE001 - offline, gated, no such repo: all need the user
+        raise UserError(f"cannot read {name} of {model}: {err}") from err
+
+
+def text_config(model: str | Path) -> dict:
+    """config.json, or its `text_config` for multimodal wrappers (Kimi-K2.5/2.6)."""
+    cfg = json.loads(target_file(model, "config.json").read_text())
+    return cfg.get("text_config") or cfg
+
+
+def final_norm_weight(model: str | Path) -> torch.Tensor:
+    """The decoder's final RMSNorm weight (`model.norm.weight`, maybe under a wrapper prefix)."""
+    index = target_file(model, INDEX, required=False)
+    if index is not None:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        names = list(weight_map)
+    else:
+        with safe_open(target_file(model, SINGLE), framework="pt") as fh:
+            names = list(fh.keys())
+    # `model.norm.weight`, `language_model.model.norm.weight`, ...; MTP layers' norms
+    # (`model.layers.61.shared_head.norm.weight`) do not end like this.
+    found = sorted((n for n in names if n == "model.norm.weight" or n.endswith(".model.norm.weight")), key=len)
+    if not found:
+        raise UserError(f"no final norm (`model.norm.weight`) in the checkpoint of {model}")
+    shard = target_file(model, weight_map[found[0]]) if index is not None else target_file(model, SINGLE)
+    with safe_open(shard, framework="pt") as fh:
+        return fh.get_tensor(found[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / rms(x)` as HF's Llama/Qwen3/DeepseekV3 RMSNorm computes it: statistics in
+    fp32, the product in the input dtype (so bf16 captures round as the target's own norm does).
+    Models whose norm scales by (1 + weight), e.g. Gemma, would need their own variant."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * normed.to(x.dtype)

@@ -1,0 +1,247 @@
+"""The vLLM verifier backend: a vLLM server prefills known token ids and we read its hidden states.
+
+Server side (flags built from VerifierConfig in `server_args`):
+- speculative method `extract_hidden_states` with `eagle_aux_hidden_state_layer_ids` = our aux
+  ids plus `num_hidden_layers` (the last layer's output, which the last hidden state needs),
+  sorted and without repeats, since vLLM collects them in layer order;
+- our KV connector (capture_connector.py, loaded via `kv_connector_module_path`) writes one
+  safetensors file per request into `<capture_dir>/port-<port>/` (node-local: /dev/shm).
+
+Client side, `VLLMVerifier.capture(sample_id, ids, mask)`: POST /v1/completions with the ids as
+the prompt and max_tokens=1 (only prompt tokens are saved), wait for the file named in
+`kv_transfer_params`, read it, delete it, and build aux [T, n_aux, H] and the last hidden state.
+Problems with one sample's file raise CaptureError, so the streamer skips that sample only.
+The client must run on the server's node (the streamer does): the path is node-local.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hpc.config.schema import FinalHidden, VerifierConfig
+from hpc.errors import UserError
+from hpc.verifier.hf_backend import Capture
+from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
+from hpc.verifier.vllm_server import VLLMServer, free_port, log_tail, start_vllm_server
+
+# capture_connector.py imports vllm, which lives only in vLLM's venv: refer to it by file and
+# name here (tests/verifier/test_vllm_backend.py checks these match the module).
+CONNECTOR_FILE = Path(__file__).with_name("capture_connector.py")
+CONNECTOR_MODULE = "dspark_capture_connector"  # the name it is imported under inside vLLM
+CONNECTOR_CLASS = "DSparkCaptureConnector"
+PATH_KEY = "hidden_states_path"  # PATH_KEY
+
+
+class CaptureError(RuntimeError):
+    """One sample's capture failed (bad file, rejected prompt); other samples are unaffected."""
+
+
+def capture_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
+    """What vLLM must capture: the aux ids and the final pre-norm output (id == num layers)."""
+    bad = [i for i in aux_layer_ids if not 0 <= i <= num_hidden_layers]
+    if bad:
+        raise UserError(f"verifier.aux_layer_ids {bad} outside 0..{num_hidden_layers} (the target's layers)")
+    return sorted(set(aux_layer_ids) | {num_hidden_layers})
+
+
+def server_args(cfg: VerifierConfig, layer_ids: list[int], capture_dir: str | Path) -> list[str]:
+    """Every vLLM flag from the config; `cfg.extra_args` come last, so they win."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+          "kv_role": "kv_producer", "kv_connector_extra_config": {"capture_dir": str(capture_dir)}}
+    args = ["--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            # A prefix-cache hit skips the forward of the shared prefix: safest to always recompute,
+            # so every saved row comes from this request's own forward.
+            "--no-enable-prefix-caching"]
+    if cfg.tokenizer:
+        args += ["--tokenizer", cfg.tokenizer]
+    if cfg.trust_remote_code:
+        args.append("--trust-remote-code")
+    if cfg.compilation_config:
+        args += ["--compilation-config", json.dumps(cfg.compilation_config)]
+    return args + list(cfg.extra_args)
+
+
+@dataclass
+class CaptureServer:
+    """A vLLM server with our connector, and the folders it owns (removed on stop)."""
+
+    server: VLLMServer
+    capture_dir: Path
+    connector_dir: Path
+    layer_ids: list[int]
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.capture_dir, ignore_errors=True)
+        shutil.rmtree(self.connector_dir, ignore_errors=True)
+
+    def __enter__(self) -> CaptureServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_capture_server(cfg: VerifierConfig, *, log_path: str | Path | None = None,
+                         num_hidden_layers: int | None = None) -> CaptureServer:
+    """Start vLLM from `cfg.python` with hidden-state capture; raises UserError if it never gets healthy."""
+    n_layers = num_hidden_layers or _num_layers(cfg)
+    layer_ids = capture_layer_ids(list(cfg.aux_layer_ids), n_layers)
+    # One folder per server: files a crashed server left behind (RAM, in /dev/shm) go at the next start.
+    port = cfg.port or free_port(cfg.host)
+    capture_dir = Path(cfg.capture_dir) / f"port-{port}"
+    shutil.rmtree(capture_dir, ignore_errors=True)
+    capture_dir.mkdir(parents=True)
+    # The connector runs in vLLM's venv: put a copy of just that file on its PYTHONPATH.
+    connector_dir = Path(tempfile.mkdtemp(prefix="dspark-connector-"))
+    shutil.copy2(CONNECTOR_FILE, connector_dir / f"{CONNECTOR_MODULE}.py")
+    env = dict(cfg.env)
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(connector_dir), inherited) if p)
+    try:
+        server = start_vllm_server(
+            cfg.python, cfg.model, host=cfg.host, port=port, base_args=server_args(cfg, layer_ids, capture_dir),
+            env=env, log_path=log_path, timeout=cfg.health_timeout_s, entrypoint=cfg.entrypoint)
+    except BaseException:
+        shutil.rmtree(capture_dir, ignore_errors=True)
+        shutil.rmtree(connector_dir, ignore_errors=True)
+        raise
+    return CaptureServer(server, capture_dir, connector_dir, layer_ids)
+
+
+def _num_layers(cfg: VerifierConfig) -> int:
+    try:
+        return int(text_config(cfg.model)["num_hidden_layers"])
+    except UserError:  # config.json unreachable (e.g. login node): trust the config
+        return cfg.num_hidden_layers
+
+
+def wait_for_file(path: Path, timeout: float) -> None:
+    """The connector writes the file after the response is sent; it appears by an atomic rename."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while not path.exists():
+        error = Path(f"{path}.error")
+        if error.exists():
+            msg = error.read_text(errors="replace")
+            error.unlink(missing_ok=True)
+            raise CaptureError(f"the server failed to write {path}: {msg}")
+        if time.monotonic() > deadline:
+            raise CaptureError(f"capture file {path} did not appear within {timeout:.0f}s (is this "
+                               "process on the vLLM server's node? the capture dir is node-local)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def read_capture(path: Path, sample_id: int, input_ids: list[int], n_ids: int, hidden: int) -> torch.Tensor:
+    """The [T, n_ids, H] hidden states of one capture file, checked against what was sent."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            states = fh.get_tensor("hidden_states")
+            token_ids = fh.get_tensor("token_ids")
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as err:
+        size = path.stat().st_size if path.exists() else 0
+        raise CaptureError(f"sample {sample_id}: capture file {path} ({size} bytes) is truncated or corrupt: "
+                           f"{err}") from err
+    T = len(input_ids)
+    if tuple(states.shape) != (T, n_ids, hidden):
+        raise CaptureError(f"sample {sample_id}: capture file {path} holds hidden states "
+                           f"{tuple(states.shape)}, expected {(T, n_ids, hidden)}")
+    if token_ids.tolist() != list(input_ids):
+        raise CaptureError(f"sample {sample_id}: capture file {path} is for other token ids")
+    return states
+
+
+class VLLMVerifier:
+    """Captures through a vLLM server: an existing one (`server`) or one it starts from `cfg`."""
+
+    def __init__(self, cfg: VerifierConfig, server: CaptureServer | None = None, *,
+                 request_timeout_s: float = 600.0, file_timeout_s: float = 120.0,
+                 log_path: str | Path | None = None):
+        self.cfg = cfg
+        tcfg = text_config(cfg.model)
+        self.n_layers = int(tcfg["num_hidden_layers"])
+        self.hidden = int(tcfg["hidden_size"])
+        self.eps = float(tcfg.get("rms_norm_eps", 1e-6))
+        self.aux_layer_ids = list(cfg.aux_layer_ids)
+        self.layer_ids = capture_layer_ids(self.aux_layer_ids, self.n_layers)
+        self.final_hidden = FinalHidden(cfg.final_hidden)
+        # vLLM gives the last layer's output BEFORE the final norm; the lm_head (and so the
+        # training targets) sees it AFTER. For post_norm we apply the target's own norm weight.
+        self.norm_weight = final_norm_weight(cfg.model) if self.final_hidden == FinalHidden.post_norm else None
+        self.owns_server = server is None
+        self.server = server or start_capture_server(cfg, log_path=log_path, num_hidden_layers=self.n_layers)
+        if self.server.layer_ids != self.layer_ids:
+            raise UserError(f"the vLLM server captures layers {self.server.layer_ids}, this verifier needs "
+                            f"{self.layer_ids} (verifier.aux_layer_ids)")
+        self.request_timeout_s = request_timeout_s
+        self.file_timeout_s = file_timeout_s
+        self.session = requests.Session()
+
+    def _prefill(self, sample_id: int, ids: list[int]) -> Path:
+        """Send the known ids as the prompt; return the capture file's path."""
+        # vLLM runs the capture model only while every sequence in the batch plus one token fits
+        # max_model_len (and rejects such prompts anyway): say why here, for this sample only.
+        if len(ids) + 1 > self.cfg.max_model_len:
+            raise CaptureError(f"sample {sample_id}: {len(ids)} tokens, verifier.max_model_len "
+                               f"{self.cfg.max_model_len} allows at most {self.cfg.max_model_len - 1}")
+        body = {"model": self.cfg.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        try:
+            resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.request_timeout_s)
+        except requests.RequestException as err:
+            raise CaptureError(f"sample {sample_id}: vLLM server at {self.server.url} unreachable: {err}") from err
+        if resp.status_code != 200:
+            raise CaptureError(f"sample {sample_id}: vLLM answered {resp.status_code}: {resp.text[:500]}")
+        params = resp.json().get("kv_transfer_params") or {}
+        if PATH_KEY not in params:
+            raise CaptureError(f"sample {sample_id}: no capture path in vLLM's answer (is the server running "
+                               f"with the {CONNECTOR_CLASS}?): {str(resp.json())[:300]}")
+        return Path(params[PATH_KEY])
+
+    def capture(self, sample_id: int, input_ids: list[int] | torch.Tensor, loss_mask) -> Capture:
+        ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
+        path = self._prefill(sample_id, ids)
+        try:
+            wait_for_file(path, self.file_timeout_s)
+            states = read_capture(path, sample_id, ids, len(self.layer_ids), self.hidden)
+        finally:
+            path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
+        col = {layer: i for i, layer in enumerate(self.layer_ids)}
+        aux = states[:, [col[i] for i in self.aux_layer_ids]]
+        pre_norm = states[:, col[self.n_layers]]
+        last = pre_norm if self.norm_weight is None else rms_norm(pre_norm, self.norm_weight, self.eps)
+        return Capture(sample_id, torch.tensor(ids, dtype=torch.long), torch.as_tensor(loss_mask, dtype=torch.long),
+                       aux.float(), last.float())
+
+    def server_log_tail(self, lines: int = 20) -> str:
+        return log_tail(self.server.server.log_path, lines)
+
+    def close(self) -> None:
+        self.session.close()
+        if self.owns_server:
+            self.server.stop()
+
+    def __enter__(self) -> VLLMVerifier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

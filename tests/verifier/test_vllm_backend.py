@@ -1,0 +1,207 @@
+"""The vLLM capture backend: same tensors as the in-process HF backend, files cleaned up, clear errors.
+
+One capture server for the module (~30-100 s to start on 2 shared cores); the fast tests above
+the server ones need no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hpc.config.schema import FinalHidden, VerifierConfig
+from hpc.errors import UserError
+from hpc.verifier import vllm_backend
+from hpc.verifier.data import to_messages, tokenize_conversation
+from hpc.verifier.hf_backend import HFVerifier
+from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
+from hpc.verifier.toy_data import toy_conversations
+from hpc.verifier.vllm_backend import (
+    CaptureError, VLLMVerifier, capture_layer_ids, read_capture, server_args, start_capture_server)
+from hpc.verifier.vllm_server import free_port
+from tests.fixtures.infra import infra_unavailable
+
+# Unsorted and holding the final layer (id == num layers = 4): vLLM returns its ids sorted and
+# de-duplicated, so this exercises the column mapping.
+AUX = [3, 1, 4]
+ATOL = 1e-4  # fp32 on CPU; measured ~1e-5
+
+
+# ---------------- no server needed ----------------
+
+def test_capture_ids_add_the_final_layer_sorted():
+    assert capture_layer_ids([3, 1, 4], 4) == [1, 3, 4]
+    assert capture_layer_ids([1, 29, 57], 61) == [1, 29, 57, 61]
+    with pytest.raises(UserError, match="outside 0..4"):
+        capture_layer_ids([5], 4)
+
+
+def test_server_args_name_the_capture_method_and_our_connector(tmp_path):
+    cfg = VerifierConfig(extra_args=["--enforce-eager"])
+    args = server_args(cfg, [1, 29, 57, 61], tmp_path)
+    joined = " ".join(args)
+    assert '"method": "extract_hidden_states"' in joined
+    assert '"eagle_aux_hidden_state_layer_ids": [1, 29, 57, 61]' in joined
+    assert f'"kv_connector_module_path": "{vllm_backend.CONNECTOR_MODULE}"' in joined
+    assert f'"capture_dir": "{tmp_path}"' in joined
+    assert args[-1] == "--enforce-eager", "the user's extra args come last, so they win"
+    # The connector module runs in vLLM's venv: our names for it must match its source.
+    source = vllm_backend.CONNECTOR_FILE.read_text()
+    assert f"class {vllm_backend.CONNECTOR_CLASS}(" in source
+    assert f'PATH_KEY = "{vllm_backend.PATH_KEY}"' in source
+    imports = [ln for ln in source.splitlines() if ln.startswith(("import ", "from "))]
+    assert not [ln for ln in imports if "hpc" in ln], "the connector must not import the rest of hpc"
+
+
+def test_corrupt_or_truncated_file_is_a_clear_per_sample_error(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_file({"hidden_states": torch.randn(6, 2, 8), "token_ids": torch.arange(6)}, str(path))
+    assert read_capture(path, 1, list(range(6)), 2, 8).shape == (6, 2, 8)
+    with pytest.raises(CaptureError, match="expected"):
+        read_capture(path, 1, list(range(6)), 3, 8)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CaptureError, match=r"sample 1: .* truncated or corrupt"):
+        read_capture(path, 1, list(range(6)), 2, 8)
+
+
+def test_norm_from_safetensors_matches_hf(toy_target):
+    # post_norm in the vLLM backend = our RMSNorm with the weight read from the checkpoint.
+    hf = HFVerifier(str(toy_target), [1], final_hidden="post_norm")
+    x = torch.randn(5, int(text_config(toy_target)["hidden_size"]))
+    weight = final_norm_weight(toy_target)
+    assert torch.equal(weight, hf.model.model.norm.weight.detach())
+    eps = float(text_config(toy_target)["rms_norm_eps"])
+    assert torch.allclose(rms_norm(x, weight, eps), hf.model.model.norm(x), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_deepseek_toy_captures_through_hf(toy_deepseek):
+    # Kimi's architecture (MLA + MoE). vLLM's DeepseekV3 numerics differ from HF's, so only
+    # the HF path is checked here: shapes, finite values, and our norm reproducing HF's.
+    n_layers = int(text_config(toy_deepseek)["num_hidden_layers"])
+    aux = [1, n_layers]
+    pre = HFVerifier(str(toy_deepseek), aux, final_hidden="pre_norm").capture(0, list(range(10, 50)), [1] * 40)
+    post = HFVerifier(str(toy_deepseek), aux, final_hidden="post_norm").capture(0, list(range(10, 50)), [1] * 40)
+    hidden = int(text_config(toy_deepseek)["hidden_size"])
+    assert pre.aux_TnH.shape == (40, 2, hidden) and post.last_hidden_TH.shape == (40, hidden)
+    assert torch.isfinite(pre.aux_TnH).all() and torch.isfinite(post.last_hidden_TH).all()
+    eps = float(text_config(toy_deepseek)["rms_norm_eps"])
+    ours = rms_norm(pre.last_hidden_TH, final_norm_weight(toy_deepseek), eps)
+    print(f"deepseek toy: post-norm ours vs HF max abs diff {(ours - post.last_hidden_TH).abs().max():.2e}")
+    assert torch.allclose(ours, post.last_hidden_TH, atol=1e-5)
+
+
+# ---------------- one real vLLM server ----------------
+
+@pytest.fixture(scope="module")
+def capture_cfg(vllm_python, toy_target, tmp_path_factory) -> VerifierConfig:
+    return VerifierConfig(
+        model=str(toy_target), python=str(vllm_python), trust_remote_code=False, aux_layer_ids=AUX,
+        dtype="float32", tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=512,
+        # Small prefill chunks, so a long sample is captured across several engine steps (as a
+        # 20k-token Kimi sample is with the default budget).
+        extra_args=["--enforce-eager", "--max-num-batched-tokens", "128"], compilation_config={},
+        host="127.0.0.1", port=free_port(),
+        capture_dir=str(tmp_path_factory.mktemp("captures")), health_timeout_s=420)
+
+
+@pytest.fixture(scope="module")
+def capture_server(capture_cfg, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-capture") / "server.log"
+    try:
+        server = start_capture_server(capture_cfg, log_path=log)
+    except UserError as err:
+        infra_unavailable(f"vLLM capture server did not start: {err}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def samples(toy_target) -> list[tuple[list[int], list[int]]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_target)
+    rows = [tokenize_conversation(tok, to_messages(r)) for r in toy_conversations(3, seed=5)]
+    rows.append(((rows[0][0] * 4)[:450], (rows[0][1] * 4)[:450]))  # > 128: prefilled in 4 chunks
+
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("final_hidden", [FinalHidden.post_norm, FinalHidden.pre_norm])
+def test_vllm_capture_matches_hf(capture_server, capture_cfg, toy_target, samples, final_hidden):
+    cfg = dataclasses.replace(capture_cfg, final_hidden=final_hidden)
+    vllm = VLLMVerifier(cfg, server=capture_server)
+    hf = HFVerifier(str(toy_target), AUX, final_hidden=final_hidden.value)
+    worst_aux = worst_last = 0.0
+    for sid, (ids, mask) in enumerate(samples):
+        got, want = vllm.capture(sid, ids, mask), hf.capture(sid, ids, mask)
+        assert got.sample_id == sid and got.input_ids_T.tolist() == ids and got.loss_mask_T.tolist() == mask
+        got.check(len(AUX), vllm.hidden)
+        worst_aux = max(worst_aux, (got.aux_TnH - want.aux_TnH).abs().max().item())
+        worst_last = max(worst_last, (got.last_hidden_TH - want.last_hidden_TH).abs().max().item())
+        assert not list(capture_server.capture_dir.iterdir()), "the capture file must be deleted once read"
+    lengths = [len(ids) for ids, _ in samples]
+    print(f"{final_hidden.value}: lengths {lengths}, max abs diff vLLM vs HF: aux {worst_aux:.2e}, "
+          f"last {worst_last:.2e}")
+    assert worst_aux < ATOL and worst_last < ATOL
+    vllm.close()
+    assert capture_server.server.healthy(), "a verifier given a server must not stop it"
+
+
+@pytest.mark.slow
+def test_truncated_capture_file_fails_that_sample_only(capture_server, capture_cfg, samples, monkeypatch):
+    vllm = VLLMVerifier(capture_cfg, server=capture_server)
+    real_wait = vllm_backend.wait_for_file
+    seen: list[Path] = []
+
+    def wait_then_truncate(path: Path, timeout: float) -> None:
+        real_wait(path, timeout)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # what a full disk leaves
+        seen.append(path)
+
+    monkeypatch.setattr(vllm_backend, "wait_for_file", wait_then_truncate)
+    ids, mask = samples[0]
+    with pytest.raises(CaptureError, match=r"sample 7: capture file .* is truncated or corrupt"):
+        vllm.capture(7, ids, mask)
+    assert seen and not seen[0].exists(), "a bad file is deleted too (node RAM)"
+    monkeypatch.setattr(vllm_backend, "wait_for_file", real_wait)
+    assert vllm.capture(8, ids, mask).aux_TnH.shape[0] == len(ids), "the next sample is unaffected"
+
+
+@pytest.mark.slow
+def test_overlong_sample_is_refused_before_vllm(capture_server, capture_cfg):
+    vllm = VLLMVerifier(capture_cfg, server=capture_server)
+    with pytest.raises(CaptureError, match="at most 511"):
+        vllm.capture(3, [11] * capture_cfg.max_model_len, [1] * capture_cfg.max_model_len)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of LISTEN sockets on `port`, from /proc/net/tcp{,6}."""
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr_hex, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:
+                continue
+            raw = bytes.fromhex(addr_hex)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(family, raw))
+    return found
+
+
+@pytest.mark.slow
+def test_capture_server_binds_loopback_only(capture_server):
+    assert "--host" in capture_server.server.proc.args
+    assert _listening_addresses(capture_server.server.port) == {"127.0.0.1"}
