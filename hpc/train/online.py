@@ -142,8 +142,10 @@ def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head
     try:
         trainer.run(stream_micro_batches(receiver, trainer.micro_batch_size, group), on_step=step_hook)
     except RequeueRequested as why:
+        receiver.close()
         print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
+    receiver.close()  # the streamers stop feeding us before anything else happens
     # Whatever stopped the loop, the progress so far is saved before anyone exits.
     if trainer.state.step % train_cfg.checkpoint_interval and trainer.state.step != train_cfg.steps:
         trainer.checkpoint()
