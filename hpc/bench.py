@@ -133,9 +133,23 @@ def _run_toy_target(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- stream ----------------------------------------------------------------------------------
+def _stream_args(p: argparse.ArgumentParser) -> None:
+    from hpc.stream.bench import add_args
+
+    add_args(p)
+
+
+def _run_stream(args: argparse.Namespace) -> int:
+    from hpc.stream.bench import run
+
+    return run(args)
+
+
 # name -> (add arguments, run, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {
     "train-step": (_train_step_args, _run_train_step, "our DSpark training step vs speculators', tokens/s"),
+    "stream": (_stream_args, _run_stream, "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
     "toy-target": (_toy_target_args, _run_toy_target, "cold build time of the toy targets vs the 5-minute budget"),
 }
 

@@ -41,9 +41,14 @@ def _entry(rank, cfg, T, V, addr, port) -> None:
     import os
     import sys
 
+    from hpc.errors import UserError
     from hpc.train.driver import rank_main
 
-    code = rank_main(rank, cfg, T, V, addr, port)
+    try:
+        code = rank_main(rank, cfg, T, V, addr, port)
+    except UserError as err:
+        print(f"error: rank {rank}: {err}", file=sys.stderr)
+        code = 2
     sys.stdout.flush()
     sys.stderr.flush()
     # A receive thread of a dead peer can block forever in C++; interpreter teardown would abort.

@@ -102,6 +102,16 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
                            tags={"stage": "train", "slurm_job_id": os.environ.get("SLURM_JOB_ID", "local")})
         logger.log_params(flatten(_as_dictconfig(cfg)))
+        stats_file = out / "data" / "stats.json"
+        if stats_file.is_file():  # skipped rows are counted once, by the preparing process
+            import json
+
+            logger.log_metrics(json.loads(stats_file.read_text()), step=0)
+        from omegaconf import OmegaConf
+
+        resolved = out / "config.yaml"
+        resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(cfg)))
+        logger.log_artifact(str(resolved))
         progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
 
     def on_step(step: int, metrics: dict) -> None:

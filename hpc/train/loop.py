@@ -110,6 +110,9 @@ class Trainer:
         return self.cfg.global_batch_size // (self.world * self.cfg.grad_accumulation)
 
     def _micro_loss(self, captures: list[Capture]) -> tuple[torch.Tensor, dict]:
+        a = self.model.args
+        for cap in captures:  # a mismatched capture must stop the run, not train on garbage
+            cap.check(len(a.aux_layer_ids), a.target_hidden_size)
         row = pack(captures)
         row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
                                                       row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))

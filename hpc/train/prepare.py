@@ -6,6 +6,7 @@ and streamer rank reads those instead of redoing the work.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,11 @@ def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     seen = int((counts > 0).sum())
     d2t, t2d = mapping_from_selected(select_draft_vocab(counts, n, fill=True), vocab_size)
     vocab_file = save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
-    return Prepared(rows_file, vocab_file, stats, max(0, n - seen))
+    filled = max(0, n - seen)
+    summary = {"rows_kept": stats.kept, **{f"rows_skipped_{k}": v for k, v in stats.skipped.items()},
+               "draft_vocab_filled": filled}
+    (out / "stats.json").write_text(json.dumps(summary))
+    return Prepared(rows_file, vocab_file, stats, filled)
 
 
 def load_prepared(out_dir: str | Path) -> tuple[dict, Path]:

@@ -132,3 +132,15 @@ def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
     assert r0["digest"] == r1["digest"]  # same weights on both replicas
     assert r0["ledger"] == r1["ledger"] and len(set(r0["ledger"])) == 16  # 4 steps x 4 samples, none twice
     assert len(list((tmp_path / "checkpoints").glob("step_*/rank1.safetensors"))) == 1
+
+
+def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_path):
+    from hpc.errors import UserError
+    from hpc.train.loop import MicroBatch
+    from hpc.verifier.hf_backend import Capture
+
+    trainer, verifier = make_trainer(target_dir, tmp_path, init_seed=0)
+    good = verifier.capture(0, *rows()[0])
+    bad = Capture(1, good.input_ids_T, good.loss_mask_T, good.aux_TnH[:, :2], good.last_hidden_TH)
+    with pytest.raises(UserError, match=r"aux \(\d+, 2, 32\).*expects aux \(\d+, 3, 32\)"):
+        trainer.step([MicroBatch([good, bad], [0, 1], 0)])

@@ -37,7 +37,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, mlflow_server, tmp_pa
     for key in ("samples_per_s", "data_wait_fraction", "accept_len", "lr"):
         assert key in run.data.metrics, key
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert "loss_curve.png" in names and "export" in names
+    assert {"loss_curve.png", "export", "config.yaml"} <= names
+    assert run.data.metrics["rows_kept"] == 64
 
 
 def test_dspark_train_rejects_an_indivisible_batch(tmp_path):

@@ -1,0 +1,128 @@
+"""`dspark bench stream`: streamer -> trainer throughput against a raw torch.distributed send of
+the same bytes between the same two processes, and the trainer's data-wait fraction.
+
+Also a user tool: on a GPU allocation, `--backend nccl` measures the real verifier-to-trainer
+link before a long run. Captures are synthetic (no verifier compute), so the figure is the
+transport's ceiling; repeats alternate raw and stream, and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _capture(i: int, T: int, n_aux: int, H: int, device: str):
+    from hpc.verifier.hf_backend import Capture
+
+    g = torch.Generator().manual_seed(i)
+    return Capture(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
+                   torch.randn(T, n_aux, H, generator=g), torch.randn(T, H, generator=g))
+
+
+def _raw(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: torch.dtype) -> float:
+    """Seconds to move n samples' tensors with plain blocking send/recv."""
+    # The same bytes as a sample, in one tensor each way: the best a transport can do.
+    ids = torch.zeros(2, T, dtype=torch.int64, device=device)
+    states = torch.zeros(T, n_aux + 1, H, dtype=dtype, device=device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if rank == 1:
+            dist.send(ids, dst=0)
+            dist.send(states, dst=0)
+        else:
+            dist.recv(ids, src=1)
+            dist.recv(states, src=1)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _stream(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: torch.dtype, step_s: float,
+            buffer: int) -> tuple[float, float]:
+    """(seconds for n samples through streamer + receiver, trainer wait fraction)."""
+    from hpc.stream.receiver import StreamReceiver
+    from hpc.stream.streamer import run_streamer
+
+    caps = [_capture(i, T, n_aux, H, device) for i in range(n)] if rank == 1 else []
+    dist.barrier()
+    t0 = time.perf_counter()
+    wait = 0.0
+    if rank == 1:
+        rows = lambda ledger, epoch: ((0, c.sample_id, [], []) for c in caps)  # noqa: E731
+        run_streamer(rows, lambda i, ids, mask: caps[i], [0], device, dtype, prefetch=4, heartbeat_s=5.0)
+    else:
+        recv = StreamReceiver([1], buffer, device, peer_timeout_s=60.0).start([], 0, send_ledger=True)
+        while (item := recv.get()) is not None:
+            recv.consumed(item[0])
+            if step_s:
+                time.sleep(step_s)  # a trainer step that takes this long
+        wait = recv.wait_s
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    return elapsed, wait / elapsed
+
+
+def worker(rank: int, args: dict, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR=args["addr"], MASTER_PORT=str(port))
+    dist.init_process_group(args["backend"], rank=rank, world_size=2)
+    device = "cuda" if args["backend"] == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dtype = getattr(torch, args["dtype"])
+    T, A, H, n = args["tokens"], args["n_aux"], args["hidden"], args["samples"]
+    raw, stream, waits = [], [], []
+    _raw(rank, 2, T, A, H, device, dtype)  # warm up the connection
+    for _ in range(args["repeats"]):
+        raw.append(_raw(rank, n, T, A, H, device, dtype))
+        stream.append(_stream(rank, n, T, A, H, device, dtype, 0.0, args["buffer"])[0])
+        # Demand below supply: every step's worth of data should already be waiting.
+        waits.append(_stream(rank, n, T, A, H, device, dtype, args["step_ms"] / 1000, args["buffer"])[1])
+    if rank == 0:
+        Path(out).write_text(json.dumps({"raw": raw, "stream": stream, "wait": waits}))
+    dist.destroy_process_group()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per sample")
+    p.add_argument("--hidden", type=int, default=512, help="target hidden size (Kimi: 7168)")
+    p.add_argument("--n-aux", type=int, default=3)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--samples", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--buffer", type=int, default=8, help="stream.buffer_per_trainer")
+    p.add_argument("--step-ms", type=float, default=50.0, help="simulated trainer step for the wait fraction")
+    p.add_argument("--addr", default="127.0.0.1")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    from hpc.track.server import free_port
+
+    cfg = {k: getattr(args, k) for k in ("backend", "tokens", "hidden", "n_aux", "dtype", "samples", "repeats",
+                                         "buffer", "step_ms", "addr")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.json")
+        mp.start_processes(worker, args=(cfg, free_port(), out), nprocs=2, start_method="spawn")
+        res = json.loads(Path(out).read_text())
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    nbytes = args.samples * (args.tokens * 2 * 8 + args.tokens * (args.n_aux + 1) * args.hidden * elem)
+    raw_s, stream_s = statistics.median(res["raw"]), statistics.median(res["stream"])
+    wait = statistics.median(res["wait"])
+    print(f"stream bench: {args.backend}, {args.samples} samples x {nbytes / args.samples / 1e6:.1f} MB, "
+          f"{args.repeats} repeats (medians)")
+    print(f"raw send      {nbytes / raw_s / 1e9:8.3f} GB/s")
+    print(f"streamer      {nbytes / stream_s / 1e9:8.3f} GB/s   ratio to raw {raw_s / stream_s:.2f} (goal >= 0.8)")
+    print(f"trainer data-wait fraction at {args.step_ms:.0f} ms/sample: {wait:.1%} (goal <= 5%)")
+    return 0
