@@ -28,7 +28,8 @@ class _Pending:
 
 class RunLogger:
     def __init__(self, uri: str, experiment: str, run_name: str, parent_run_id: str | None = None,
-                 tags: dict[str, str] | None = None, flush_every_s: float = 2.0, run_id: str | None = None):
+                 tags: dict[str, str] | None = None, flush_every_s: float = 2.0, run_id: str | None = None,
+                 system_every_s: float | None = 10.0):
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(uri)
@@ -38,6 +39,9 @@ class RunLogger:
         self.flush_every_s = flush_every_s
         self.last_error: str | None = None
         self.flushed_metrics = 0
+        self.system_every_s = system_every_s
+        self._last_system = 0.0
+        self._last_step = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -56,6 +60,7 @@ class RunLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         with self._lock:
+            self._last_step = step
             for k, v in metrics.items():
                 self.pending.metrics.append((k, float(v), now, step))
 
@@ -112,10 +117,30 @@ class RunLogger:
         with self._lock:
             return len(self.pending.metrics)
 
+    def _sample_system(self) -> None:
+        """CPU, memory and GPU memory of this node, through the same outage-proof buffer."""
+        import psutil
+
+        vm = psutil.virtual_memory()
+        values = {"system/cpu_percent": psutil.cpu_percent(interval=None),
+                  "system/memory_used_gb": (vm.total - vm.available) / 1e9,
+                  "system/process_rss_gb": psutil.Process().memory_info().rss / 1e9}
+        try:
+            import torch
+
+            for i in range(torch.cuda.device_count()):
+                values[f"system/gpu{i}_memory_allocated_gb"] = torch.cuda.memory_allocated(i) / 1e9
+        except Exception:  # noqa: BLE001 - no GPU metrics is not a reason to lose the others
+            pass
+        self.log_metrics(values, self._last_step)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.flush_every_s)
             self._wake.clear()
+            if self.system_every_s and time.monotonic() - self._last_system >= self.system_every_s:
+                self._last_system = time.monotonic()
+                self._sample_system()
             while self.buffered and self.flush():  # drain in batches while the server takes them
                 pass
             if not self.buffered:

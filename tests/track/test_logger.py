@@ -22,7 +22,7 @@ def wait_for(cond, timeout=60.0):
 def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
-        log = RunLogger(server.uri, "outage", "train", flush_every_s=0.2)
+        log = RunLogger(server.uri, "outage", "train", flush_every_s=0.2, system_every_s=None)
         log.log_params({"train.lr": 3e-4})
         for step in range(5):
             log.log_metrics({"loss": 5.0 - step}, step)
@@ -51,7 +51,7 @@ def test_run_created_late_when_the_server_starts_after_training(tmp_path):
     from hpc.track.server import free_port
 
     server.port = free_port()
-    log = RunLogger(server.uri, "late", "train", flush_every_s=0.2)
+    log = RunLogger(server.uri, "late", "train", flush_every_s=0.2, system_every_s=None)
     log.log_metrics({"loss": 1.0}, 0)
     assert wait_for(lambda: log.last_error is not None, 30) and log.run_id is None
     server.start()

@@ -34,7 +34,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, mlflow_server, tmp_pa
     assert run.data.params["train.steps"] == "6" and run.data.params["draft.block_size"] == "8"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert steps == list(range(1, 7))
-    for key in ("samples_per_s", "data_wait_fraction", "accept_len", "lr"):
+    for key in ("samples_per_s", "data_wait_fraction", "accept_len", "lr", "system/cpu_percent"):
         assert key in run.data.metrics, key
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"loss_curve.png", "export", "config.yaml"} <= names
