@@ -18,6 +18,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
     ("devcluster", "hpc.launch.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
     ("toy-target", "hpc.verifier.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
+    ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),

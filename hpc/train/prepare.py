@@ -26,6 +26,16 @@ class Prepared:
     filled: int  # draft-vocab slots filled with unseen ids (documented fill rule)
 
 
+def training_sources(cfg) -> list[tuple[str, str, int | None]]:
+    """The regenerated (on-policy) shards once `dspark regenerate` has finished them, else the
+    configured sources as they are."""
+    regen = Path(cfg.data.output_dir) / "regenerated"
+    manifest = regen / "manifest.json"
+    if cfg.data.regenerate and manifest.is_file() and json.loads(manifest.read_text()).get("finished"):
+        return [(str(regen), "train", None)]
+    return [(s.path, s.split, s.max_rows) for s in cfg.data.sources]
+
+
 def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     from transformers import AutoTokenizer
 
@@ -34,8 +44,8 @@ def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     stats = RowStats()
     rows = []
-    for src in cfg.data.sources:
-        rows.extend(tokenize_rows(tok, read_rows(src.path, src.split, src.max_rows), cfg.data.max_seq_len, stats))
+    for path, split, max_rows in training_sources(cfg):
+        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
     if not rows:
         raise UserError(f"no usable training rows in data.sources ({stats.summary()}); check the paths and "
                         "that rows hold conversations/messages with an assistant turn")

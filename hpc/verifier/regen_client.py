@@ -1,0 +1,92 @@
+"""Chat completions against an OpenAI-compatible server (vLLM), with retries.
+
+A failed request is retried with exponential backoff when the cause may pass (connection
+errors, timeouts, 5xx, 429); a 4xx is the row's own fault (e.g. a prompt longer than
+max_model_len) and is not retried. Either way the caller gets RequestFailed and skips that
+row only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+from hpc.errors import UserError
+
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class RequestFailed(Exception):
+    """One request gave up; ``reason`` is the skip counter it goes to."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Reply:
+    content: str
+    truncated: bool  # stopped by max_tokens rather than by the model
+
+
+def served_model(url: str, timeout: float = 30.0) -> str:
+    """The id the server serves under; with --server-url it need not equal verifier.model."""
+    try:
+        resp = requests.get(f"{url.rstrip('/')}/v1/models", timeout=timeout)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except (requests.RequestException, KeyError, IndexError, ValueError) as err:
+        raise UserError(f"no OpenAI-compatible server answers at {url} ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''}); check --server-url or the server log")
+
+
+@dataclass
+class ChatClient:
+    url: str
+    model: str
+    max_tokens: int
+    temperature: float = 0.0
+    timeout: float = 600.0  # one long generation on a busy server may take minutes
+    retries: int = 3
+    backoff: float = 1.0  # seconds before the first retry; doubles each time
+    # requests.Session is not documented as thread-safe: one per worker thread.
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def complete(self, messages: list[dict], seed: int | None = None) -> Reply:
+        payload: dict = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+                         "temperature": self.temperature}
+        if seed is not None:
+            payload["seed"] = seed
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                resp = self._session().post(f"{self.url.rstrip('/')}/v1/chat/completions",
+                                            json=payload, timeout=self.timeout)
+            except requests.RequestException as err:
+                last = f"{type(err).__name__}: {err}"
+                continue
+            if resp.status_code in RETRYABLE_STATUS:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code >= 400:
+                raise RequestFailed("rejected", f"HTTP {resp.status_code}: {resp.text[:200]}")
+            try:
+                choice = resp.json()["choices"][0]
+                content = choice["message"].get("content") or ""
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                last = f"malformed response ({err!r}): {resp.text[:200]}"
+                continue
+            return Reply(content, choice.get("finish_reason") == "length")
+        raise RequestFailed("request_failed", f"{self.retries + 1} attempts, last: {last}")

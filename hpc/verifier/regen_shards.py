@@ -1,0 +1,121 @@
+"""Regenerated rows on disk: numbered JSONL shards plus a manifest, both written atomically.
+
+Shard k holds the results of input rows [k * shard_size, (k + 1) * shard_size) in input order
+(skipped rows leave gaps), so shard contents never depend on request timing. The manifest
+records each shard's input range and counts, and the settings the run used.
+
+Resume: the complete shards are the prefix 0..K-1 whose files exist and whose manifest entries
+cover a full input range (or, once a run reached the end of the data, the short last shard
+too: `finished`); the run restarts at input row K * shard_size. Anything after that (a shard
+written just before a kill but not yet in the manifest, or a short last shard from a run that
+stopped at a row limit) is deleted and redone, so a killed run loses at most the shard in
+progress and no row is ever written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hpc.errors import UserError
+
+MANIFEST = "manifest.json"
+SHARD_RE = re.compile(r"shard-(\d{5,})\.jsonl")
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.jsonl"
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    start: int  # first input row (global index over all sources)
+    end: int  # one past the last input row
+    written: int
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    # tmp name does not end in .jsonl, so readers globbing *.jsonl never see a partial shard.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class ShardStore:
+    def __init__(self, root: str | Path, shard_size: int, settings: dict):
+        if shard_size < 1:
+            raise UserError(f"shard size must be >= 1, got {shard_size}")
+        self.root = Path(root)
+        self.shard_size = shard_size
+        self.settings = {**settings, "shard_size": shard_size}
+        self.shards: list[ShardInfo] = []
+        self.finished = False  # every input row is in a shard
+
+    def open(self) -> int:
+        """Check the settings, drop incomplete leftovers; return the input row to restart at."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for tmp in self.root.glob(".*.tmp-*"):  # from a killed writer
+            tmp.unlink(missing_ok=True)
+        manifest = self.root / MANIFEST
+        old = json.loads(manifest.read_text()) if manifest.exists() else None
+        if old is None and any(self.root.glob("shard-*.jsonl")):
+            # Without the manifest nothing says which shards are complete: refuse rather than delete.
+            raise UserError(f"{self.root} holds shards but no {MANIFEST}; move them away or use another "
+                            "data.output_dir")
+        if old is not None and old.get("settings") != self.settings:
+            changed = sorted(k for k in set(old["settings"]) | set(self.settings)
+                             if old["settings"].get(k) != self.settings.get(k))
+            raise UserError(f"{self.root} holds shards regenerated with other settings ({', '.join(changed)} "
+                            "differ); resume with the same settings, or use another data.output_dir "
+                            "(or delete that folder) to start over")
+        entries = [ShardInfo(**e) for e in (old or {}).get("shards", [])]
+        done: list[ShardInfo] = []
+        for k, info in enumerate(entries):
+            last_of_finished = bool(old and old.get("finished")) and k == len(entries) - 1
+            full = info.end == info.start + self.shard_size or last_of_finished
+            if not (full and info.start == k * self.shard_size and info.name == shard_name(k)
+                    and (self.root / info.name).exists()):
+                break
+            done.append(info)
+        self.finished = bool(old and old.get("finished")) and len(done) == len(entries)
+        for path in self.root.glob("shard-*.jsonl"):
+            m = SHARD_RE.fullmatch(path.name)
+            if m and int(m.group(1)) >= len(done):
+                path.unlink()
+        self.shards = done
+        self._write_manifest()
+        return done[-1].end if done else 0
+
+    def write(self, start: int, end: int, records: list[dict], skipped: dict[str, int]) -> ShardInfo:
+        k = start // self.shard_size
+        assert start == k * self.shard_size and k == len(self.shards), "shards are written in order"
+        info = ShardInfo(shard_name(k), start, end, len(records), dict(skipped))
+        _atomic_write(self.root / info.name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self.shards.append(info)
+        self._write_manifest()
+        return info
+
+    def finish(self) -> None:
+        """The data ended (no row limit cut it): a re-run has nothing left to do."""
+        self.finished = True
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        body = {"settings": self.settings, "finished": self.finished, "shards": [asdict(s) for s in self.shards]}
+        _atomic_write(self.root / MANIFEST, json.dumps(body, indent=1) + "\n")
+
+
+def read_shards(root: str | Path) -> list[dict]:
+    """Every regenerated row, in shard order (tests and inspection)."""
+    rows = []
+    for path in sorted(Path(root).glob("shard-*.jsonl")):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return rows

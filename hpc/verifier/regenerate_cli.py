@@ -1,0 +1,53 @@
+"""`dspark regenerate CONFIG [KEY=VALUE ...]`: on-policy assistant turns from the target.
+
+Talks to an existing OpenAI-compatible server (--server-url), or starts vLLM from the config's
+verifier section (verifier.python / model / extra_args / env; port 0 = a free port) on
+127.0.0.1 and stops it at the end. Re-running the same command resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpc.config import resolve
+    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
+
+    cfg = resolve(args.config, args.overrides, check_tracking=False)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    server = None
+    url = args.server_url
+    if url is None:
+        log = Path(cfg.data.output_dir) / "logs" / "regenerate-vllm.log"
+        print(f"starting vLLM for {cfg.verifier.model} (log: {log})", flush=True)
+        server = start_regen_server(cfg, log_path=log)
+        url = server.url
+    try:
+        stats = regenerate(cfg, url, shard_size=args.shard_size, concurrency=args.concurrency,
+                           progress=progress, max_rows=args.max_rows,
+                           log=lambda line: print(line, flush=True))
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}", flush=True)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("regenerate", help="regenerate the assistant turns of data.sources with the target (vLLM)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--server-url", default=None,
+                   help="an OpenAI-compatible server serving the target (default: start vLLM from the config)")
+    p.add_argument("--shard-size", type=int, default=1000, help="input rows per output shard (default 1000)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight; vLLM batches them (default 8)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="stop after this many input rows (a later run without it continues)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    p.set_defaults(func=run)

@@ -1,0 +1,274 @@
+"""`dspark regenerate`: real vLLM on the toy target (one server for the module), fakes only for errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from hpc.config import resolve
+from hpc.errors import UserError
+from hpc.verifier.regen_client import ChatClient
+from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
+from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir, start_regen_server
+from hpc.verifier.toy_data import toy_conversations
+from tests.fixtures.infra import infra_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 16
+
+
+def conv(*turns: tuple[str, str]) -> list[dict]:
+    return [{"from": who, "value": text} for who, text in turns]
+
+
+def write_rows(path: Path) -> Path:
+    """12 rows: 7 single-turn, 2 multi-turn, 1 prompt-only, 1 without a user turn, 1 malformed."""
+    rows = toy_conversations(7, seed=1)
+    rows.append({"id": "multi-sys", "source": "t", "conversations": conv(
+        ("system", "You write Python."), ("human", "def parse(text):"), ("gpt", "ORIGINAL ONE"),
+        ("human", "Now add a docstring."), ("gpt", "ORIGINAL TWO"))})
+    rows.append({"id": "multi-3", "source": "t", "conversations": conv(
+        ("human", "import os"), ("gpt", "ORIGINAL A"), ("human", "class Foo:"), ("gpt", "ORIGINAL B"),
+        ("human", "    def __init__(self"), ("gpt", "ORIGINAL C"))})
+    rows.append({"id": "no-user", "conversations": conv(("system", "hi"), ("gpt", "hello"))})
+    rows.append({"id": "bad", "conversations": conv(("tool", "x"))})
+    rows.append({"id": "prompt-only", "messages": [{"role": "user", "content": "for i in range("}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+WRITTEN = [0, 1, 2, 3, 4, 5, 6, 7, 8, 11]  # input rows that must come out, in this order
+
+
+def make_cfg(tmp_path: Path, data: Path, *extra: str):
+    return resolve(str(ROOT / "configs/toy-cpu.yaml"), [
+        f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
+        f"data.regen_max_tokens={MAX_TOKENS}", *extra], check_tracking=False)
+
+
+@pytest.fixture(scope="module")
+def target(vllm_python, toy_target, tmp_path_factory):
+    """(server url, config overrides): the server is started the way the CLI starts it."""
+    tmp = tmp_path_factory.mktemp("regen-server")
+    over = [f"verifier.model={toy_target}", f"verifier.python={vllm_python}", "verifier.health_timeout_s=420"]
+    cfg = make_cfg(tmp, write_rows(tmp / "rows.jsonl"), *over)
+    try:
+        server = start_regen_server(cfg, log_path=tmp / "server.log")
+    except UserError as err:
+        infra_unavailable(f"vLLM server for regeneration did not start: {err}")
+    yield server.url, over
+    server.stop()
+
+
+def greedy(url: str, messages: list[dict]) -> str:
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    resp = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["message"]["content"] or ""
+
+
+# --- pure logic -------------------------------------------------------------------------------
+
+def test_plan_turns_keeps_system_and_user_and_places_replies():
+    u, s, a = ({"role": r, "content": r[0]} for r in ("user", "system", "assistant"))
+    assert plan_turns([s, u, a, u, a]) == [[s, u], [u]]
+    assert plan_turns([u, a, a, u]) == [[u], [u]]  # a run of assistant turns: one reply; final user gets one
+    assert plan_turns([s, a, u, a]) == [[s, u]]  # no reply before the first user turn
+    assert plan_turns([u, a, s]) == [[u]]  # a trailing system turn teaches nothing
+    assert plan_turns([s, a]) == []
+
+
+def test_ordered_map_keeps_input_order_under_concurrency():
+    def slow(i: int) -> int:
+        time.sleep(random.random() * 0.01)
+        return i * i
+
+    assert list(ordered_map(slow, range(50), workers=4)) == [i * i for i in range(50)]
+
+
+def test_store_refuses_shards_without_manifest_and_drops_partial_writes(tmp_path):
+    store = ShardStore(tmp_path, 2, {"model": "m"})
+    assert store.open() == 0
+    store.write(0, 2, [{"row": 0}, {"row": 1}], {})
+    (tmp_path / ".shard-00001.jsonl.tmp-123").write_text("{half")  # a writer killed mid-file
+    again = ShardStore(tmp_path, 2, {"model": "m"})
+    assert again.open() == 2 and not list(tmp_path.glob(".*tmp*"))
+    (tmp_path / MANIFEST).unlink()
+    with pytest.raises(UserError, match="no manifest.json"):
+        ShardStore(tmp_path, 2, {"model": "m"}).open()
+
+
+# --- real vLLM on the toy target --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target, tmp_path):
+    url, over = target
+    cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
+    stats = regenerate(cfg, url, shard_size=4, concurrency=1)
+    assert (stats.written, dict(stats.skipped), stats.shards) == (10, {"no_user_turn": 1, "malformed": 1}, 3)
+    rows = read_shards(regenerated_dir(cfg))
+    assert [r["row"] for r in rows] == WRITTEN
+    multi = next(r for r in rows if r["id"] == "multi-sys")
+    msgs = multi["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert [msgs[0]["content"], msgs[1]["content"], msgs[3]["content"]] == [
+        "You write Python.", "def parse(text):", "Now add a docstring."]
+    assert "ORIGINAL" not in msgs[2]["content"] + msgs[4]["content"]
+    assert msgs[2]["content"] == greedy(url, msgs[:2])
+    # The second turn answers the regenerated first turn: re-asking with it gives the same text.
+    assert msgs[4]["content"] == greedy(url, msgs[:4])
+    three = next(r for r in rows if r["id"] == "multi-3")["messages"]
+    assert [m["role"] for m in three] == ["user", "assistant"] * 3
+    assert three[5]["content"] == greedy(url, three[:5])
+    assert next(r for r in rows if r["id"] == "prompt-only")["messages"][1]["role"] == "assistant"
+    print(f"\nconcurrency 1: {stats.summary()}")
+
+
+@pytest.mark.slow
+def test_concurrency_does_not_change_shard_contents_order(target, tmp_path):
+    url, over = target
+    cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
+    stats = regenerate(cfg, url, shard_size=4, concurrency=4)
+    shards = sorted(p.name for p in regenerated_dir(cfg).glob("shard-*.jsonl"))
+    assert shards == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    by_shard = [[r["row"] for r in read_shards_of(regenerated_dir(cfg) / s)] for s in shards]
+    assert by_shard == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 11]]
+    # Batched requests give the solo greedy reply (fp32 on CPU; on GPUs batching may flip near-ties).
+    last = read_shards(regenerated_dir(cfg))[-1]["messages"]
+    assert last[-1]["content"] == greedy(url, last[:-1])
+    print(f"\nconcurrency 4: {stats.summary()}")
+
+
+def read_shards_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
+    url, over = target
+    data = write_rows(tmp_path / "rows.jsonl")
+    cfg = make_cfg(tmp_path, data, *over)
+    out = regenerated_dir(cfg)
+    cmd = [sys.executable, "-m", "hpc", "regenerate", str(ROOT / "configs/toy-cpu.yaml"),
+           f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
+           f"data.regen_max_tokens={MAX_TOKENS}", *over, "--server-url", url, "--shard-size", "4",
+           "--concurrency", "1", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "shard-00000.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-shard 1: as a preempted Slurm job dies
+    log = proc.communicate()[0].decode(errors="replace")
+    done = sorted(p.name for p in out.glob("shard-*.jsonl"))
+    assert done and done[0] == "shard-00000.jsonl" and len(done) < 3, log
+    stats = regenerate(cfg, url, shard_size=4, concurrency=2)
+    assert stats.resumed_shards >= 1 and stats.resumed_rows == 4 * stats.resumed_shards
+    rows = read_shards(out)
+    assert [r["row"] for r in rows] == WRITTEN  # each row once, in order
+    assert not list(out.glob(".*tmp*"))
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["finished"] and [s["written"] for s in manifest["shards"]] == [4, 4, 2]
+
+
+@pytest.mark.slow
+def test_row_limit_then_full_run_redoes_only_the_short_shard(target, tmp_path):
+    url, over = target
+    cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
+    first = regenerate(cfg, url, shard_size=4, concurrency=4, max_rows=6)
+    assert (first.written, first.shards) == (6, 2)  # shard 1 is short: rows 4..5
+    second = regenerate(cfg, url, shard_size=4, concurrency=4)
+    assert (second.resumed_shards, second.resumed_rows, second.shards) == (1, 4, 2)
+    assert [r["row"] for r in read_shards(regenerated_dir(cfg))] == WRITTEN
+    third = regenerate(cfg, url, shard_size=4, concurrency=4)
+    assert (third.written, third.shards, third.resumed_rows) == (0, 0, 12)
+    with pytest.raises(UserError, match="shard_size"):
+        regenerate(cfg, url, shard_size=5)
+
+
+# --- error paths: a fake OpenAI-compatible server ----------------------------------------------
+
+class FakeChat(BaseHTTPRequestHandler):
+    """Replies `reply-N` (N = messages in the request); FAIL -> 500, REJECT -> 400, FLAKY -> one 503."""
+
+    seen: Counter = Counter()
+    requests: list[list[dict]] = []
+
+    def log_message(self, *args) -> None:  # keep pytest output clean
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"data": [{"id": "fake"}]})
+
+    def do_POST(self) -> None:
+        msgs = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"]
+        last = msgs[-1]["content"]
+        FakeChat.seen[last] += 1
+        FakeChat.requests.append(msgs)
+        if "FAIL" in last:
+            return self._send(500, {"error": "boom"})
+        if "REJECT" in last:
+            return self._send(400, {"error": "prompt too long"})
+        if "FLAKY" in last and FakeChat.seen[last] == 1:
+            return self._send(503, {"error": "busy"})
+        self._send(200, {"choices": [{"message": {"role": "assistant", "content": f"reply-{len(msgs)}"},
+                                      "finish_reason": "stop"}]})
+
+
+@pytest.fixture
+def fake_url():
+    FakeChat.seen, FakeChat.requests = Counter(), []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeChat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def fake_rows(path: Path, prompts: list[str]) -> Path:
+    rows = [{"id": f"r{i}", "conversations": conv(("human", p), ("gpt", "orig"), ("human", "more"), ("gpt", "orig"))}
+            for i, p in enumerate(prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_failing_requests_cost_only_their_rows(fake_url, tmp_path):
+    cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["ok", "FAIL", "REJECT", "FLAKY", "ok2", "ok3"]))
+    client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=2, backoff=0.01)
+    stats = regenerate(cfg, fake_url, shard_size=4, concurrency=3, client=client)
+    assert stats.written == 4 and dict(stats.skipped) == {"request_failed": 1, "rejected": 1}
+    assert FakeChat.seen["FAIL"] == 3 and FakeChat.seen["REJECT"] == 1  # 5xx retried, 4xx not
+    rows = read_shards(regenerated_dir(cfg))
+    assert [r["id"] for r in rows] == ["r0", "r3", "r4", "r5"]  # FLAKY got through on its retry
+    # Turn 2 was asked with the regenerated turn 1, never the original.
+    second = [m for m in FakeChat.requests if len(m) == 3]
+    assert second and all(m[1] == {"role": "assistant", "content": "reply-1"} for m in second)
+    assert rows[0]["messages"][-1] == {"role": "assistant", "content": "reply-3"}
+
+
+def test_dead_server_stops_the_run_without_writing_the_shard_in_progress(fake_url, tmp_path):
+    cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c", "d"] + ["FAIL"] * 6))
+    client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=0, backoff=0.0)
+    with pytest.raises(UserError, match="server down"):
+        regenerate(cfg, fake_url, shard_size=4, concurrency=1, client=client, max_consecutive_failures=3)
+    assert sorted(p.name for p in regenerated_dir(cfg).glob("shard-*")) == ["shard-00000.jsonl"]
