@@ -68,8 +68,13 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
             _apply(cfg, value, full, origin, problems)
             continue
         try:
-            # merge_with (not update) so lists of dicts become typed DataSource/... entries.
-            cfg.merge_with(OmegaConf.create(_nest(full, value)))
+            if isinstance(child, DictConfig) and isinstance(value, dict):
+                # A free-form dict (compilation_config, env, sweep) is replaced, not merged:
+                # `compilation_config: {}` must be able to drop the default.
+                OmegaConf.update(cfg, full, value, merge=False)
+            else:
+                # merge_with (not update) so lists of dicts become typed DataSource/... entries.
+                cfg.merge_with(OmegaConf.create(_nest(full, value)))
         except OmegaConfBaseException as err:
             reason = str(err).splitlines()[0]
             problems.append(f"{full} = {_short(value)}: {reason} ({origin})")

@@ -47,6 +47,11 @@ def test_dotlist_overrides_apply_with_types():
     assert cfg.cluster.account == "abc"
 
 
+def test_free_dicts_are_replaced_not_merged():
+    cfg = resolve(KIMI, ["verifier.compilation_config={}", "verifier.env={A: '1'}"], check_tracking=False)
+    assert cfg.verifier.compilation_config == {} and cfg.verifier.env == {"A": "1"}
+
+
 def test_config_hash_follows_content_not_formatting():
     a = load_config(KIMI)
     b = load_config(KIMI, ["train.lr=0.0003"])
