@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hpc.config import resolve
+from hpc.config import load_config, to_object
 from hpc.errors import UserError
 from hpc.verifier.regen_client import ChatClient
 from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
@@ -53,9 +53,10 @@ WRITTEN = [0, 1, 2, 3, 4, 5, 6, 7, 8, 11]  # input rows that must come out, in t
 
 
 def make_cfg(tmp_path: Path, data: Path, *extra: str):
-    return resolve(str(ROOT / "configs/toy-cpu.yaml"), [
+    # Typed but not path-validated: the fake-server tests need no toy target on disk.
+    return to_object(load_config(str(ROOT / "configs/toy-cpu.yaml"), [
         f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
-        f"data.regen_max_tokens={MAX_TOKENS}", *extra], check_tracking=False)
+        f"data.regen_max_tokens={MAX_TOKENS}", *extra]))
 
 
 @pytest.fixture(scope="module")
