@@ -28,7 +28,7 @@ from hpc.verifier.data import read_rows, to_messages
 from hpc.verifier.regen_client import ChatClient, RequestFailed, served_model
 from hpc.verifier.regen_progress import Reporter, count_rows
 from hpc.verifier.regen_shards import ShardStore
-from hpc.verifier.vllm_server import VLLMServer, start_vllm_server
+from hpc.verifier.vllm_server import VLLMServer, config_flags, start_vllm_server
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,16 +44,7 @@ def serve_args(v: VerifierConfig) -> list[str]:
     Unlike the capture server there is no hidden-state capture, and prefix caching stays on:
     turn j + 1 of a conversation re-sends turn j's prompt and reply.
     """
-    args = ["--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
-            "--tensor-parallel-size", str(v.tensor_parallel_size),
-            "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
-    if v.tokenizer:
-        args += ["--tokenizer", v.tokenizer]
-    if v.trust_remote_code:
-        args.append("--trust-remote-code")
-    if v.compilation_config:
-        args += ["--compilation-config", json.dumps(v.compilation_config)]
-    return args + list(v.extra_args)
+    return config_flags(v) + list(v.extra_args)
 
 
 def start_regen_server(cfg: DSparkConfig, log_path: str | Path | None = None) -> VLLMServer:

@@ -32,7 +32,7 @@ from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError
 from hpc.verifier.hf_backend import Capture
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
-from hpc.verifier.vllm_server import VLLMServer, free_port, log_tail, start_vllm_server
+from hpc.verifier.vllm_server import VLLMServer, config_flags, free_port, log_tail, start_vllm_server
 
 # capture_connector.py imports vllm, which lives only in vLLM's venv: refer to it by file and
 # name here (tests/verifier/test_vllm_backend.py checks these match the module).
@@ -60,20 +60,12 @@ def server_args(cfg: VerifierConfig, layer_ids: list[int], capture_dir: str | Pa
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
     kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
           "kv_role": "kv_producer", "kv_connector_extra_config": {"capture_dir": str(capture_dir)}}
-    args = ["--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-            "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            # A prefix-cache hit skips the forward of the shared prefix: safest to always recompute,
-            # so every saved row comes from this request's own forward.
-            "--no-enable-prefix-caching"]
-    if cfg.tokenizer:
-        args += ["--tokenizer", cfg.tokenizer]
-    if cfg.trust_remote_code:
-        args.append("--trust-remote-code")
-    if cfg.compilation_config:
-        args += ["--compilation-config", json.dumps(cfg.compilation_config)]
-    return args + list(cfg.extra_args)
+    return config_flags(cfg) + [
+        "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+        # A prefix-cache hit skips the forward of the shared prefix: safest to always recompute,
+        # so every saved row comes from this request's own forward.
+        "--no-enable-prefix-caching",
+    ] + list(cfg.extra_args)
 
 
 @dataclass

@@ -10,6 +10,7 @@ that never gets there raises UserError with the tail of its log, which is where 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,21 @@ from hpc.errors import UserError
 # cudagraph capture does not apply on CPU.
 DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.5"]
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def config_flags(v) -> list[str]:
+    """The vLLM flags every server of ours takes from a VerifierConfig (model shape, parallelism,
+    memory, tokenizer, compilation); each caller adds its own and then `v.extra_args`, last."""
+    args = ["--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
+            "--tensor-parallel-size", str(v.tensor_parallel_size),
+            "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if v.tokenizer:
+        args += ["--tokenizer", v.tokenizer]
+    if v.trust_remote_code:
+        args.append("--trust-remote-code")
+    if v.compilation_config:
+        args += ["--compilation-config", json.dumps(dict(v.compilation_config))]
+    return args
 
 
 def free_port(host: str = "127.0.0.1") -> int:
