@@ -20,6 +20,13 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
     cfg = resolve(args.config, overrides, check_tracking=False)
+    if cfg.tracking.uri.startswith("http"):
+        from hpc.track.server import is_healthy
+
+        if not is_healthy(cfg.tracking.uri):
+            # Training is not held hostage by the tracking server: metrics wait in a buffer.
+            print(f"warning: tracking server {cfg.tracking.uri} unreachable; metrics are buffered and "
+                  "sent when it answers", flush=True)
     prep = prepare_data(cfg)
     print(f"data: {prep.stats.summary()}; draft vocab {cfg.draft.draft_vocab_size}"
           + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
