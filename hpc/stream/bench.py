@@ -60,7 +60,7 @@ def _stream(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: t
         rows = lambda ledger, epoch: ((0, c.sample_id, [], []) for c in caps)  # noqa: E731
         run_streamer(rows, lambda i, ids, mask: caps[i], [0], device, dtype, prefetch=4, heartbeat_s=5.0)
     else:
-        recv = StreamReceiver([1], buffer, device, peer_timeout_s=60.0).start([], 0, send_ledger=True)
+        recv = StreamReceiver([1], buffer, device, peer_timeout_s=60.0).start([], 0, share_ledger=True)
         while (item := recv.get()) is not None:
             recv.consumed(item[0])
             if step_s:

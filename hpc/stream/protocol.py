@@ -82,15 +82,16 @@ def recv_sample_body(h: Header, src: int, device) -> Capture:
     return Capture(h.sample_id, ids[0], ids[1], aux, last)
 
 
-def send_ids(kind: Kind, ids: list[int], dst: int, device, epoch: int = 0) -> None:
-    send_header(Header(kind, length=len(ids), epoch=epoch), dst, device)
-    if ids:
-        dist.send(torch.tensor(ids, dtype=torch.int64, device=device), dst=dst)
+def send_ledger(pairs: list[list[int]], epoch: int, dst: int, device) -> None:
+    """The trainer's ledger: (epoch, sample id) pairs already trained, from `epoch` on."""
+    send_header(Header(Kind.LEDGER, length=len(pairs), epoch=epoch), dst, device)
+    if pairs:
+        dist.send(torch.tensor(pairs, dtype=torch.int64, device=device).reshape(len(pairs), 2), dst=dst)
 
 
-def recv_ids(h: Header, src: int, device) -> list[int]:
+def recv_ledger(h: Header, src: int, device) -> list[list[int]]:
     if h.length == 0:
         return []
-    t = torch.empty(h.length, dtype=torch.int64, device=device)
+    t = torch.empty(h.length, 2, dtype=torch.int64, device=device)
     dist.recv(t, src=src)
     return t.tolist()

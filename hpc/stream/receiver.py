@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from hpc.stream.protocol import Header, Kind, empty_header, recv_sample_body, send_header, send_ids
+from hpc.stream.protocol import Header, Kind, empty_header, recv_sample_body, send_header, send_ledger
 from hpc.train.loop import MicroBatch
 
 
@@ -46,10 +46,10 @@ class StreamReceiver:
         self.wait_s = 0.0
         self._done = threading.Event()
 
-    def start(self, ledger: list[int], epoch: int, send_ledger: bool) -> "StreamReceiver":
-        if send_ledger:
+    def start(self, ledger: list[list[int]], epoch: int, share_ledger: bool) -> "StreamReceiver":
+        if share_ledger:
             for s in self.streamers:
-                send_ids(Kind.LEDGER, ledger, s, self.device, epoch)
+                send_ledger(ledger, epoch, s, self.device)
         for s in self.streamers:
             send_header(Header(Kind.CREDIT, length=self.share), s, self.device)
         for s in self.streamers:
@@ -139,9 +139,9 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int, group=
         dist.all_reduce(full, op=dist.ReduceOp.MIN, group=group)
         if not full.item():
             return
-        ids = torch.tensor([cap.sample_id for _, _, cap in mine], dtype=torch.int64)
-        gathered = [torch.empty_like(ids) for _ in range(world)]
-        dist.all_gather(gathered, ids, group=group)
+        pairs = torch.tensor([[epoch, cap.sample_id] for _, epoch, cap in mine], dtype=torch.int64)
+        gathered = [torch.empty_like(pairs) for _ in range(world)]
+        dist.all_gather(gathered, pairs, group=group)
         for src, _, _ in mine:
             receiver.consumed(src)
-        yield MicroBatch([cap for _, _, cap in mine], torch.cat(gathered).tolist(), max(e for _, e, _ in mine))
+        yield MicroBatch([cap for _, _, cap in mine], [tuple(p) for p in torch.cat(gathered).tolist()])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpc.stream.protocol import Header, Kind, empty_header, recv_ids, send_header, send_sample
+from hpc.stream.protocol import Header, Kind, empty_header, recv_ledger, send_header, send_sample
 from hpc.verifier.hf_backend import Capture
 
 CaptureFn = Callable[[int, list[int], list[int]], Capture]
@@ -62,19 +62,19 @@ def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: Ca
     out.put(None)
 
 
-def run_streamer(rows: Callable[[set[int], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,
+def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,
                  trainers: list[int], device: torch.device | str, dtype: torch.dtype, prefetch: int = 2,
                  heartbeat_s: float = 2.0) -> StreamerStats:
     """Stream every row not yet trained.
 
     `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
-    ledger's ids in that first epoch.
+    ledger's (epoch, id) pairs.
     """
     stats = StreamerStats(per_trainer={t: 0 for t in trainers})
     ledger_header = empty_header(device)
     dist.recv(ledger_header, src=trainers[0])
     header = Header.parse(ledger_header)
-    ledger = set(recv_ids(header, trainers[0], device))
+    ledger = recv_ledger(header, trainers[0], device)
     stats.skipped = len(ledger)
 
     credits = {t: 0 for t in trainers}

@@ -29,9 +29,19 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     samples_seen: int = 0
-    # Sample ids trained in the current epoch: a restart skips them, so no sample is seen twice.
-    ledger: list[int] = field(default_factory=list)
+    # [epoch, sample id] of every sample trained from `epoch` on: a restart skips them, so no
+    # sample is seen twice. Pairs, not ids: near an epoch's end the samples in flight (and
+    # those of one micro-step across ranks) mix two epochs, and the same id is due in both.
+    ledger: list[list[int]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+
+    def record(self, consumed: list[tuple[int, int]], epoch_size: int | None = None) -> None:
+        """Add one micro-step's (epoch, id) pairs; drop each epoch once all of its samples are in."""
+        self.ledger.extend([int(e), int(i)] for e, i in consumed)
+        self.samples_seen += len(consumed)
+        while epoch_size and sum(1 for e, _ in self.ledger if e == self.epoch) >= epoch_size:
+            self.ledger = [p for p in self.ledger if p[0] != self.epoch]
+            self.epoch += 1
 
 
 def _rank(group=None) -> int:

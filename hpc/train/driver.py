@@ -119,7 +119,8 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             metrics.update(progress.update(step, metrics))
             logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
 
-    code = run_trainer(w, group, cfg.train, cfg.stream, model, head, out, cfg.verifier.model, on_step, device)
+    code = run_trainer(w, group, cfg.train, cfg.stream, model, head, out, cfg.verifier.model, on_step, device,
+                       epoch_size=len(rows))
     if w.rank == 0:
         progress.close()
         _finish(cfg, out, logger)

@@ -37,8 +37,7 @@ class RequeueRequested(Exception):
 @dataclass
 class MicroBatch:
     mine: list[Capture]  # this rank's samples
-    consumed_ids: list[int]  # every rank's sample ids of this micro-step, in order
-    epoch: int
+    consumed: list[tuple[int, int]]  # every rank's (epoch, sample id) of this micro-step, in order
 
 
 def pack(captures: list[Capture]) -> PackedRow:
@@ -71,8 +70,10 @@ def _dist(group) -> tuple[int, int]:
 
 class Trainer:
     def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
-                 device: str = "cpu", autocast_dtype: torch.dtype | None = None, group=None):
+                 device: str = "cpu", autocast_dtype: torch.dtype | None = None, group=None,
+                 epoch_size: int | None = None):
         self.cfg = train_cfg
+        self.epoch_size = epoch_size  # rows per epoch: lets the ledger forget finished epochs
         # `group` holds the trainer ranks only: streamers share the default world for p2p.
         self.group = group
         self.rank, self.world = _dist(group)
@@ -135,10 +136,7 @@ class Trainer:
             for k, v in metrics.items():
                 if v.numel() == 1:
                     totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
-            if mb.epoch != self.state.epoch:  # a new epoch: every sample is due again
-                self.state.ledger, self.state.epoch = [], mb.epoch
-            self.state.ledger.extend(mb.consumed_ids)
-            self.state.samples_seen += len(mb.consumed_ids)
+            self.state.record(mb.consumed, self.epoch_size)
         if cfg.grad_clip > 0:
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.opt.step()

@@ -25,7 +25,7 @@ from hpc.model.loss import VerifierHead
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.stream.streamer import run_streamer
 from hpc.train.loop import EXIT_REQUEUE, RequeueRequested, Trainer
-from hpc.train.sources import epoch_order
+from hpc.train.sources import epoch_sequence
 from hpc.train.target_weights import load_target_tensors
 
 EXIT_PEER_DIED = 3
@@ -84,16 +84,12 @@ def read_token_rows(path: str | Path) -> dict[int, tuple[list[int], list[int]]]:
 
 
 def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: int, epochs: int):
-    """Streamer v takes every V-th id of each epoch's seeded order, minus the ledger."""
+    """Streamer v takes every V-th id of each epoch's seeded order, minus the ledger's (epoch, id) pairs."""
     v = w.rank - w.n_trainers
 
-    def gen(ledger: set[int], start_epoch: int):
-        for epoch in range(start_epoch, epochs):
-            order = epoch_order(sorted(rows), seed, epoch)
-            for i in order[v::w.n_streamers]:
-                if epoch == start_epoch and i in ledger:
-                    continue
-                yield epoch, i, *rows[i]
+    def gen(ledger: list[list[int]], start_epoch: int):
+        for epoch, i in epoch_sequence(rows, seed, ledger, start_epoch, epochs, v, w.n_streamers):
+            yield epoch, i, *rows[i]
     return gen
 
 
@@ -124,14 +120,15 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
 
 
 def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead, out_dir: str | Path,
-                verifier_name: str | None, on_step: Callable | None = None, device: str = "cpu") -> int:
+                verifier_name: str | None, on_step: Callable | None = None, device: str = "cpu",
+                epoch_size: int | None = None) -> int:
     """Train from the stream until the data or the step budget ends; returns the exit code."""
     export_cfg = speculators_config(model.args, verifier_name, [], model.args.block_size)
-    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device, group=group)
+    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device, group=group, epoch_size=epoch_size)
     trainer.resume()
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
     receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, "cpu", stream_cfg.peer_timeout_s, names)
-    receiver.start(trainer.state.ledger, trainer.state.epoch, send_ledger=w.rank == 0)
+    receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.rank == 0)
 
     def step_hook(step: int, metrics: dict) -> None:
         # What the stream looks like from here: samples waiting, and time spent waiting for them.

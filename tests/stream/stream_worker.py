@@ -31,7 +31,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
             (out / f"progress{rank}").write_text(str(step))
 
         code = run_trainer(w, group, cfg, stream_cfg, model, head, out_dir, None,
-                           on_step=on_step)
+                           on_step=on_step)  # no epoch_size: the ledger keeps every pair
         from hpc.train.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
         ledger = json.loads((ckpt / "state.json").read_text())["ledger"] if ckpt else []

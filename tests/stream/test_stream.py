@@ -44,7 +44,7 @@ def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):
     t0, t1 = read(tmp_path, "trainer0.json"), read(tmp_path, "trainer1.json")
     s2, s3 = read(tmp_path, "streamer2.json"), read(tmp_path, "streamer3.json")
     assert t0["ledger"] == t1["ledger"]  # one global ledger
-    ledger = t0["ledger"]
+    ledger = [i for _, i in t0["ledger"]]
     assert len(ledger) == len(set(ledger))  # no sample trained twice
     assert 5 not in ledger and s2["failed"] + s3["failed"] == 1  # the corrupt capture cost one sample
     # 31 good samples, 4 per step: every complete step's samples were trained, at most one step short.
@@ -74,4 +74,4 @@ def test_killed_verifier_is_noticed_and_a_restart_loses_nothing(target_dir, tmp_
     assert codes == [0, 0, 0]
     final = read(tmp_path, "trainer0.json")["ledger"]
     assert final[: len(first["ledger"])] == first["ledger"]  # the restart continued the same epoch
-    assert len(final) == len(set(final)) and 48 - len(final) < 4  # nothing twice; only the epoch tail left
+    assert len(final) == len(set(map(tuple, final))) and 48 - len(final) < 4  # nothing twice; only the epoch tail left

@@ -74,7 +74,7 @@ def make_parts(target_dir, init_seed: int, **kw):
 def make_trainer(target_dir, out_dir, init_seed: int, **kw) -> tuple[Trainer, HFVerifier]:
     verifier = HFVerifier(str(target_dir), [1, 2, 3])
     cfg, model, head, export = make_parts(target_dir, init_seed, **kw)
-    return Trainer(cfg, model, head, export, out_dir), verifier
+    return Trainer(cfg, model, head, export, out_dir, epoch_size=len(rows())), verifier
 
 
 def run(trainer, verifier, max_steps=None):
@@ -130,7 +130,7 @@ def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 4  # all-reduced metrics
     assert r0["digest"] == r1["digest"]  # same weights on both replicas
-    assert r0["ledger"] == r1["ledger"] and len(set(r0["ledger"])) == 16  # 4 steps x 4 samples, none twice
+    assert r0["ledger"] == r1["ledger"] and len(set(map(tuple, r0["ledger"]))) == 16  # 4 steps x 4 samples, none twice
     assert len(list((tmp_path / "checkpoints").glob("step_*/rank1.safetensors"))) == 1
 
 
@@ -143,4 +143,4 @@ def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_pa
     good = verifier.capture(0, *rows()[0])
     bad = Capture(1, good.input_ids_T, good.loss_mask_T, good.aux_TnH[:, :2], good.last_hidden_TH)
     with pytest.raises(UserError, match=r"aux \(\d+, 2, 32\).*expects aux \(\d+, 3, 32\)"):
-        trainer.step([MicroBatch([good, bad], [0, 1], 0)])
+        trainer.step([MicroBatch([good, bad], [(0, 0), (0, 1)])])

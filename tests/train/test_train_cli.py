@@ -25,7 +25,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, mlflow_server, tmp_pa
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "64 rows kept" in res.stdout
     state = json.loads((out / "checkpoints" / "step_00000006" / "state.json").read_text())
-    assert state["step"] == 6 and len(state["ledger"]) == 48 == len(set(state["ledger"]))
+    assert state["step"] == 6 and len(state["ledger"]) == 48 == len(set(map(tuple, state["ledger"])))
     assert (out / "export" / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
 
     client = MlflowClient(mlflow_server.uri)
