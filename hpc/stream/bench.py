@@ -24,8 +24,8 @@ def _capture(i: int, T: int, n_aux: int, H: int, device: str):
     from hpc.verifier.hf_backend import Capture
 
     g = torch.Generator().manual_seed(i)
-    return Capture(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
-                   torch.randn(T, n_aux, H, generator=g), torch.randn(T, H, generator=g))
+    return Capture.from_states(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
+                               torch.randn(T, n_aux + 1, H, generator=g))
 
 
 def _raw(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: torch.dtype) -> float:
@@ -98,7 +98,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=512, help="target hidden size (Kimi: 7168)")
     p.add_argument("--n-aux", type=int, default=3)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--samples", type=int, default=24)
+    p.add_argument("--samples", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--buffer", type=int, default=8, help="stream.buffer_per_trainer")
     p.add_argument("--step-ms", type=float, default=50.0, help="simulated trainer step for the wait fraction")

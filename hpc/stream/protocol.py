@@ -3,8 +3,8 @@
 One code path for NCCL (GPU tensors) and gloo (CPU tensors). Every message starts with a
 fixed-size int64 header, so a receiver can post its receive before it knows the sender:
 NCCL has no receive-from-any-source, so trainers post one header receive per streamer and
-poll them. A sample is then three more tensors: token ids + loss mask [2, T], the aux states
-[T, n_aux, H] and the last hidden [T, H], in the stream dtype.
+poll them. A sample is then two more tensors: token ids + loss mask [2, T], and the aux states
+with the last hidden as one more column, [T, n_aux + 1, H], in the stream dtype.
 """
 
 from __future__ import annotations
@@ -63,23 +63,19 @@ def send_sample(cap: Capture, epoch: int, dst: int, device, dtype: torch.dtype) 
     T, n_aux, H = cap.aux_TnH.shape
     send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst, device)
     ids = torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]).to(device)
-    # Two sends instead of one concatenated tensor: no copy of the (large) states on the way out.
-    aux = cap.aux_TnH.to(device=device, dtype=dtype).contiguous()
-    last = cap.last_hidden_TH.to(device=device, dtype=dtype).contiguous()
+    # aux + last in one message: every message costs a round of gloo/NCCL bookkeeping.
+    states = cap.packed_states().to(device=device, dtype=dtype).contiguous()
     dist.send(ids, dst=dst)
-    dist.send(aux, dst=dst)
-    dist.send(last, dst=dst)
-    return ids.numel() * 8 + (aux.numel() + last.numel()) * aux.element_size()
+    dist.send(states, dst=dst)
+    return ids.numel() * 8 + states.numel() * states.element_size()
 
 
 def recv_sample_body(h: Header, src: int, device) -> Capture:
     ids = torch.empty(2, h.length, dtype=torch.int64, device=device)
-    aux = torch.empty(h.length, h.n_aux, h.hidden, dtype=DTYPES[h.dtype], device=device)
-    last = torch.empty(h.length, h.hidden, dtype=DTYPES[h.dtype], device=device)
+    states = torch.empty(h.length, h.n_aux + 1, h.hidden, dtype=DTYPES[h.dtype], device=device)
     dist.recv(ids, src=src)
-    dist.recv(aux, src=src)
-    dist.recv(last, src=src)
-    return Capture(h.sample_id, ids[0], ids[1], aux, last)
+    dist.recv(states, src=src)
+    return Capture.from_states(h.sample_id, ids[0], ids[1], states)
 
 
 def send_ledger(pairs: list[list[int]], epoch: int, dst: int, device) -> None:

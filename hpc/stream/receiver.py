@@ -88,6 +88,11 @@ class StreamReceiver:
     def _control_loop(self) -> None:
         live = set(self.streamers)
         told: set[int] = set()  # streamers we sent STOP to: their STOP back is the goodbye
+        # Credits go back in batches of half a share: one message per sample in the reverse
+        # direction costs the stream measurable throughput. No deadlock: a streamer with no
+        # credit left means a whole share is consumed or in flight, and the tick flushes the rest.
+        owed = {s: 0 for s in self.streamers}
+        batch = max(1, self.share // 2)
         try:
             while live:
                 try:
@@ -95,7 +100,7 @@ class StreamReceiver:
                 except queue.Empty:
                     kind, s, msg = "tick", -1, ""
                 if kind == "credit" and s in live and s not in told:
-                    send_header(Header(Kind.CREDIT, length=1), s, self.device)
+                    owed[s] += 1
                 elif kind == "stop":
                     if s not in told:  # the streamer ran out of data: acknowledge, no more credits
                         send_header(Header(Kind.STOP), s, self.device)
@@ -106,6 +111,10 @@ class StreamReceiver:
                     told |= live
                 elif kind == "error":
                     raise PeerDied(msg)
+                for d in live - told:
+                    if owed[d] >= batch or (kind == "tick" and owed[d]):
+                        send_header(Header(Kind.CREDIT, length=owed[d]), d, self.device)
+                        owed[d] = 0
                 now = time.monotonic()
                 dead = [d for d in live if now - self._last_seen[d] > self.timeout]
                 if dead:

@@ -23,6 +23,20 @@ class Capture:
     loss_mask_T: torch.Tensor
     aux_TnH: torch.Tensor  # [T, n_aux, H]
     last_hidden_TH: torch.Tensor  # [T, H]
+    # [T, n_aux + 1, H] that aux and last are views of, when built so: the streamer sends it as
+    # one message instead of two (and copies nothing).
+    states_TnH: torch.Tensor | None = None
+
+    @classmethod
+    def from_states(cls, sample_id: int, input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor,
+                    states_TnH: torch.Tensor) -> "Capture":
+        """aux = states[:, :-1], last hidden = states[:, -1]."""
+        return cls(sample_id, input_ids_T, loss_mask_T, states_TnH[:, :-1], states_TnH[:, -1], states_TnH)
+
+    def packed_states(self) -> torch.Tensor:
+        if self.states_TnH is not None:
+            return self.states_TnH
+        return torch.cat([self.aux_TnH, self.last_hidden_TH[:, None]], dim=1)
 
     def check(self, n_aux: int, hidden: int) -> None:
         """A capture of the wrong shape must stop the run at the first sample, not train garbage."""
@@ -66,7 +80,7 @@ class HFVerifier:
         out = self.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
         pre_norm = self._pre_norm[0]
-        aux = torch.stack([pre_norm if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids], dim=1)
+        aux = [pre_norm if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
         last = hs[-1][0] if self.final_hidden == "post_norm" else pre_norm
-        return Capture(sample_id, ids.cpu(), torch.as_tensor(loss_mask, dtype=torch.long),
-                       aux.float().cpu(), last.float().cpu())
+        states = torch.stack([*aux, last], dim=1).float().cpu()
+        return Capture.from_states(sample_id, ids.cpu(), torch.as_tensor(loss_mask, dtype=torch.long), states)

@@ -218,11 +218,11 @@ class VLLMVerifier:
         finally:
             path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
-        aux = states[:, [col[i] for i in self.aux_layer_ids]]
-        pre_norm = states[:, col[self.n_layers]]
-        last = pre_norm if self.norm_weight is None else rms_norm(pre_norm, self.norm_weight, self.eps)
-        return Capture(sample_id, torch.tensor(ids, dtype=torch.long), torch.as_tensor(loss_mask, dtype=torch.long),
-                       aux.float(), last.float())
+        out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]].float()
+        if self.norm_weight is not None:  # the last column becomes the post-norm hidden
+            out[:, -1] = rms_norm(out[:, -1], self.norm_weight, self.eps).float()
+        return Capture.from_states(sample_id, torch.tensor(ids, dtype=torch.long),
+                                   torch.as_tensor(loss_mask, dtype=torch.long), out)
 
     def server_log_tail(self, lines: int = 20) -> str:
         return log_tail(self.server.server.log_path, lines)
