@@ -159,3 +159,12 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
             break
         ids = torch.tensor([nxt], device=target.device)
     return out
+
+
+def mean_acceptance_length(target, draft: DSparkDraft, prompts: list[list[int]], n: int, max_new_tokens: int,
+                           eos_token_id: int | None = None) -> tuple[float, SpecStats]:
+    """Pooled over prompts, as vLLM's counters pool requests: 1 + accepted / drafts."""
+    total = SpecStats(n=n)
+    for ids in prompts:
+        total.merge(speculative_generate(target, draft, ids, max_new_tokens, n, eos_token_id)[1])
+    return total.mean_acceptance_length, total
