@@ -21,6 +21,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
+    ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
+    ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
 ]
 

@@ -24,6 +24,12 @@ class VerifierBackend(str, Enum):
     hf = "hf"  # in-process transformers, for CPU runs and small targets
 
 
+class EvalEngine(str, Enum):
+    auto = "auto"  # vLLM, except DSpark drafts where the vLLM build cannot decode them (CPU)
+    vllm = "vllm"
+    reference = "reference"  # hpc.evaluate.reference: exact greedy spec decoding in torch
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"
@@ -201,7 +207,14 @@ class EvalConfig:
     concurrency: int = 1
     temperature: float = 0.0
     compare: list[ThirdPartyDraft] = field(default_factory=list)
-    data_dir: Optional[str] = None  # local override for offline clusters
+    data_dir: Optional[str] = None  # offline clusters: {data_dir}/{benchmark}.jsonl|.parquet
+    datasets: dict[str, str] = field(default_factory=dict)  # per benchmark: local JSONL/parquet path
+    fixtures: bool = False  # the prompts the project ships (CPU tests, demos): not the real sets
+    engine: EvalEngine = EvalEngine.auto
+    device: str = "cpu"  # the reference engine's device
+    # Calibration report: the share of a verify step one more drafted token costs; it turns
+    # "expected accepted tokens" into a choice of n and confidence threshold.
+    draft_token_cost: float = 0.03
     output_dir: str = "runs/eval"
 
 
