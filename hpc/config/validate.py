@@ -278,6 +278,14 @@ def _check_eval(c: _Checker, cfg: DSparkConfig) -> None:
     c.positive("eval.concurrency", e.concurrency)
     c.nonneg("eval.temperature", e.temperature)
     c.path("eval.data_dir", e.data_dir, "benchmark data directory")
+    for name, path in e.datasets.items():
+        if name not in BENCHMARKS:
+            c.fail(f"eval.datasets.{name}", path, f"unknown benchmark; choose from {', '.join(BENCHMARKS)}")
+        elif not Path(path).expanduser().is_file():
+            c.fail(f"eval.datasets.{name}", path, f"no such file; point it at a local {name} JSONL or parquet file")
+    if not 0 <= e.draft_token_cost < 1:
+        c.fail("eval.draft_token_cost", e.draft_token_cost, "the share of a verify step one drafted token costs: "
+               "use a value in [0, 1), e.g. 0.03")
     names = [d.name for d in e.compare]
     for i, d in enumerate(e.compare):
         if not d.name:

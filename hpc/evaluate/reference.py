@@ -95,8 +95,13 @@ class TargetRunner:
 def speculative_generate(
     target, draft: DSparkDraft, prompt_ids: list[int], max_new_tokens: int, n: int,
     eos_token_id: int | None = None, conf_threshold: float | None = None,
+    record: list[tuple[list[float], list[int]]] | None = None,
 ) -> tuple[list[int], SpecStats]:
-    """Greedy speculative decoding; returns (generated ids, stats). n <= draft block size."""
+    """Greedy speculative decoding; returns (generated ids, stats). n <= draft block size.
+
+    `record`, when given, collects (confidences, matches) per verify step for the calibration
+    report: match i = draft i equals the target's greedy token at that position.
+    """
     from hpc.errors import UserError
 
     a = draft.args
@@ -128,6 +133,8 @@ def speculative_generate(
         stats.verify_steps += 1
         matches = (drafts == target_next[:k]).int()
         accepted = int(torch.cumprod(matches, 0).sum())
+        if record is not None and confs is not None:
+            record.append(([float(c) for c in confs[:k]], matches.tolist()))
         stats.drafts += 1
         stats.draft_tokens += k
         stats.accepted += accepted

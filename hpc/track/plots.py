@@ -34,3 +34,20 @@ def loss_curve_png(losses: list[float], out: str | Path, title: str = "") -> Pat
     path = _save(fig, Path(out))
     plt.close(fig)
     return path
+
+
+def per_position_png(per_bench: dict[str, list[float]], out: str | Path, title: str = "") -> Path:
+    """Acceptance rate of draft position i, one line per benchmark."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, rates in per_bench.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", lw=1.2, label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{title} per-position acceptance".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = _save(fig, Path(out))
+    plt.close(fig)
+    return path

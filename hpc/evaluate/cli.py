@@ -1,0 +1,49 @@
+"""`dspark evaluate CONFIG [KEY=VALUE ...] --draft PATH --n 3,7`."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpc.errors import UserError
+
+
+def parse_ns(text: str) -> list[int]:
+    try:
+        ns = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as err:
+        raise UserError(f"--n {text!r}: give comma-separated integers, e.g. --n 3,7") from err
+    if not ns:
+        raise UserError("--n: give at least one n, e.g. --n 3,7")
+    return ns
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.config import resolve
+    from hpc.evaluate.runner import _tracking, evaluate, upload_all
+
+    cfg = resolve(args.config, list(args.overrides), check_tracking=False)
+    if args.upload:
+        from pathlib import Path
+
+        client = _tracking(cfg)
+        if client is None:
+            return 1
+        ids = upload_all(client, Path(cfg.eval.output_dir), cfg)
+        print(f"uploaded {len(ids)} run(s) from {cfg.eval.output_dir}")
+        return 0
+    ns = parse_ns(args.n) if args.n else list(cfg.eval.num_speculative_tokens)
+    evaluate(cfg, args.draft, ns, force_baseline=args.force_baseline, parent_run_id=args.parent_run_id)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("evaluate", help="benchmark a draft at n=3/n=7 against the no-speculation baseline",
+                       description=__doc__)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
+    p.add_argument("--draft", help="our export (DSpark or DFlash); third-party drafts come from eval.compare")
+    p.add_argument("--n", help="comma-separated num_speculative_tokens (default: eval.num_speculative_tokens)")
+    p.add_argument("--force-baseline", action="store_true", help="measure the baseline even if one is cached")
+    p.add_argument("--parent-run-id", help="the pipeline's MLflow parent run (set by `dspark submit`)")
+    p.add_argument("--upload", action="store_true", help="send run directories kept on disk to MLflow")
+    p.set_defaults(func=run)

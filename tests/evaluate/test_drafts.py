@@ -1,0 +1,72 @@
+"""Bad drafts and bad n are one line before any server starts; engines are chosen by what vLLM can decode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.errors import UserError
+from hpc.evaluate.cli import parse_ns
+from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_export(path: Path, method: str = "dspark", block: int = 8) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"speculators_model_type": method, "block_size": block}))
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_a_directory_without_config_or_weights_is_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UserError, match="needs config.json and model.safetensors.*dspark export"):
+        our_draft(tmp_path / "d")
+
+
+def test_a_third_party_method_is_refused_for_draft(tmp_path):
+    with pytest.raises(UserError, match="method 'eagle3'.*eval.compare"):
+        our_draft(fake_export(tmp_path / "e", "eagle3"))
+
+
+def test_n_larger_than_the_block_is_refused(tmp_path):
+    dspark, dflash = our_draft(fake_export(tmp_path / "a")), our_draft(fake_export(tmp_path / "b", "dflash"))
+    check_ns(dspark, [3, 8])
+    with pytest.raises(UserError, match="--n 9: the DSpark draft's block holds at most 8"):
+        check_ns(dspark, [3, 9])
+    with pytest.raises(UserError, match="--n 8: the DFlash draft's block holds at most 7"):
+        check_ns(dflash, [3, 8])  # slot 0 of DFlash's layout is the bonus token
+    check_ns(DraftSpec("ngram", "ngram", None), [3, 7, 15])  # no block: vLLM decides
+
+
+def test_engines_follow_what_the_vllm_build_can_decode(tmp_path):
+    dspark = our_draft(fake_export(tmp_path / "a"))
+    dflash = our_draft(fake_export(tmp_path / "b", "dflash"))
+    ngram = DraftSpec("ngram", "ngram", None)
+    assert choose_engine(dspark, "auto", cpu_build=True) == "reference"
+    assert choose_engine(dspark, "auto", cpu_build=False) == "vllm"
+    assert choose_engine(dflash, "auto", cpu_build=True) == "vllm"
+    assert choose_engine(ngram, "auto", cpu_build=True) == "vllm"
+    with pytest.raises(UserError, match="cannot decode DSpark"):
+        choose_engine(dspark, "vllm", cpu_build=True)
+    with pytest.raises(UserError, match="our own drafts only"):
+        choose_engine(ngram, "reference", cpu_build=True)
+
+
+def test_ngram_speculative_config_has_no_model():
+    spec = DraftSpec("ngram", "ngram", None).speculative_config(3)
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3 and "model" not in spec
+
+
+def test_cli_rejects_a_bad_draft_before_anything_starts(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", "--draft",
+                          str(tmp_path / "missing"), "--n", "3,7"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "not a draft export" in res.stderr and "Traceback" not in res.stderr
+    assert parse_ns("7,3,3") == [3, 7]
+    with pytest.raises(UserError, match="comma-separated"):
+        parse_ns("3;7")
