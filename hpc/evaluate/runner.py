@@ -132,6 +132,10 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
     from hpc.track.pipeline import common_tags
 
     tags = common_tags(cfg)
+    if parent_run_id is None and client is not None:  # standalone: its own pipeline, so compare finds it
+        from hpc.track.pipeline import create_pipeline_run
+
+        parent_run_id = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
     results: dict[str, list[BenchResult]] = {}
 
     baselines: dict[str, dict[str, float]] = {}
@@ -229,7 +233,16 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
 def upload_all(client, out: Path, cfg, quiet: bool = False) -> list[str]:
     """Every run directory not yet in MLflow; then the registry for our drafts at the largest n."""
     ids = []
+    orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
     for run_dir in pending_runs(out):
+        meta = json.loads((run_dir / "run.json").read_text())
+        if not meta.get("parent_run_id"):
+            if orphan_parent is None:
+                from hpc.track.pipeline import create_pipeline_run
+
+                orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
+            meta["parent_run_id"] = orphan_parent
+            write_json_atomic(run_dir / "run.json", meta)
         extra = []
         report = run_dir / "calibration.json.report"
         if report.is_file():

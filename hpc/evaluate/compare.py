@@ -1,0 +1,269 @@
+"""`dspark compare`: the published card's table of drafts (and retrains), read back from MLflow.
+
+The table is built by a pure function over `EvalRecord`s so it can be tested without a server;
+only `fetch_evals`/`find_pipelines` talk to MLflow, and they read exactly the tags and metrics
+the eval runner logs (see `hpc.evaluate` for the contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+from dataclasses import dataclass, field
+
+from hpc.errors import UserError
+
+CARD_BENCHMARKS = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
+OUR_DRAFT = "dspark"
+MISSING = "-"
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One eval child run: one draft at one n, metrics keyed as logged (`gsm8k/tok_s`, ...)."""
+
+    pipeline: str  # the label its columns carry when several pipelines are compared
+    draft: str
+    n: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    method: str = ""
+    engine: str = ""
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+
+    def row(self, first_cell: str) -> dict[str, str]:
+        for r in self.rows:
+            if r[0] == first_cell:
+                return dict(zip(self.columns, r))
+        raise KeyError(first_cell)
+
+
+def _draft_title(draft: str) -> str:
+    return "DSpark" if draft == OUR_DRAFT else draft
+
+
+def _benchmarks(evals: list[EvalRecord]) -> list[str]:
+    seen = {k.split("/", 1)[0] for e in evals for k in e.metrics if "/" in k} - {"mean"}
+    return [b for b in CARD_BENCHMARKS if b in seen] + sorted(seen - set(CARD_BENCHMARKS))
+
+
+def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None) -> str:
+    if tok_s is None and speedup is None and accept_len is None:
+        return MISSING
+    parts = [MISSING if tok_s is None else f"{tok_s:.1f}",
+             MISSING if speedup is None else f"{speedup:.2f}x",
+             MISSING if accept_len is None else f"{accept_len:.2f}"]
+    return " / ".join(parts)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _first(evals: list[EvalRecord], key: str) -> float | None:
+    return next((e.metrics[key] for e in evals if key in e.metrics), None)
+
+
+def card_table(evals: list[EvalRecord]) -> Table:
+    """The card: one row per benchmark (card order) and a `mean` row; one column per draft and n.
+
+    Columns: dspark first, then the other drafts by name, each at ascending n; with several
+    pipelines, each pipeline's columns in turn, prefixed by its label. A later record for the
+    same (pipeline, draft, n) replaces an earlier one, so pass them oldest first. `best` is the
+    column with the highest speedup (first one on a tie). In the mean row, `rows` is the total
+    and speedup/accept_len are the runner's `mean/*` metrics when logged.
+    """
+    latest: dict[tuple[str, str, int], EvalRecord] = {}
+    pipelines: list[str] = []
+    for e in evals:
+        latest[(e.pipeline, e.draft, e.n)] = e
+        if e.pipeline not in pipelines:
+            pipelines.append(e.pipeline)
+    prefix = len(pipelines) > 1
+    keys = sorted(latest, key=lambda k: (pipelines.index(k[0]), k[1] != OUR_DRAFT, k[1], k[2]))
+    titles = [f"{p + ' ' if prefix else ''}{_draft_title(d)} n={n}" for p, d, n in keys]
+    records = [latest[k] for k in keys]
+    ordered = list(latest.values())  # pipeline order is the caller's, so baseline comes from the first
+    ordered.sort(key=lambda e: pipelines.index(e.pipeline))
+
+    rows: list[list[str]] = []
+    totals: dict[str, list[float]] = {}
+    per_record: list[dict[str, list[float]]] = [{"tok_s": [], "speedup": [], "accept_len": []} for _ in records]
+    for bench in _benchmarks(evals):
+        n_rows, baseline = _first(ordered, f"{bench}/rows"), _first(ordered, f"{bench}/baseline_tok_s")
+        if n_rows is not None:
+            totals.setdefault("rows", []).append(n_rows)
+        if baseline is not None:
+            totals.setdefault("baseline", []).append(baseline)
+        cells, speedups = [], []
+        for rec, acc in zip(records, per_record):
+            vals = {m: rec.metrics.get(f"{bench}/{m}") for m in ("tok_s", "speedup", "accept_len")}
+            for m, v in vals.items():
+                if v is not None:
+                    acc[m].append(v)
+            cells.append(_cell(vals["tok_s"], vals["speedup"], vals["accept_len"]))
+            speedups.append(vals["speedup"])
+        rows.append([bench, MISSING if n_rows is None else str(int(n_rows)),
+                     MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, speedups)])
+
+    mean_cells, mean_speedups = [], []
+    for rec, acc in zip(records, per_record):
+        speedup = rec.metrics.get("mean/speedup", _mean(acc["speedup"]))
+        accept = rec.metrics.get("mean/accept_len", _mean(acc["accept_len"]))
+        mean_cells.append(_cell(_mean(acc["tok_s"]), speedup, accept))
+        mean_speedups.append(speedup)
+    total_rows, mean_base = totals.get("rows"), _mean(totals.get("baseline", []))
+    rows.append(["mean", MISSING if not total_rows else str(int(sum(total_rows))),
+                 MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_speedups)])
+    return Table(["benchmark", "rows", "baseline tok/s", *titles, "best"], rows)
+
+
+def _best(titles: list[str], speedups: list[float | None]) -> str:
+    scored = [i for i, s in enumerate(speedups) if s is not None]
+    # max() keeps the first of equal speedups, so a tie goes to the leftmost column.
+    return titles[max(scored, key=lambda i: speedups[i])] if scored else MISSING
+
+
+def to_markdown(table: Table) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in table.rows)) for i, c in enumerate(table.columns)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(table.columns), rule, *(line(r) for r in table.rows)])
+
+
+def to_csv(table: Table) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(table.columns)
+    writer.writerows(table.rows)
+    return buf.getvalue().rstrip("\n")
+
+
+# -- MLflow side ---------------------------------------------------------------------------------
+def _search_all(client, experiment_id: str, filter_string: str, order_by: list[str]) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string, max_results=1000, order_by=order_by,
+                                  page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def find_pipelines(client, experiment, selectors: list[str]) -> list:
+    """The pipeline runs asked for (id, run name or id prefix; a name means its latest run),
+    or the latest pipeline of the experiment when none is asked for."""
+    where = f"experiment '{experiment.name}'"
+    runs = _search_all(client, experiment.experiment_id, "tags.`dspark.stage` = 'pipeline'",
+                       ["attributes.start_time DESC"])
+    if not runs:
+        raise UserError(f"no pipeline run (tag dspark.stage=pipeline) in {where}; run a pipeline or pass --experiment")
+    if not selectors:
+        return [runs[0]]
+    chosen = []
+    for sel in selectors:
+        hit = [r for r in runs if r.info.run_id == sel] or [r for r in runs if r.info.run_name == sel][:1]
+        if not hit and len(sel) >= 6:
+            hit = [r for r in runs if r.info.run_id.startswith(sel)]
+            if len(hit) > 1:
+                raise UserError(f"--pipeline {sel!r} matches {len(hit)} run ids in {where}; give more characters")
+        if not hit:
+            raise UserError(f"--pipeline {sel!r}: no pipeline run with that id or run name in {where}")
+        chosen.append(hit[0])
+    return chosen
+
+
+def pipeline_labels(runs: list) -> dict[str, str]:
+    """Run name per pipeline; the short id where names collide (retrains of one config share it)."""
+    names = [r.info.run_name or r.info.run_id[:8] for r in runs]
+    return {r.info.run_id: (name if names.count(name) == 1 else r.info.run_id[:8]) for r, name in zip(runs, names)}
+
+
+def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
+    labels = pipeline_labels(pipelines)
+    out: list[EvalRecord] = []
+    for p in pipelines:
+        where = f"tags.`mlflow.parentRunId` = '{p.info.run_id}' and tags.`dspark.stage` = 'eval'"
+        for run in _search_all(client, p.info.experiment_id, where, ["attributes.start_time ASC"]):
+            tags = run.data.tags
+            try:
+                n = int(tags.get("dspark.n", ""))
+            except ValueError:
+                continue  # not an eval this table can place; the runner always sets n
+            # Our draft is one column whatever the run called it; others keep their names.
+            draft = OUR_DRAFT if tags.get("dspark.method") == "dspark" else tags.get("dspark.draft", OUR_DRAFT)
+            out.append(EvalRecord(labels[p.info.run_id], draft, n,
+                                  dict(run.data.metrics), tags.get("dspark.method", ""),
+                                  tags.get("dspark.engine", "")))
+    return out
+
+
+def _tracking(args: argparse.Namespace) -> tuple[str, str]:
+    uri, experiment = args.tracking_uri, args.experiment
+    if args.config:
+        from hpc.config import resolve
+
+        cfg = resolve(args.config, [], check_tracking=False)
+        uri, experiment = uri or cfg.tracking.uri, experiment or cfg.tracking.experiment
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise UserError("no tracking server: pass --tracking-uri URI or a CONFIG (or set MLFLOW_TRACKING_URI)")
+    return uri, experiment or "dspark"
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri, name = _tracking(args)
+    # A dead server should fail in seconds, not after MLflow's minutes of backoff.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    client = MlflowClient(uri)
+    try:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None or experiment.lifecycle_stage != "active":
+            raise UserError(f"no experiment '{name}' at {uri}; pass --experiment or fix tracking.experiment")
+        pipelines = find_pipelines(client, experiment, args.pipeline or [])
+        evals = fetch_evals(client, pipelines)
+    except MlflowException as err:
+        raise UserError(f"mlflow at {uri}: {str(err).splitlines()[0][:200]}") from err
+    if not evals:
+        names = ", ".join(p.info.run_name or p.info.run_id for p in pipelines)
+        raise UserError(f"pipeline {names} has no eval runs (dspark.stage=eval); run `dspark evaluate` first")
+    table = card_table(evals)
+    print(to_csv(table) if args.csv else to_markdown(table) + engine_note(evals))
+    return 0
+
+
+def engine_note(evals: list[EvalRecord]) -> str:
+    """Which engine produced which column: vLLM numbers and reference-engine numbers differ in kind."""
+    by_engine: dict[str, set[str]] = {}
+    for e in evals:
+        by_engine.setdefault(e.engine or "vllm", set()).add(f"{_draft_title(e.draft)} n={e.n}")
+    if set(by_engine) <= {"vllm"}:
+        return ""
+    parts = [f"{engine}: {', '.join(sorted(cols))}" for engine, cols in sorted(by_engine.items())]
+    return "\n\nengines: " + "; ".join(parts) + " (reference = exact greedy spec decoding in torch, for drafts " \
+        "this vLLM build cannot decode)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="the card's comparison table of drafts and retrains, from MLflow")
+    p.add_argument("config", nargs="?", help="YAML config: its tracking.uri and tracking.experiment are the defaults")
+    p.add_argument("--experiment", help="MLflow experiment (default: the config's, else 'dspark')")
+    p.add_argument("--pipeline", action="append", metavar="RUN",
+                   help="pipeline run id, id prefix or run name; repeat to compare retrains (default: the latest)")
+    p.add_argument("--csv", action="store_true", help="print CSV instead of markdown")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's, else $MLFLOW_TRACKING_URI)")
+    p.set_defaults(func=run)

@@ -1,0 +1,99 @@
+"""The model registry: every trained draft is a version; the alias `champion` marks the one to serve.
+
+A retrain replaces the champion only if it is measurably better: a strictly higher mean
+acceptance length at n=7, measured on the same benchmark manifests (same prompts, byte for
+byte). Scores on different manifests are not comparable, so they never move the alias.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hpc.errors import UserError
+
+CHAMPION = "champion"
+SCORE_TAG = "dspark.mean_accept_len_n7"
+MANIFESTS_TAG = "dspark.manifests"
+
+
+def canonical_manifests(manifests: dict[str, str]) -> str:
+    """One spelling per manifest set, so equal sets compare equal as tag strings too."""
+    return json.dumps({str(k): str(v) for k, v in manifests.items()}, sort_keys=True, separators=(",", ":"))
+
+
+def _is_missing(err: Exception) -> bool:
+    return getattr(err, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
+
+
+def register_draft(client, model_name: str, run_id: str, artifact_path: str, score_n7: float,
+                   manifests: dict[str, str]) -> str:
+    """Register `runs:/{run_id}/{artifact_path}` as a new version of `model_name`; returns it."""
+    from mlflow.exceptions import MlflowException
+
+    if not math.isfinite(score_n7):
+        raise UserError(f"register_draft: score_n7 = {score_n7} for run {run_id}; "
+                        "pass the run's finite mean/accept_len at n=7")
+    try:
+        client.get_registered_model(model_name)
+    except MlflowException as err:
+        if not _is_missing(err):
+            raise
+        try:
+            client.create_registered_model(model_name)
+        except MlflowException as race:  # another job registered it between our two calls
+            if getattr(race, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+    tags = {SCORE_TAG: repr(float(score_n7)), MANIFESTS_TAG: canonical_manifests(manifests)}
+    mv = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags)
+    return str(mv.version)
+
+
+def _score(mv) -> float | None:
+    try:
+        return float(mv.tags[SCORE_TAG])
+    except (KeyError, ValueError):
+        return None
+
+
+def _manifests(mv) -> dict | None:
+    try:
+        return json.loads(mv.tags[MANIFESTS_TAG])
+    except (KeyError, ValueError):
+        return None
+
+
+def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]:
+    """Point `champion` at `version` if it beats the champion; (moved?, why) either way."""
+    from mlflow.exceptions import MlflowException
+
+    version = str(version)
+    try:
+        model = client.get_registered_model(model_name)
+        new = client.get_model_version(model_name, version)
+    except MlflowException as err:
+        if _is_missing(err):
+            raise UserError(f"registered model {model_name!r} has no version {version}; register it first") from err
+        raise
+    new_score = _score(new)
+    if new_score is None:
+        raise UserError(f"{model_name} v{version} has no numeric {SCORE_TAG} tag; register it with register_draft")
+    if CHAMPION not in (model.aliases or {}):
+        client.set_registered_model_alias(model_name, CHAMPION, version)
+        return True, f"v{version} is champion: there was none ({new_score:.2f} at n=7)"
+
+    champ = client.get_model_version_by_alias(model_name, CHAMPION)
+    old, old_score = str(champ.version), _score(champ)
+    if old == version:
+        return False, f"v{version} is already champion"
+    if old_score is None:
+        # Refuse rather than guess: an untagged champion was set by hand and stays until a person moves it.
+        return False, f"champion stays v{old}: it has no {SCORE_TAG} tag to compare v{version} against"
+    new_manifests = _manifests(new)
+    if new_manifests is None or new_manifests != _manifests(champ):
+        return False, (f"champion stays v{old}: v{version} ({new_score:.2f} at n=7) was measured on different "
+                       f"manifests than v{old} ({old_score:.2f})")
+    if new_score > old_score:
+        client.set_registered_model_alias(model_name, CHAMPION, version)
+        return True, f"champion moves v{old} -> v{version}: {new_score:.2f} > {old_score:.2f} at n=7"
+    return False, f"champion stays v{old}: {old_score:.2f} >= {new_score:.2f} at n=7"
