@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
     ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
+    ("plan", "hpc.launch.plan", "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),
 ]
 
 

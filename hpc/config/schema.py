@@ -233,6 +233,26 @@ class ScheduleConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Knobs of `dspark plan`, the capacity planner: facts about the target and the hardware
+    that the rest of the config does not hold. Estimates; measure and set the Optional ones."""
+
+    target_params_b: float = 1000.0  # total target parameters, billions (Kimi-K2.6: ~1T, MoE)
+    target_active_params_b: float = 32.0  # parameters active per token, billions: prefill FLOPs
+    # Bytes per stored target parameter: 2 for bf16; Kimi ships INT4 experts (~0.6 overall).
+    target_bytes_per_param: float = 2.0
+    # Verifier prefill tokens/s per node; None estimates it from active params and GPU FLOPs.
+    prefill_tok_s_per_node: Optional[float] = None
+    gpu_tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H200)
+    mfu: float = 0.35  # model FLOPs utilisation assumed for prefill and for draft training
+    link_gbps: float = 400.0  # verifier -> trainer network per node, gigabit/s (one NDR port)
+    # Measured trainer samples/s per GPU; None estimates it from the draft's training FLOPs.
+    trainer_step_samples_s_per_gpu: Optional[float] = None
+    gpu_memory_gb: float = 141.0  # per GPU (H200)
+    avg_seq_len: Optional[int] = None  # tokens per sample; None: data.max_seq_len / 2
+
+
+@dataclass
 class DSparkConfig:
     name: str = "kimi-k2.6-dspark"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -244,5 +264,6 @@ class DSparkConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # One training array task per combination, e.g. {"train.lr": [3e-4, 1e-4]}.
     sweep: dict[str, list[Any]] = field(default_factory=dict)

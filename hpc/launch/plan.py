@@ -1,0 +1,339 @@
+"""`dspark plan CONFIG`: how many trainer nodes one verifier node feeds, and what fits in memory.
+
+Verifier nodes prefill samples with the target and stream hidden states; trainer nodes consume
+them. Supply and demand are estimated from FLOPs unless `plan.*` holds measured rates, so the
+same arithmetic sizes a Kimi-K2.6 allocation before anyone queues for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+IDS_BYTES_PER_TOKEN = 16  # token id + loss mask, int64 each (hpc.stream.protocol)
+HEADER_BYTES = 64  # one int64[8] header per sample
+LOSS_TENSORS = 8  # fp32 [Q, draft_vocab] tensors alive in the loss: logits, logp, p, logq, q, grads...
+
+
+@dataclass
+class MemoryItem:
+    what: str
+    bytes: float
+    how: str
+
+
+@dataclass
+class Plan:
+    name: str
+    # stream payload
+    stream_dtype: str
+    n_aux: int
+    hidden: int
+    bytes_per_token: int
+    avg_seq_len: int
+    bytes_per_sample: int
+    # verifier supply, per verifier node
+    prefill_tok_s: float
+    prefill_estimated: bool
+    prefill_samples_s: float
+    link_bytes_s: float
+    link_samples_s: float
+    link_bound: bool
+    supply_samples_s: float
+    supply_bytes_s: float
+    # trainer demand, per trainer node
+    gpus_per_node: int
+    ranks_per_node: int
+    micro_batch: int
+    block_tokens_per_sample: float
+    train_flops_per_sample: float
+    trainer_samples_s_per_gpu: float
+    trainer_estimated: bool
+    demand_samples_s: float
+    # balance
+    trainer_nodes_per_verifier_node: float
+    recommend_verifier_nodes: int
+    recommend_trainer_nodes: int
+    verifier_nodes: int
+    trainer_nodes: int
+    cluster_supply_samples_s: float
+    cluster_demand_samples_s: float
+    trainer_wait: float
+    verifier_throttle: float
+    run_hours: float
+    # memory
+    trainer_memory: list[MemoryItem]
+    trainer_gpu_bytes: float
+    gpu_bytes: float
+    trainer_over: bool
+    target_weight_bytes: float
+    verifier_node_bytes: float
+    kv_headroom_bytes: float
+    verifier_over: bool
+
+
+def _bad(key: str, value, why: str) -> UserError:
+    return UserError(f"plan.{key} = {value}: {why}")
+
+
+def check_plan(cfg: DSparkConfig) -> None:
+    """One-line UserError naming the first bad `plan.*` knob."""
+    p = cfg.plan
+    positive = {
+        "target_params_b": "total target parameters in billions, e.g. 1000 for Kimi-K2.6",
+        "target_active_params_b": "parameters active per token in billions, e.g. 32 for Kimi-K2.6",
+        "target_bytes_per_param": "bytes per stored target parameter, e.g. 2 for bf16",
+        "gpu_tflops": "dense bf16 TFLOP/s per GPU, e.g. 989 for H200",
+        "link_gbps": "verifier node network bandwidth in gigabit/s, e.g. 400 for one NDR port",
+        "gpu_memory_gb": "memory per GPU in GB, e.g. 141 for H200",
+    }
+    for key, hint in positive.items():
+        if not getattr(p, key) > 0:
+            raise _bad(key, getattr(p, key), f"must be > 0; set the {hint}")
+    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
+        value = getattr(p, key)
+        if value is not None and not value > 0:
+            raise _bad(key, value, "must be > 0, or null to estimate it")
+    if not 0 < p.mfu <= 1:
+        raise _bad("mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
+    if p.target_active_params_b > p.target_params_b:
+        raise _bad("target_active_params_b", p.target_active_params_b,
+                   f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
+    if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
+        raise _bad("avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
+
+
+def stream_dtype_name(cfg: DSparkConfig) -> str:
+    """As hpc.train.driver.stream_dtype, without importing the trainer."""
+    if cfg.stream.dtype != "auto":
+        return cfg.stream.dtype
+    return "bfloat16" if cfg.train.dist_backend == "nccl" else "float32"
+
+
+def _draft_params(cfg: DSparkConfig) -> dict[str, int]:
+    """Element counts by role, from the meta-device inventory (nothing allocated)."""
+    from hpc.model.dspark import DSparkArgs
+    from hpc.model.export import shapes_only_inventory
+
+    out = dict.fromkeys(("embed", "lm_head", "fc", "kv", "layers", "markov_w2", "other", "buffers"), 0)
+    for name, shape, _, nbytes in shapes_only_inventory(DSparkArgs.from_config(cfg)):
+        if name in ("d2t", "t2d"):
+            out["buffers"] += nbytes
+            continue
+        # markov_w1 is a trained lookup: it lands in "other", which costs memory but no FLOPs.
+        role = next((r for prefix, r in (("embed_tokens", "embed"), ("lm_head", "lm_head"), ("fc.", "fc"),
+                                         ("layers.", "layers"), ("markov_head.markov_w2", "markov_w2"))
+                     if name.startswith(prefix)), "other")
+        out[role] += math.prod(shape)
+        out["kv"] += math.prod(shape) if ".k_proj." in name or ".v_proj." in name else 0
+    return out
+
+
+def _train_flops_per_sample(cfg: DSparkConfig, n: dict[str, int], seq: int, block_tokens: float) -> float:
+    """6 x params x tokens for what is trained, 4x for the frozen lm_head (forward + input grad),
+    2x for the verifier head (forward only), plus attention of each block query over its context."""
+    d = cfg.draft
+    lm = 6 if cfg.train.train_lm_head else 4
+    attn = 12 * d.num_hidden_layers * d.num_attention_heads * d.head_dim * (seq / 2 + d.block_size)
+    per_block_token = (6 * (n["layers"] + n["markov_w2"]) + lm * n["lm_head"]
+                       + 2 * d.draft_vocab_size * cfg.verifier.hidden_size + attn)
+    per_context_token = 6 * (n["fc"] + n["kv"])  # fc, then every layer's k/v over the context
+    return block_tokens * per_block_token + seq * per_context_token
+
+
+def _trainer_memory(cfg: DSparkConfig, n: dict[str, int], micro_tokens: int, micro_block: int,
+                    sample_bytes: int, world: int) -> list[MemoryItem]:
+    d, t = cfg.draft, cfg.train
+    trainable = n["layers"] + n["fc"] + n["markov_w2"] + n["other"] + (n["lm_head"] if t.train_lm_head else 0)
+    frozen = n["embed"] + (0 if t.train_lm_head else n["lm_head"])
+    autocast = t.device != "cpu" and t.dtype in ("bfloat16", "float16")
+    ab = 2 if autocast else 4  # activation bytes
+    ctx_b = 4 + (2 if autocast else 0)  # the fp32 cast of the streamed states, and autocast's copy
+    h, i, kv = d.hidden_size, d.intermediate_size, d.num_key_value_heads * d.head_dim
+    n_aux, th = len(cfg.verifier.aux_layer_ids), cfg.verifier.hidden_size
+    items = [
+        MemoryItem("draft params (fp32 master)", 4 * trainable, f"{_count(trainable)} trainable x 4 B"),
+        MemoryItem("gradients (fp32)", 4 * trainable, "trainable x 4 B"),
+        MemoryItem("AdamW states (2x fp32)", 8 * trainable, "trainable x 8 B (exp_avg, exp_avg_sq)"),
+    ]
+    if autocast:
+        items.append(MemoryItem(f"{t.dtype} weight cache", 2 * trainable, "autocast's cast of trainable x 2 B"))
+    if world > 1:
+        items.append(MemoryItem("DDP gradient buckets", 4 * trainable, f"{world} ranks: a second fp32 copy of grads"))
+    items += [
+        MemoryItem("frozen embedding + lm_head", 4 * frozen + n["buffers"],
+                   f"{_count(frozen)} x 4 B (target rows, fp32) + d2t/t2d"),
+        MemoryItem("verifier head rows", 4 * d.draft_vocab_size * th + cfg.verifier.vocab_size,
+                   "draft_vocab x target hidden x 4 B + t2d"),
+        MemoryItem("stream buffer", cfg.stream.buffer_per_trainer * sample_bytes,
+                   f"stream.buffer_per_trainer={cfg.stream.buffer_per_trainer} samples"),
+        MemoryItem("activations", ab * d.num_hidden_layers * micro_block * (6 * h + 4 * i)
+                   + micro_tokens * (ctx_b * n_aux * th + ab * d.num_hidden_layers * (h + 2 * kv))
+                   + LOSS_TENSORS * 4 * micro_block * d.draft_vocab_size,
+                   f"Q={micro_block} block + T={micro_tokens} context tokens: "
+                   f"{ab}B*L*Q*(6h+4i) + T*({ctx_b}B*aux*H + {ab}B*L*(h+2kv)) + {LOSS_TENSORS}*4B*Q*vocab"),
+    ]
+    return items
+
+
+def _recommend(ratio: float, supply: float, demand: float) -> tuple[int, int]:
+    """(verifier, trainer) nodes with the fewest node-seconds per trained sample."""
+    if ratio >= 1:
+        options = [(1, t) for t in {max(1, math.floor(ratio)), math.ceil(ratio)}]
+    else:
+        options = [(v, 1) for v in {max(1, math.floor(1 / ratio)), math.ceil(1 / ratio)}]
+    return min(sorted(options), key=lambda vt: (vt[0] + vt[1]) / min(vt[0] * supply, vt[1] * demand))
+
+
+def capacity_plan(cfg: DSparkConfig) -> Plan:
+    check_plan(cfg)
+    p, c, t = cfg.plan, cfg.cluster, cfg.train
+    seq = p.avg_seq_len or max(cfg.data.max_seq_len // 2, 1)
+    dtype = stream_dtype_name(cfg)
+    n_aux = len(cfg.verifier.aux_layer_ids)
+    tok_bytes = (n_aux + 1) * cfg.verifier.hidden_size * DTYPE_BYTES[dtype] + IDS_BYTES_PER_TOKEN
+    sample_bytes = seq * tok_bytes + HEADER_BYTES
+
+    prefill = p.prefill_tok_s_per_node or (
+        c.gpus_per_node * p.gpu_tflops * 1e12 * p.mfu / (2 * p.target_active_params_b * 1e9))
+    link_bytes = p.link_gbps * 1e9 / 8
+    link_samples = link_bytes / sample_bytes
+    supply = min(prefill / seq, link_samples)
+
+    ranks = t.ranks_per_node or max(c.gpus_per_node, 1)
+    world = c.trainer_nodes * ranks
+    micro = max(t.global_batch_size // (world * t.grad_accumulation), 1)
+    # max_anchors bounds the anchors of one packed micro-step row, not of one sample.
+    micro_block = min(t.max_anchors, max(micro * seq - cfg.draft.block_size, 0)) * cfg.draft.block_size
+    n = _draft_params(cfg)
+    flops = _train_flops_per_sample(cfg, n, seq, micro_block / micro)
+    per_gpu = p.trainer_step_samples_s_per_gpu or p.gpu_tflops * 1e12 * p.mfu / flops
+    demand = min(per_gpu * ranks, link_samples)  # a trainer node's ingress is a link too
+
+    ratio = supply / demand
+    rec_v, rec_t = _recommend(ratio, supply, demand)
+    c_supply, c_demand = c.verifier_nodes * supply, c.trainer_nodes * demand
+    memory = _trainer_memory(cfg, n, micro * seq, micro_block, sample_bytes, world)
+    used = sum(m.bytes for m in memory)
+    weights = p.target_params_b * 1e9 * p.target_bytes_per_param
+    node_bytes = c.gpus_per_node * p.gpu_memory_gb * GB
+    return Plan(
+        name=cfg.name, stream_dtype=dtype, n_aux=n_aux, hidden=cfg.verifier.hidden_size, bytes_per_token=tok_bytes,
+        avg_seq_len=seq, bytes_per_sample=sample_bytes, prefill_tok_s=prefill,
+        prefill_estimated=p.prefill_tok_s_per_node is None, prefill_samples_s=prefill / seq,
+        link_bytes_s=link_bytes, link_samples_s=link_samples, link_bound=link_samples < prefill / seq,
+        supply_samples_s=supply, supply_bytes_s=supply * sample_bytes, gpus_per_node=c.gpus_per_node,
+        ranks_per_node=ranks, micro_batch=micro, block_tokens_per_sample=micro_block / micro,
+        train_flops_per_sample=flops,
+        trainer_samples_s_per_gpu=per_gpu, trainer_estimated=p.trainer_step_samples_s_per_gpu is None,
+        demand_samples_s=demand, trainer_nodes_per_verifier_node=ratio, recommend_verifier_nodes=rec_v,
+        recommend_trainer_nodes=rec_t, verifier_nodes=c.verifier_nodes, trainer_nodes=c.trainer_nodes,
+        cluster_supply_samples_s=c_supply, cluster_demand_samples_s=c_demand,
+        trainer_wait=max(0.0, 1 - c_supply / c_demand), verifier_throttle=max(0.0, 1 - c_demand / c_supply),
+        run_hours=t.steps * t.global_batch_size / min(c_supply, c_demand) / 3600,
+        trainer_memory=memory, trainer_gpu_bytes=used, gpu_bytes=p.gpu_memory_gb * GB,
+        trainer_over=used > p.gpu_memory_gb * GB, target_weight_bytes=weights, verifier_node_bytes=node_bytes,
+        kv_headroom_bytes=cfg.verifier.gpu_memory_utilization * node_bytes - weights,
+        verifier_over=weights > node_bytes,
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _count(n: float) -> str:
+    return next((f"{n / s:.3g} {u}" for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= s), f"{n:.0f}")
+
+
+def _duration(hours: float) -> str:
+    return f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.1f} min"
+
+
+def _rate(n: float) -> str:
+    return f"{n:.3g}" if n < 1000 else f"{n:,.0f}"
+
+
+def format_plan(pl: Plan) -> str:
+    est = lambda flag: "estimated" if flag else "measured (plan.*)"  # noqa: E731
+    sections: list[tuple[str, list[tuple[str, str, str]]]] = [
+        ("stream payload", [
+            ("bytes per captured token", _bytes(pl.bytes_per_token),
+             f"({pl.n_aux} aux + 1 last) x {pl.hidden} hidden x {DTYPE_BYTES[pl.stream_dtype]} B ({pl.stream_dtype})"
+             f" + {IDS_BYTES_PER_TOKEN} B ids/mask"),
+            ("avg tokens per sample", str(pl.avg_seq_len), "plan.avg_seq_len (default data.max_seq_len / 2)"),
+            ("bytes per sample", _bytes(pl.bytes_per_sample), "tokens x bytes per token + header"),
+        ]),
+        ("verifier supply (per verifier node)", [
+            ("prefill", f"{_rate(pl.prefill_tok_s)} tok/s",
+             f"{est(pl.prefill_estimated)}: GPUs x TFLOP/s x mfu / (2 x active params)"),
+            ("prefill-limited supply", f"{_rate(pl.prefill_samples_s)} samples/s", "prefill tok/s / avg tokens"),
+            ("link capacity", f"{_rate(pl.link_samples_s)} samples/s",
+             f"{_bytes(pl.link_bytes_s)}/s = plan.link_gbps / 8"),
+            ("supply", f"{_rate(pl.supply_samples_s)} samples/s",
+             ("LINK-BOUND: the network, not prefill, limits supply" if pl.link_bound
+              else "prefill-bound: the link carries it") + f" ({_bytes(pl.supply_bytes_s)}/s on the wire)"),
+        ]),
+        ("trainer demand (per trainer node)", [
+            ("train FLOPs per sample", f"{pl.train_flops_per_sample:.3g} FLOP",
+             f"6 x params x tokens + attention; {pl.block_tokens_per_sample:.0f} block tokens/sample"),
+            ("per GPU", f"{_rate(pl.trainer_samples_s_per_gpu)} samples/s",
+             f"{est(pl.trainer_estimated)}: TFLOP/s x mfu / FLOPs per sample"),
+            ("demand", f"{_rate(pl.demand_samples_s)} samples/s",
+             f"per GPU x {pl.ranks_per_node} ranks (of {pl.gpus_per_node} GPUs; micro-batch {pl.micro_batch}),"
+             " link-capped"),
+        ]),
+        ("balance", [
+            ("trainer nodes per verifier node", f"{pl.trainer_nodes_per_verifier_node:.2f}", "supply / demand"),
+            ("recommended", f"{pl.recommend_verifier_nodes} verifier : {pl.recommend_trainer_nodes} trainer",
+             "fewest node-seconds per trained sample"),
+            ("configured", f"{pl.verifier_nodes} verifier : {pl.trainer_nodes} trainer",
+             f"supply {_rate(pl.cluster_supply_samples_s)} vs demand {_rate(pl.cluster_demand_samples_s)} samples/s"),
+            ("trainer data-wait", f"{pl.trainer_wait:.0%}", "max(0, 1 - supply / demand): trainers idle for data"),
+            ("verifier throttle", f"{pl.verifier_throttle:.0%}",
+             "max(0, 1 - demand / supply): backpressure idles prefill"),
+            ("time for train.steps", _duration(pl.run_hours), "steps x global batch / min(supply, demand)"),
+        ]),
+        ("memory per trainer GPU", [(m.what, _bytes(m.bytes), m.how) for m in pl.trainer_memory] + [
+            ("total", _bytes(pl.trainer_gpu_bytes),
+             ("OVER: exceeds " if pl.trainer_over else "fits ") + f"plan.gpu_memory_gb = {_bytes(pl.gpu_bytes)}"),
+        ]),
+        ("verifier memory per node", [
+            ("target weights", _bytes(pl.target_weight_bytes), "plan.target_params_b x plan.target_bytes_per_param"),
+            ("node GPU memory", _bytes(pl.verifier_node_bytes),
+             ("OVER: the target does not fit" if pl.verifier_over else "fits") + "; gpus_per_node x gpu_memory_gb"),
+            ("KV-cache headroom", _bytes(pl.kv_headroom_bytes), "verifier.gpu_memory_utilization x node - weights"),
+        ]),
+    ]
+    rows = [r for _, rs in sections for r in rs]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    lines = [f"{pl.name}: capacity plan (estimates; set plan.* to measured values to refine)"]
+    for title, rs in sections:
+        lines += ["", title] + [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rs]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.config import resolve
+
+    cfg = resolve(args.config, args.overrides, check_tracking=False)
+    print(format_plan(capacity_plan(cfg)))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="capacity plan: verifier supply vs trainer demand, trainer nodes per "
+                                    "verifier node, memory per GPU")
+    p.add_argument("config", help="YAML config, e.g. configs/kimi-k2.6-dspark.yaml")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, e.g. plan.link_gbps=200")
+    p.set_defaults(func=run)

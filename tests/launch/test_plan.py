@@ -1,0 +1,114 @@
+"""`dspark plan`: the capacity arithmetic on numbers small enough to check by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc.cli import main
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
+from hpc.launch.plan import capacity_plan, format_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = "configs/kimi-k2.6-dspark.yaml"
+
+
+def tiny(**plan) -> DSparkConfig:
+    """hidden 4, 3 aux layers, fp32 stream, 10-token samples, measured rates."""
+    cfg = DSparkConfig(name="tiny")
+    v, d, c, t = cfg.verifier, cfg.draft, cfg.cluster, cfg.train
+    v.hidden_size, v.vocab_size, v.aux_layer_ids = 4, 64, [1, 2, 3]
+    d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim = 8, 2, 1, 4
+    d.intermediate_size, d.draft_vocab_size, d.mask_token_id, d.markov_rank = 16, 16, 3, 2
+    cfg.data.max_seq_len = 20
+    cfg.stream.dtype = "float32"
+    c.gpus_per_node, c.verifier_nodes, c.trainer_nodes = 2, 1, 1
+    t.ranks_per_node, t.global_batch_size, t.grad_accumulation, t.device, t.dtype = None, 4, 1, "cpu", "float32"
+    p = cfg.plan
+    p.avg_seq_len, p.prefill_tok_s_per_node, p.trainer_step_samples_s_per_gpu = 10, 100.0, 2.0
+    p.link_gbps, p.gpu_memory_gb = 1.0, 1.0
+    for key, value in plan.items():
+        setattr(p, key, value)
+    return cfg
+
+
+def test_hand_computed_supply_demand_and_balance():
+    pl = capacity_plan(tiny())
+    assert pl.bytes_per_token == (3 + 1) * 4 * 4 + 16 == 80  # states + int64 id and mask
+    assert pl.bytes_per_sample == 10 * 80 + 64 == 864  # + the int64[8] header
+    assert pl.supply_samples_s == pytest.approx(100 / 10)
+    assert pl.supply_bytes_s == pytest.approx(10 * 864)
+    assert not pl.link_bound and pl.link_bytes_s == pytest.approx(1e9 / 8)
+    assert pl.demand_samples_s == pytest.approx(2.0 * 2)  # 2 GPUs x 2 samples/s
+    assert pl.trainer_nodes_per_verifier_node == pytest.approx(2.5)
+    # 1:2 costs 3 nodes / 8 samples/s = 0.375, 1:3 costs 4 / 10 = 0.4 node-s per sample.
+    assert (pl.recommend_verifier_nodes, pl.recommend_trainer_nodes) == (1, 2)
+    assert pl.trainer_wait == 0.0 and pl.verifier_throttle == pytest.approx(0.6)
+
+    three = tiny()
+    three.cluster.trainer_nodes = 3
+    pl3 = capacity_plan(three)
+    assert pl3.cluster_demand_samples_s == pytest.approx(12.0)
+    assert pl3.trainer_wait == pytest.approx(1 - 10 / 12) and pl3.verifier_throttle == 0.0
+
+
+def test_slow_trainers_get_several_verifiers_each():
+    pl = capacity_plan(tiny(trainer_step_samples_s_per_gpu=10.0))  # demand 20 vs supply 10
+    assert pl.trainer_nodes_per_verifier_node == pytest.approx(0.5)
+    assert (pl.recommend_verifier_nodes, pl.recommend_trainer_nodes) == (2, 1)
+    assert pl.trainer_wait == pytest.approx(0.5)
+
+
+def test_link_bound_supply_uses_the_link():
+    pl = capacity_plan(tiny(link_gbps=1e-5))  # 1250 B/s on the wire
+    assert pl.link_bytes_s == pytest.approx(1250)
+    assert pl.link_bound
+    assert pl.supply_samples_s == pytest.approx(1250 / 864)
+    assert pl.supply_samples_s < pl.prefill_samples_s == pytest.approx(10.0)
+    assert pl.demand_samples_s == pytest.approx(1250 / 864)  # a trainer's ingress is the same link
+    assert "LINK-BOUND" in format_plan(pl)
+
+
+def test_estimates_follow_the_flops_formulas():
+    pl = capacity_plan(tiny(prefill_tok_s_per_node=None, trainer_step_samples_s_per_gpu=None,
+                            target_params_b=2.0, target_active_params_b=1.0, gpu_tflops=1.0, mfu=0.5))
+    assert pl.prefill_estimated and pl.trainer_estimated
+    assert pl.prefill_tok_s == pytest.approx(2 * 1e12 * 0.5 / (2 * 1e9))  # 2 GPUs, 2 FLOPs per active param
+    assert pl.trainer_samples_s_per_gpu == pytest.approx(1e12 * 0.5 / pl.train_flops_per_sample)
+
+
+def test_memory_over_budget_is_flagged():
+    pl = capacity_plan(tiny(gpu_memory_gb=1e-6))
+    assert pl.trainer_over and pl.trainer_gpu_bytes > pl.gpu_bytes
+    assert any(line.lstrip().startswith("total") and "OVER" in line for line in format_plan(pl).splitlines())
+    assert not capacity_plan(tiny()).trainer_over
+    big = capacity_plan(tiny(target_params_b=1000.0, target_active_params_b=32.0, target_bytes_per_param=2.0))
+    assert big.verifier_over and "OVER: the target does not fit" in format_plan(big)
+
+
+@pytest.mark.parametrize("knob", ["link_gbps=0", "mfu=1.5", "prefill_tok_s_per_node=-1"])
+def test_bad_knob_names_the_key(knob):
+    key, value = knob.split("=")
+    cfg = tiny(**{key: float(value)})
+    with pytest.raises(UserError, match=rf"^plan\.{key} = "):
+        capacity_plan(cfg)
+
+
+def test_cli_prints_the_kimi_plan(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["plan", KIMI]) == 0
+    out = capsys.readouterr().out
+    for line in ("kimi-k2.6-dspark: capacity plan", "bytes per captured token", "57.36 KB", "573.60 MB",
+                 "supply", "demand", "trainer nodes per verifier node", "1 verifier : 1 trainer",
+                 "trainer data-wait", "memory per trainer GPU", "AdamW states", "stream buffer", "activations",
+                 "fits plan.gpu_memory_gb", "target weights", "600.00 GB"):
+        assert line in out, line
+
+
+def test_cli_bad_knob_exits_2_naming_the_key(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["plan", KIMI, "plan.link_gbps=0"]) == 2
+    err = capsys.readouterr().err
+    assert "plan.link_gbps" in err and len(err.strip().splitlines()) == 1
