@@ -1,0 +1,318 @@
+"""`dspark status [PIPELINE]` and `dspark cancel [PIPELINE]`: a submitted pipeline from a login node.
+
+PIPELINE is what `dspark submit` printed: the pipeline.json path, its directory, a pipeline id
+(or a unique prefix of one) under `{log_dir}/pipelines/`, or `latest`. Status asks `sacct` once
+for every job and array task, adds the trainers' progress.json and the MLflow link; cancel
+runs one `scancel` over every job of the pipeline.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.errors import UserError
+
+DEFAULT_LOG_DIR = "runs/slurm"
+SACCT_FIELDS = "JobID,JobName,State,Elapsed,ExitCode,NodeList"
+TIMEOUT_S = 30.0
+STALE_S = 60.0  # progress.json is rewritten every ~2 s: older than this, say how old
+# Summary order: what is done, what is moving, what waits, then the ways a job ends badly.
+STATE_ORDER = ("completed", "running", "pending", "requeued", "suspended", "failed", "timeout",
+               "out_of_memory", "node_fail", "preempted", "cancelled", "unknown")
+# A pending array's not-yet-split tasks, as sacct prints them: 12_[0-3], 12_[0,2-5%2].
+_PENDING_ARRAY = re.compile(r"^(\d+)_\[([^\]]+)\]$")
+# What a failed MLflow request was, in a few words; its own message is a paragraph of urllib3.
+_NET_REASONS = ("connection refused", "timed out", "name or service not known",
+                "temporary failure in name resolution", "no route to host")
+
+
+@dataclass(frozen=True)
+class JobState:
+    id: str  # "12", "12_0"; a pending range expand_array_id does not understand stays as sacct wrote it
+    name: str
+    state: str  # first word only: "CANCELLED by 0" -> CANCELLED
+    elapsed: str
+    exit_code: str
+    nodes: str
+
+
+# ---- finding the state file ----------------------------------------------------------------
+
+
+def find_pipeline(arg: str, log_dir: str = DEFAULT_LOG_DIR) -> Path:
+    """The pipeline.json that `arg` names: a path to it or its directory, an id, or `latest`."""
+    path = Path(arg)
+    if path.is_file():
+        return path
+    if (path / "pipeline.json").is_file():
+        return path / "pipeline.json"
+    root = Path(log_dir) / "pipelines"
+    how = (f"pass a pipeline id (`ls {root}`), its directory or its pipeline.json, or `latest`; "
+           "--log-dir must match the config's cluster.log_dir")
+    found = sorted(root.glob("*/pipeline.json")) if root.is_dir() else []
+    if arg == "latest":
+        if not found:
+            raise UserError(f"no submitted pipeline under {root}: submit one with `dspark submit CONFIG`, "
+                            "or pass --log-dir (the config's cluster.log_dir)")
+        return max(found, key=_submitted_key)
+    if (root / arg / "pipeline.json").is_file():
+        return root / arg / "pipeline.json"
+    if (root / arg).is_dir():
+        raise UserError(f"{root / arg} has no pipeline.json: its submission failed or is still going "
+                        "(`dspark submit` writes it last); check `squeue --me`")
+    matches = [f for f in found if f.parent.name.startswith(arg)]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        names = ", ".join(m.parent.name for m in matches[:4])
+        raise UserError(f"{arg!r} matches {len(matches)} pipelines ({names}{', ...' if len(matches) > 4 else ''}); "
+                        "give more of the id")
+    raise UserError(f"no pipeline {arg!r} under {root}: {how}")
+
+
+def _submitted_key(state_file: Path) -> tuple[str, float]:
+    # `submitted` is ISO local time, so it sorts as text; mtime breaks ties and covers bad files.
+    try:
+        submitted = str(json.loads(state_file.read_text()).get("submitted", ""))
+    except (OSError, ValueError, AttributeError):
+        submitted = ""
+    return submitted, state_file.stat().st_mtime
+
+
+def load_pipeline(state_file: Path) -> dict:
+    try:
+        state = json.loads(Path(state_file).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{state_file}: cannot read it as a pipeline state file ({err}); "
+                        "pass the pipeline.json `dspark submit` wrote") from None
+    if not isinstance(state, dict) or not isinstance(state.get("jobs"), dict):
+        raise UserError(f"{state_file}: not a pipeline state file (no 'jobs' map); "
+                        "pass the pipeline.json `dspark submit` wrote")
+    return state
+
+
+# ---- sacct ---------------------------------------------------------------------------------
+
+
+def job_states(job_ids: list[str]) -> dict[str, JobState]:
+    """Every job and array task of `job_ids` that accounting knows, by id ("12", "12_0")."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return {}
+    by_hand = f"squeue -j {','.join(ids)} shows the queued and running ones"
+    argv = ["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", SACCT_FIELDS]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        raise UserError(f"sacct not found: run dspark status on a Slurm login node ({by_hand})") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"sacct did not answer within {TIMEOUT_S:.0f} s: is slurmdbd up? ({by_hand})") from None
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1].strip()
+        raise UserError(f"sacct failed: {last}; dspark status needs job accounting (slurmdbd) enabled, "
+                        f"otherwise {by_hand}")
+    states: dict[str, JobState] = {}
+    for line in res.stdout.splitlines():
+        for job in parse_sacct_line(line):
+            states[job.id] = job
+    return states
+
+
+def parse_sacct_line(line: str) -> list[JobState]:
+    """One `sacct -P` row; a pending array range becomes one JobState per task."""
+    fields = line.strip().split("|")
+    if len(fields) < 6 or not fields[0]:
+        return []
+    # A '|' in a job name would shift fields: take the fixed ones from both ends.
+    jid, name = fields[0], "|".join(fields[1:-4])
+    state, elapsed, exit_code, nodes = fields[-4:]
+    state = (state.split() or ["UNKNOWN"])[0]
+    return [JobState(t, name, state, elapsed, exit_code, nodes) for t in expand_array_id(jid)]
+
+
+def expand_array_id(jid: str) -> list[str]:
+    """"12_[0-2,5%2]" -> ["12_0", "12_1", "12_2", "12_5"]; anything else as it is."""
+    m = _PENDING_ARRAY.match(jid)
+    if not m:
+        return [jid]
+    tasks: list[str] = []
+    try:
+        for part in m.group(2).split("%")[0].split(","):  # %N is the throttle, not a task
+            lo, _, rest = part.partition("-")
+            hi, _, step = rest.partition(":")
+            tasks += [f"{m.group(1)}_{i}" for i in range(int(lo), int(hi or lo) + 1, int(step or 1))]
+    except ValueError:
+        return [jid]
+    return tasks
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+
+def _duration(seconds: float) -> str:
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _find_train_dir(train_dir: str, state_file: Path) -> Path | None:
+    # Relative train dirs are relative to where `dspark submit` ran, which holds log_dir; from
+    # elsewhere, the state file's ancestors are the places that can be.
+    path = Path(train_dir)
+    bases = [] if path.is_absolute() else [Path.cwd(), *Path(state_file).resolve().parents]
+    candidates = [b / path for b in bases] or [path]
+    return next((c for c in candidates if (c / "progress.json").is_file()), None)
+
+
+def progress_text(train_dir: str, state_file: Path, now: float | None = None) -> str:
+    """`step/total loss L N samples/s ETA T` from a trainer's progress.json; "" before it exists."""
+    found = _find_train_dir(train_dir, state_file)
+    if found is None:
+        return ""
+    try:
+        p = json.loads((found / "progress.json").read_text())
+        text = f"{int(p['step'])}/{int(p['total'])} loss {float(p['loss']):.3f}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "progress.json unreadable"
+    if p.get("samples_per_s") is not None:
+        text += f" {float(p['samples_per_s']):.1f} samples/s"
+    if p.get("eta_s") is not None:
+        text += f" ETA {_duration(float(p['eta_s']))}"
+    age = (time.time() if now is None else now) - float(p.get("updated", 0) or 0)
+    if age > STALE_S:
+        text += f" (updated {_duration(age)} ago)"
+    return text
+
+
+def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tuple[str, ...]]:
+    train_dirs = list(state.get("train_dirs") or [])
+    rows = []
+    for stage, jid in state["jobs"].items():
+        jid = str(jid)
+        mine = [j for k, j in jobs.items() if k == jid or k.startswith(f"{jid}_")]
+        mine.sort(key=lambda j: (len(j.id), j.id))  # 12_2 before 12_10
+        if not mine:
+            rows.append((stage, jid, "-", "UNKNOWN", "-", "-", "-", "not in sacct yet"))
+            continue
+        for j in mine:
+            task = j.id.partition("_")[2]
+            variant = f"v{task}" if task.isdigit() else (task or "-")
+            progress = ""
+            if stage == "train":
+                i = int(task) if task.isdigit() else 0
+                progress = progress_text(train_dirs[i], state_file) if i < len(train_dirs) else ""
+            nodes = "-" if j.nodes.startswith("None") or not j.nodes else j.nodes
+            rows.append((stage, j.id, variant, j.state, j.elapsed, j.exit_code, nodes, progress))
+    return rows
+
+
+def mlflow_link(state: dict) -> str:
+    """Where the pipeline's parent run is; never fails, since a dead server must not hide the table."""
+    uri, run = str(state.get("tracking_uri") or ""), state.get("parent_run_id") or "?"
+    if uri.startswith("sqlite:"):
+        return f"mlflow: run {run}; browse with `mlflow ui --backend-store-uri {uri}`"
+    if not uri.startswith(("http://", "https://")):
+        return f"mlflow: run {run} at {uri or '(no tracking uri)'}"
+    # MLflow's defaults retry for minutes; a status line has to come back in seconds.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    try:
+        from mlflow.tracking import MlflowClient
+
+        exp = MlflowClient(uri).get_experiment_by_name(str(state.get("experiment")))
+    except Exception as err:  # noqa: BLE001 - any failure only costs the link
+        text = str(err).lower()
+        why = next((r for r in _NET_REASONS if r in text), type(err).__name__)
+        return f"mlflow: run {run} at {uri} (could not look up the experiment: {why})"
+    if exp is None:
+        return f"mlflow: run {run} at {uri} (no experiment {state.get('experiment')!r} there)"
+    return f"mlflow: {uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run}"
+
+
+def summary(rows: list[tuple[str, ...]]) -> str:
+    counts = Counter(r[3].lower() for r in rows)
+    order = [s for s in STATE_ORDER if s in counts] + sorted(set(counts) - set(STATE_ORDER))
+    return ", ".join(f"{counts[s]} {s.replace('_', ' ')}" for s in order)
+
+
+def status(pipeline_file: Path | str) -> str:
+    """The status report: one row per job or array task, the MLflow link, a summary line."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    state_file = Path(pipeline_file)
+    state = load_pipeline(state_file)
+    rows = _rows(state, job_states([str(j) for j in state["jobs"].values()]), state_file)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for col in ("stage", "job", "variant", "state", "elapsed", "exit", "nodes", "progress"):
+        table.add_column(col, no_wrap=col != "progress")
+    for row in rows:
+        table.add_row(*row)
+    out = io.StringIO()
+    Console(file=out, width=shutil.get_terminal_size((160, 24)).columns, color_system=None).print(table)
+    head = (f"pipeline {state.get('pipeline', state_file.parent.name)} "
+            f"(submitted {state.get('submitted', '?')}, config {state.get('config', '?')})")
+    # Cells are padded to the column width; trailing blanks only get in the way of pipes and diffs.
+    lines = [head, *(ln.rstrip() for ln in out.getvalue().splitlines()), mlflow_link(state), summary(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def cancel(pipeline_file: Path | str) -> list[str]:
+    """scancel every job of the pipeline at once; jobs that already ended are left as they are."""
+    from hpc.launch.slurm import cancel as scancel
+
+    state_file = Path(pipeline_file)
+    state = load_pipeline(state_file)
+    ids = [str(j) for j in state["jobs"].values()]
+    scancel(ids)  # raises a UserError naming the ids to cancel by hand when scancel is missing
+    name = state.get("pipeline", state_file.parent.name)
+    print(f"cancelled pipeline {name}: " + ", ".join(f"{k} {v}" for k, v in state["jobs"].items())
+          + " (jobs that had already ended are unchanged)")
+    return ids
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+
+def _status_cmd(args) -> int:
+    print(status(find_pipeline(args.pipeline, args.log_dir)), end="")
+    return 0
+
+
+def _cancel_cmd(args) -> int:
+    cancel(find_pipeline(args.pipeline, args.log_dir))
+    return 0
+
+
+def register(sub, names: tuple[str, ...] | None = None) -> None:
+    """Add `status` and/or `cancel`; with no `names`, the one hpc.cli is building the parser for.
+
+    hpc.cli calls register() at the running command's place in COMMANDS, after the placeholders
+    of the commands listed before it and before the ones after it: so the running command is
+    the first of ours not yet added (adding both would clash with the other's placeholder).
+    """
+    from hpc.cli import COMMANDS
+
+    helps = {n: h for n, module, h in COMMANDS if module == __name__}
+    if names is None:
+        names = tuple(n for n in helps if n not in sub.choices)[:1]
+    for name in names:
+        p = sub.add_parser(name, help=helps.get(name), description=__doc__)
+        p.add_argument("pipeline", nargs="?", default="latest",
+                       help="pipeline.json, its directory, a pipeline id, or latest (the default)")
+        p.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
+                       help=f"the config's cluster.log_dir (default {DEFAULT_LOG_DIR})")
+        p.set_defaults(func=_status_cmd if name == "status" else _cancel_cmd)
