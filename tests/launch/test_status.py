@@ -43,7 +43,9 @@ def _progress(train_dir: Path, updated: float, step: int = 40) -> None:
 
 
 def _sbatch(partition: str, *args: str) -> str:
-    res = subprocess.run(["sbatch", "--parsable", "-p", partition, "-t", "5", *args, "--wrap", "sleep 60"],
+    # No --output: Slurm would write slurm-%j.out into the working directory (the checkout).
+    res = subprocess.run(["sbatch", "--parsable", "-p", partition, "-t", "5", "-o", "/dev/null", *args,
+                          "--wrap", "sleep 60"],
                          capture_output=True, text=True, timeout=30, check=True)
     return res.stdout.strip().split(";")[0]
 
