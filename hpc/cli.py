@@ -15,6 +15,7 @@ from hpc.errors import UserError
 # (command, module defining register(), one-line help); a module is imported only when its
 # command runs, so the top-level help never pays for torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "hpc.launch.demo", "the whole pipeline on this machine, no Slurm: toy target, train, evaluate, table"),
     ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
     ("devcluster", "hpc.launch.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
     ("toy-target", "hpc.verifier.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),

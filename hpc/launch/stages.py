@@ -128,11 +128,12 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
         p.start()
     stop = {"requested": False}
 
-    def forward(signum, _frame):  # every rank checkpoints at its next step boundary
+    def forward(signum, _frame):  # trainer ranks checkpoint at their next step boundary
         stop["requested"] = True
-        for p in procs:
-            if p.pid and p.is_alive():
-                os.kill(p.pid, signum)
+        if role == "trainer":  # streamers keep feeding until the trainers end the stream
+            for p in procs:
+                if p.pid and p.is_alive():
+                    os.kill(p.pid, signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         code = _supervise(procs)

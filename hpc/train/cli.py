@@ -11,15 +11,21 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpc.config import resolve
+
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+    cfg = resolve(args.config, overrides, check_tracking=False)
+    return train_local(cfg)
+
+
+def train_local(cfg, parent_run_id: str | None = None) -> int:
+    """Prepare the data, then run every rank of the online world as a local process."""
     import torch.multiprocessing as mp
 
-    from hpc.config import resolve
     from hpc.config.validate import trainer_ranks
     from hpc.track.server import free_port
     from hpc.train.prepare import prepare_data
 
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = resolve(args.config, overrides, check_tracking=False)
     if cfg.tracking.uri.startswith("http"):
         from hpc.track.server import is_healthy
 
@@ -33,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, cfg, T, V, "127.0.0.1", port), name=f"rank{r}") for r in range(T + V)]
+    procs = [ctx.Process(target=_entry, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id), name=f"rank{r}")
+             for r in range(T + V)]
     for p in procs:
         p.start()
     for p in procs:
@@ -44,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     return max(codes, key=abs) if any(codes) else 0
 
 
-def _entry(rank, cfg, T, V, addr, port) -> None:
+def _entry(rank, cfg, T, V, addr, port, parent_run_id=None) -> None:
     import os
     import sys
 
@@ -52,7 +59,7 @@ def _entry(rank, cfg, T, V, addr, port) -> None:
     from hpc.train.driver import rank_main
 
     try:
-        code = rank_main(rank, cfg, T, V, addr, port)
+        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
     except UserError as err:
         print(f"error: rank {rank}: {err}", file=sys.stderr)
         code = 2

@@ -8,6 +8,7 @@ progress display and the MLflow run; the last checkpoint is exported for vLLM at
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -96,10 +97,25 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     device = cfg.train.device
     if device == "cpu":  # every rank of this world shares the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.size))
-    group = init_world(w, cfg.train.dist_backend, master_addr, port)
+    # Readiness is gated on the verifier: a streamer joins the world only once its vLLM answers
+    # /health, so trainers wait in the rendezvous (not on a watchdog that would call the
+    # still-loading verifier dead). The rendezvous timeout therefore covers vLLM's start.
+    rendezvous_s = cfg.verifier.health_timeout_s + 600
+    capture = closer = None
+    if not w.is_trainer:
+        # Preemption (USR2) and cancel (TERM) are the trainers' business: they checkpoint and then
+        # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        capture, closer = make_capture(cfg, "cpu" if device == "cpu" else "cuda", out)
+    try:
+        group = init_world(w, cfg.train.dist_backend, master_addr, port, timeout_s=rendezvous_s)
+    except BaseException:
+        if closer is not None:
+            closer.close()
+        raise
     rows, vocab_file = load_prepared(out)
     if not w.is_trainer:
-        capture, closer = make_capture(cfg, "cpu" if device == "cpu" else "cuda", out)
         try:
             stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), capture, w.trainers,
                                  "cuda" if cfg.train.dist_backend == "nccl" else "cpu", stream_dtype(cfg),
@@ -115,6 +131,12 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     args = DSparkArgs.from_config(cfg)
     model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
                               cfg.train.train_lm_head)
+    if cfg.train.init_from:
+        from hpc.train.checkpoint import latest_checkpoint
+        from hpc.train.warm_start import warm_start
+
+        if latest_checkpoint(out / "checkpoints") is None:  # a resumed run must keep its own weights
+            warm_start(model, cfg)
     logger = progress = None
     if w.rank == 0:
         from hpc.config import flatten
@@ -146,7 +168,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
                        epoch_size=len(rows))
     if w.rank == 0:
         progress.close()
-        _finish(cfg, out, logger)
+        _finish(cfg, out, logger, export=code == 0)
     return code
 
 
@@ -156,15 +178,18 @@ def _as_dictconfig(cfg: DSparkConfig):
     return OmegaConf.structured(cfg)
 
 
-def _finish(cfg: DSparkConfig, out: Path, logger) -> None:
-    """Export the last checkpoint for vLLM, plot the loss curve, hand both to MLflow."""
+def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True) -> None:
+    """Export the last checkpoint for vLLM, plot the loss curve, hand both to MLflow.
+
+    Not after a preemption or a failure: an eval must never pick up a half-trained draft.
+    """
     import json
 
     from hpc.model.export import export_draft, load_draft
     from hpc.track.plots import loss_curve_png
     from hpc.train.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(out / "checkpoints")
+    ckpt = latest_checkpoint(out / "checkpoints") if export else None
     if ckpt is not None:
         export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.model,
                               json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"],

@@ -1,0 +1,96 @@
+"""`dspark demo`: the whole pipeline on this machine, no Slurm, in minutes on 2 CPU cores.
+
+The toy target is built on the fly (cached), MLflow is a SQLite file, and the stages run one
+after another through submitit's local executor, exactly the stage functions a Slurm
+pipeline runs: regenerate (vLLM), train (1 verifier + 2 trainer processes over gloo),
+evaluate at n=3 and n=7, and the report with the comparison table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from hpc.errors import UserError
+
+
+def demo_stage(stage: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
+    """One stage in a submitit local job (its own process, like a Slurm job)."""
+    from hpc.config import resolve
+    from hpc.launch import stages
+
+    cfg = resolve(config_file, [], check_tracking=False)
+    if stage == "regenerate":
+        return stages.regenerate_stage(cfg, parent_run_id)
+    if stage == "train":
+        from hpc.train.cli import train_local
+
+        code = train_local(cfg, parent_run_id)
+    elif stage == "eval":
+        code = stages.eval_stage(cfg, int(n), parent_run_id)
+    else:
+        code = stages.report_stage(cfg, parent_run_id)
+    if code:
+        raise RuntimeError(f"{stage} failed with exit code {code}")
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    import submitit
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    from hpc.config import resolve, to_yaml
+    from hpc.track.pipeline import create_pipeline_run
+    from hpc.verifier.toy import build_toy_target
+    from hpc.verifier.toy_data import write_toy_conversations
+
+    t0 = time.monotonic()
+    out = Path(args.out).resolve()
+    print(f"dspark demo -> {out}", flush=True)
+    target = build_toy_target(arch="qwen3", seed=0)
+    print(f"[{time.monotonic() - t0:5.0f}s] toy target ready: {target}", flush=True)
+    data = write_toy_conversations(out / "data" / "train.jsonl", n=args.rows, seed=1)
+    overrides = [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
+                 f"train.output_dir={out / 'train'}", f"eval.output_dir={out / 'eval'}",
+                 f"tracking.uri=sqlite:///{out / 'mlflow.db'}", "cluster.executor=local",
+                 f"train.steps={args.steps}", *args.overrides]
+    cfg = resolve(args.config, overrides, check_tracking=False)
+    cfg_file = out / "config.yaml"
+    cfg_file.write_text(to_yaml(OmegaConf.structured(cfg)))
+    parent = create_pipeline_run(MlflowClient(cfg.tracking.uri), cfg, f"{cfg.name}-demo")
+    ex = submitit.LocalExecutor(folder=str(out / "jobs" / "%j"))
+    ex.update_parameters(timeout_min=60)
+    plan = ([("regenerate", None)] if cfg.data.regenerate else []) + [("train", None)] + \
+        [("eval", n) for n in cfg.eval.num_speculative_tokens] + [("report", None)]
+    for i, (stage, n) in enumerate(plan, start=1):
+        name = f"{stage}-n{n}" if n else stage
+        started = time.monotonic()
+        print(f"[{started - t0:5.0f}s] stage {i}/{len(plan)}: {name}", flush=True)
+        job = ex.submit(demo_stage, stage, str(cfg_file), parent, n)
+        try:
+            job.result()
+        except Exception as err:  # noqa: BLE001 - the job's own log says why
+            raise UserError(f"demo stage {name} failed: {str(err).splitlines()[-1][:200]}; its log: "
+                            f"{job.paths.stdout} and {job.paths.stderr}") from err
+        if stage == "report":
+            print(job.stdout() or "", flush=True)
+        print(f"[{time.monotonic() - t0:5.0f}s] {name} done in {time.monotonic() - started:.0f}s", flush=True)
+    print(f"\ndemo finished in {time.monotonic() - t0:.0f}s (pipeline run {parent})")
+    print(f"plots:  {out / 'train' / 'loss_curve.png'}")
+    for png in sorted((out / "eval").glob("*/*.png")):
+        print(f"        {png}")
+    print(f"mlflow: mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}   (runs, metrics, artifacts, registry)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on this machine (no Slurm): toy target, train, eval, table",
+                       description=__doc__)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--config", default="configs/toy-cpu.yaml")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--rows", type=int, default=128, help="toy conversations to train on (default 128)")
+    p.set_defaults(func=run)

@@ -1,0 +1,27 @@
+"""`dspark demo` end to end, shrunk: the same stages through submitit's local executor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_and_prints_the_table(toy_target, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "hpc", "demo", "--out", str(tmp_path / "demo"), "--steps", "4",
+                          "--rows", "24", "data.regenerate=false", "verifier.backend=hf", "eval.compare=[]",
+                          "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
+                          "eval.benchmarks=[gsm8k,humaneval]"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    for stage in ("stage 1/4: train", "stage 2/4: eval-n3", "stage 3/4: eval-n7", "stage 4/4: report"):
+        assert stage in out, out
+    assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out and "| gsm8k" in out
+    assert "loss_curve.png" in out and "per_position_acceptance.png" in out and "demo finished" in out
+    assert (tmp_path / "demo" / "train" / "export" / "model.safetensors").is_file()
