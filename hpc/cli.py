@@ -27,6 +27,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),
     ("status", "hpc.launch.status", "state, progress and MLflow links of a submitted pipeline"),
     ("cancel", "hpc.launch.status", "cancel every job of a submitted pipeline"),
+    ("schedule", "hpc.launch.schedule", "scheduled retraining: scrontab entry (or a self-resubmitting job) that retrains on new data"),
+    ("retrain-tick", "hpc.launch.schedule", "one scheduled retraining check: submit the pipeline if the data changed"),
     ("stage", "hpc.launch.stage_cli", "run one pipeline stage inside a Slurm job (what sbatch/ scripts call)"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
     ("plan", "hpc.launch.plan", "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),

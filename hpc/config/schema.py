@@ -172,6 +172,9 @@ class TrainConfig:
     attention: str = "auto"  # auto | flex | sdpa
     # Trainer processes per trainer node; None means one per GPU (cluster.gpus_per_node).
     ranks_per_node: Optional[int] = None
+    # Warm start for a fresh run (a resumed run keeps its checkpoint): a draft export directory,
+    # or `champion` = the registry's champion of tracking.registered_model.
+    init_from: Optional[str] = None
 
 
 @dataclass

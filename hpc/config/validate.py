@@ -245,6 +245,9 @@ def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
     if t.dist_backend == "nccl" and not t.device.startswith("cuda"):
         c.fail("train.dist_backend", "nccl", "NCCL needs CUDA devices; use gloo on CPU")
     c.one_of("train.attention", t.attention, ("auto", "flex", "sdpa"))
+    if t.init_from and t.init_from != "champion" and not (Path(t.init_from).expanduser() / "config.json").is_file():
+        c.fail("train.init_from", t.init_from, "not a draft export directory (config.json + model.safetensors); "
+               "point it at one, or use champion")
 
 
 def _check_stream(c: _Checker, cfg: DSparkConfig) -> None:
@@ -319,9 +322,14 @@ def _check_tracking(c: _Checker, cfg: DSparkConfig, check_tracking: bool) -> Non
 
 
 def _check_schedule(c: _Checker, cfg: DSparkConfig) -> None:
+    from hpc.launch.cron import HINT, parse_cron
+
     cron = cfg.schedule.cron
-    if cron is not None and len(cron.split()) != 5:
-        c.fail("schedule.cron", cron, "must have 5 fields: minute hour day month weekday, e.g. '0 3 * * 0'")
+    if cron is not None:
+        try:
+            parse_cron(cron)
+        except ValueError as err:
+            c.fail("schedule.cron", cron, f"{err}; use {HINT}")
 
 
 def validate(cfg: DSparkConfig, check_tracking: bool = True) -> list[str]:

@@ -140,11 +140,21 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    if code == EXIT_REQUEUE or (stop["requested"] and code == 0):
+    if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg):
         if env.node_index == 0:
             requeue(env)
         return EXIT_REQUEUE
     return code
+
+
+def _training_done(cfg) -> bool:
+    """A signal that came after the last step needs no requeue: the checkpoints say so."""
+    import json
+
+    from hpc.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
+    return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= cfg.train.steps
 
 
 def _supervise(procs) -> int:

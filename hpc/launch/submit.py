@@ -151,7 +151,8 @@ def dry_run(cfg, p: Pipeline) -> int:
     return 0
 
 
-def submit(config: str, overrides: list[str], dry: bool = False) -> int:
+def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dict[str, str] | None = None) -> int:
+    """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
     from hpc.launch.slurm import cancel, check_requests, requests_for
 
     cfg, p = plan_pipeline(config, overrides)
@@ -166,7 +167,7 @@ def submit(config: str, overrides: list[str], dry: bool = False) -> int:
     from hpc.track.pipeline import create_pipeline_run
 
     client = MlflowClient(cfg.tracking.uri)
-    parent = create_pipeline_run(client, cfg, p.id)
+    parent = create_pipeline_run(client, cfg, p.id, extra_tags)
     ids: dict[str, str] = {}
     submitted: list[str] = []
     try:

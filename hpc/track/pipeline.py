@@ -43,8 +43,8 @@ def experiment_id(client, name: str) -> str:
     return exp.experiment_id if exp else client.create_experiment(name)
 
 
-def create_pipeline_run(client, cfg, run_name: str | None = None) -> str:
-    """The parent run: resolved config as params, the pipeline's tags."""
+def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
+    """The parent run: resolved config as params, the pipeline's tags (plus `tags`)."""
     from mlflow.entities import Param
 
     from hpc.config import flatten
@@ -52,7 +52,7 @@ def create_pipeline_run(client, cfg, run_name: str | None = None) -> str:
     from omegaconf import OmegaConf
 
     exp = experiment_id(client, cfg.tracking.experiment)
-    run = client.create_run(exp, run_name=run_name or cfg.name, tags={STAGE: "pipeline", **common_tags(cfg)})
+    run = client.create_run(exp, run_name=run_name or cfg.name, tags={STAGE: "pipeline", **common_tags(cfg), **(tags or {})})
     params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(cfg)).items()]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])

@@ -129,6 +129,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     if device.startswith("cuda"):
         device = f"cuda:{w.rank % max(torch.cuda.device_count(), 1)}"
     args = DSparkArgs.from_config(cfg)
+    torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights, run after run
     model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
                               cfg.train.train_lm_head)
     if cfg.train.init_from:

@@ -15,7 +15,7 @@ import pytest
 from hpc.verifier.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 10
+STEPS = 40  # long enough that the signal lands mid-run (progress.json is written every ~2 s)
 
 
 def recipe(toy_target: Path, tmp: Path, partition: str) -> list[str]:

@@ -115,3 +115,39 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
                    "--pipeline", parent.info.run_id)
     assert table.returncode == 0, table.stderr
     assert "| benchmark" in table.stdout and "DSpark n=3" in table.stdout and "DSpark n=7" in table.stdout
+
+
+def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, toy_target, vllm_python, tmp_path,
+                                                              monkeypatch):
+    """Nothing half-submitted: regenerate and train went in, eval-n3 fails, both are cancelled."""
+    from hpc.errors import UserError
+    from hpc.launch import slurm
+    from hpc.launch import submit as submit_mod
+
+    real_executor, real_cancel = submit_mod._executor, slurm.cancel
+    cancelled: list[str] = []
+
+    def failing(folder, params, dependency, array):
+        if params["name"].endswith("eval-n3"):
+            raise RuntimeError("sbatch: error: Batch job submission failed: simulated")
+        return real_executor(folder, params, dependency, array)
+
+    def recording_cancel(ids):
+        cancelled.extend(ids)
+        real_cancel(ids)
+
+    monkeypatch.setattr(submit_mod, "_executor", failing)
+    monkeypatch.setattr(slurm, "cancel", recording_cancel)
+    args = overrides(slurm_cluster, toy_target, vllm_python, tmp_path, f"sqlite:///{tmp_path}/m.db")
+    with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 2 job"):
+        submit_mod.submit(str(ROOT / "configs" / "toy-cpu.yaml"), args)
+    assert len(cancelled) == 2  # the regenerate job and the train array
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(cancelled), "-o", "JobID,State"],
+                             capture_output=True, text=True).stdout
+        states = [line.split("|")[1] for line in out.splitlines() if "|" in line]
+        if states and all(st.startswith("CANCELLED") for st in states) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert states and all(st.startswith("CANCELLED") for st in states), out

@@ -1,0 +1,211 @@
+"""Where a retraining schedule lives on Slurm: a scrontab block, or a self-resubmitting job.
+
+scrontab is Slurm's own cron, but sites must enable it (`ScronParameters=enable`). Where it is
+off, one small job per schedule waits for the next cron time (`--begin`), runs the tick and
+submits its successor; `--dependency=singleton` keeps it to one running job per name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.errors import UserError
+from hpc.launch.slurm import cancel
+
+JOB_PREFIX = "dspark-schedule-"
+TICK_TIME = "00:30:00"  # a tick only fingerprints the data and submits: minutes at most
+TIMEOUT_S = 60.0
+
+
+class ScrontabUnavailable(Exception):
+    """scrontab is missing or disabled on this cluster: use the job fallback."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One schedule: what runs, when, and where its tick job goes."""
+
+    name: str
+    cron: str
+    config: str  # absolute: the tick runs from cron, not from the user's shell
+    overrides: list[str] = field(default_factory=list)
+    partition: str = "gpu"
+    account: str | None = None
+    cwd: str = "."
+    python: str = "python3"
+    log_dir: str = "runs/slurm/schedule"
+
+    def dspark(self, command: str, *extra: str) -> str:
+        return shlex.join([self.python, "-m", "hpc", command, self.config, *self.overrides, *extra])
+
+    def tick_command(self) -> str:
+        return f"cd {shlex.quote(self.cwd)} && {self.dspark('retrain-tick')}"
+
+    def resubmitting_command(self) -> str:
+        # The successor is submitted whatever the tick did: one failed night (MLflow down)
+        # must not end the schedule; the job still exits with the tick's status.
+        again = self.dspark("schedule", "--cron", self.cron, "--resubmit")
+        cd = f"cd {shlex.quote(self.cwd)} || exit 1"
+        return f"{cd}; {self.dspark('retrain-tick')}; rc=$?; {again} || exit 1; exit $rc"
+
+    def log_file(self) -> str:
+        return str(Path(self.log_dir) / f"{self.name}-%j.out")
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+
+
+def _why(res: subprocess.CompletedProcess[str]) -> str:
+    text = (res.stderr.strip() or res.stdout.strip() or f"exit {res.returncode}").splitlines()[-1]
+    return text.strip()
+
+
+# ---- scrontab --------------------------------------------------------------------------------
+
+
+def begin_marker(name: str) -> str:
+    return f"# dspark-schedule {name} begin"
+
+
+def end_marker(name: str) -> str:
+    return f"# dspark-schedule {name} end"
+
+
+def read_scrontab() -> str:
+    """This user's table ('' when there is none); ScrontabUnavailable where scrontab is off."""
+    try:
+        res = _run(["scrontab", "-l"])
+    except FileNotFoundError:
+        raise ScrontabUnavailable("scrontab is not installed") from None
+    if res.returncode == 0:
+        return res.stdout
+    out = res.stdout + res.stderr
+    if "disabled" in out:
+        raise ScrontabUnavailable(_why(res))
+    if "no crontab" in out:
+        return ""
+    raise UserError(f"scrontab -l failed: {_why(res)}; check `scrontab -l` on this login node")
+
+
+def write_scrontab(table: str) -> None:
+    with tempfile.NamedTemporaryFile("w", prefix="dspark-scrontab-", suffix=".txt", delete=False) as f:
+        f.write(table)
+    try:
+        res = _run(["scrontab", f.name])
+    finally:
+        os.unlink(f.name)
+    if res.returncode != 0:
+        if "disabled" in res.stdout + res.stderr:
+            raise ScrontabUnavailable(_why(res))
+        raise UserError(f"scrontab refused the table: {_why(res)}; check the schedule's config and cron")
+
+
+def scrontab_block(e: Entry) -> list[str]:
+    opts = [f"-p {e.partition}", *([f"-A {e.account}"] if e.account else []), f"-t {TICK_TIME}",
+            f"-o {e.log_file()}"]
+    return [begin_marker(e.name), *(f"#SCRON {o}" for o in opts), f"{e.cron} {e.tick_command()}",
+            end_marker(e.name)]
+
+
+def replace_block(table: str, name: str, block: list[str] | None) -> str:
+    """`table` with NAME's block replaced by `block` (appended if absent, dropped if None)."""
+    lines = table.splitlines()
+    begin, end = begin_marker(name), end_marker(name)
+    if begin in lines and end in lines[lines.index(begin):]:
+        i = lines.index(begin)
+        j = lines.index(end, i)
+        lines[i:j + 1] = block or []
+    elif block:
+        lines.extend(block)
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def scrontab_entries(table: str) -> dict[str, str]:
+    """NAME -> cron of every dspark block in `table`."""
+    out: dict[str, str] = {}
+    name = None
+    for line in table.splitlines():
+        words = line.split()
+        if line.startswith("# dspark-schedule ") and len(words) == 4:
+            name = words[2] if words[3] == "begin" else None
+        elif name and line.strip() and not line.lstrip().startswith("#"):
+            out[name] = " ".join(words[:5])
+    return out
+
+
+def install_scrontab(e: Entry) -> None:
+    write_scrontab(replace_block(read_scrontab(), e.name, scrontab_block(e)))
+
+
+def remove_scrontab(name: str) -> bool:
+    """Drop NAME's block; False when there was none (or scrontab is unavailable)."""
+    try:
+        table = read_scrontab()
+    except ScrontabUnavailable:
+        return False
+    if name not in scrontab_entries(table):
+        return False
+    rest = replace_block(table, name, None)
+    if rest.strip():
+        write_scrontab(rest)
+    else:
+        res = _run(["scrontab", "-r"])
+        if res.returncode != 0:
+            raise UserError(f"scrontab -r failed: {_why(res)}; remove the block by hand with scrontab -e")
+    return True
+
+
+# ---- the self-resubmitting job ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleJob:
+    job_id: str
+    name: str  # the schedule's name, without the prefix
+    state: str
+    start: str  # squeue %S: the BeginTime of a pending job
+
+
+def schedule_jobs(name: str | None = None) -> list[ScheduleJob]:
+    """This user's dspark-schedule-* jobs (only NAME's when given)."""
+    try:
+        res = _run(["squeue", "--me", "-h", "-o", "%i|%j|%T|%S"])
+    except FileNotFoundError:
+        raise UserError("squeue not found; run dspark schedule on a Slurm login node") from None
+    if res.returncode != 0:
+        raise UserError(f"squeue failed: {_why(res)}")
+    jobs = []
+    for line in res.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4 and parts[1].startswith(JOB_PREFIX):
+            job = ScheduleJob(parts[0], parts[1][len(JOB_PREFIX):], parts[2], parts[3])
+            if name is None or job.name == name:
+                jobs.append(job)
+    return jobs
+
+
+def submit_singleton(e: Entry, begin: datetime.datetime) -> str:
+    """sbatch the tick job that starts at `begin`; returns its id."""
+    Path(e.log_dir).mkdir(parents=True, exist_ok=True)
+    argv = ["sbatch", "--parsable", f"--job-name={JOB_PREFIX}{e.name}", "--dependency=singleton",
+            f"--begin={begin.strftime('%Y-%m-%dT%H:%M:%S')}", "-p", e.partition,
+            *(["-A", e.account] if e.account else []), "-t", TICK_TIME, "-N", "1", "-n", "1", f"--output={e.log_file()}", f"--chdir={e.cwd}",
+            f"--wrap={e.resubmitting_command()}"]
+    try:
+        res = _run(argv)
+    except FileNotFoundError:
+        raise UserError("sbatch not found; run dspark schedule on a Slurm login node") from None
+    if res.returncode != 0:
+        raise UserError(f"sbatch refused the schedule job: {_why(res)}; check cluster.partition / cluster.account")
+    return res.stdout.strip().split(";")[0]
+
+
+def cancel_jobs(jobs: list[ScheduleJob]) -> None:
+    cancel([j.job_id for j in jobs])
