@@ -128,8 +128,8 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
     if cfg.data.regenerate:
         # A finished regeneration is reused as it is: new data needs a directory of its own.
         extra.append(f"data.output_dir={Path(cfg.data.output_dir) / f'data-{fingerprint[:12]}'}")
-    print(f"new data (fingerprint {fingerprint[:12]}" + (f", warm start from champion v{champ}" if "dspark.warm_start"
-                                                         in tags else "") + "): submitting the pipeline")
+    warm = f", warm start from {tags['dspark.warm_start']}" if "dspark.warm_start" in tags else ""
+    print(f"new data (fingerprint {fingerprint[:12]}{warm}): submitting the pipeline")
     return submit(config, [*overrides, *extra], extra_tags=tags)
 
 
