@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
                  f"train.output_dir={out / 'train'}", f"eval.output_dir={out / 'eval'}",
                  f"tracking.uri=sqlite:///{out / 'mlflow.db'}", "cluster.executor=local",
-                 f"train.steps={args.steps}", *args.overrides]
+                 f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}", *args.overrides]
     cfg = resolve(args.config, overrides, check_tracking=False)
     cfg_file = out / "config.yaml"
     cfg_file.write_text(to_yaml(OmegaConf.structured(cfg)))
