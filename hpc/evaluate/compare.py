@@ -211,9 +211,11 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
 def _tracking(args: argparse.Namespace) -> tuple[str, str]:
     uri, experiment = args.tracking_uri, args.experiment
     if args.config:
-        from hpc.config import resolve
+        from hpc.config import load_config
 
-        cfg = resolve(args.config, [], check_tracking=False)
+        # Only the tracking section matters here: a config whose model or data paths live on
+        # the cluster must still name its tracking server on a laptop.
+        cfg = load_config(args.config, [])
         uri, experiment = uri or cfg.tracking.uri, experiment or cfg.tracking.experiment
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:

@@ -64,8 +64,10 @@ def test_ngram_speculative_config_has_no_model():
 
 
 def test_cli_rejects_a_bad_draft_before_anything_starts(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", "--draft",
-                          str(tmp_path / "missing"), "--n", "3,7"], capture_output=True, text=True, cwd=ROOT)
+    # Hub-style ids: a clean checkout has no runs/toy-target for the config's local paths.
+    res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", "verifier.model=toy/qwen3",
+                          "data.sources=[{path: toy/chat}]", "--draft", str(tmp_path / "missing"), "--n", "3,7"],
+                         capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 2 and "not a draft export" in res.stderr and "Traceback" not in res.stderr
     assert parse_ns("7,3,3") == [3, 7]
     with pytest.raises(UserError, match="comma-separated"):

@@ -85,8 +85,9 @@ def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
         toy_target, vllm_python, mlflow_server, drafts, tmp_path):
     client = MlflowClient(mlflow_server.uri)
     exp = "eval-reference"
-    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"tracking.uri={mlflow_server.uri}",
-                                                      f"tracking.experiment={exp}"], check_tracking=False)
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={exp}",
+                                                      f"verifier.model={toy_target}", "data.sources=[{path: toy/chat}]"],
+                  check_tracking=False)
     from hpc.track.pipeline import create_pipeline_run
 
     parent = create_pipeline_run(client, cfg)
