@@ -55,6 +55,7 @@ def drafts(toy_target, tmp_path_factory):
 
 def common(toy_target, vllm_python, uri, out, experiment):
     return ["configs/toy-cpu.yaml", f"verifier.model={toy_target}", f"verifier.python={vllm_python}",
+            "data.sources=[{path: toy/chat}]",
             f"tracking.uri={uri}", f"tracking.experiment={experiment}", f"eval.output_dir={out}", "eval.rows=1",
             "eval.max_tokens=32", "eval.code_max_tokens=32", "eval.fixtures=true"]
 
