@@ -62,7 +62,8 @@ def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_clu
 def test_bad_requests_are_refused_before_anything_is_submitted(slurm_cluster, toy_target, tmp_path, extra, key):
     before = squeue_count()
     res = dspark("submit", "configs/toy-cpu.yaml", f"cluster.partition={slurm_cluster.partition}",
-                 f"verifier.model={toy_target}", f"cluster.log_dir={tmp_path}", "tracking.uri=sqlite:///"
+                 f"verifier.model={toy_target}", "data.sources=[{path: toy/chat}]", f"cluster.log_dir={tmp_path}",
+                 "tracking.uri=sqlite:///"
                  f"{tmp_path}/m.db", *extra)
     assert res.returncode == 2 and key in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert squeue_count() == before
