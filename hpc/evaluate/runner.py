@@ -137,6 +137,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
 
         parent_run_id = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
     results: dict[str, list[BenchResult]] = {}
+    ran: list[str] = []  # run directories this evaluation wrote
 
     baselines: dict[str, dict[str, float]] = {}
     for engine in sorted({j.engine for j in jobs}):
@@ -158,6 +159,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
                     "dspark.engine": engine, "dspark.engine_version": version, "dspark.hardware": hardware})
         baselines[engine] = {r.benchmark: r.tok_s for r in res}
         results[job.name] = res
+        ran.append(run_dir.name)
 
     for job in jobs:
         version = vllm_version if job.engine == "vllm" else _torch_version()
@@ -175,9 +177,10 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
         _write_meta(run_dir, cfg, job, "eval", parent_run_id, job_tags, artifacts)
         _plots(run_dir, res, job, cfg)
         results[job.name] = res
+        ran.append(run_dir.name)
 
     if client is not None:
-        upload_all(client, out, cfg, quiet)
+        upload_all(client, out, cfg, quiet, only=set(ran))
     else:
         print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
               f"{cfg.tracking.uri} answers")
@@ -230,11 +233,18 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
         print(f"calibration of the confidence head, {job.draft.label} n={job.n}:\n{format_report(report)}")
 
 
-def upload_all(client, out: Path, cfg, quiet: bool = False) -> list[str]:
-    """Every run directory not yet in MLflow; then the registry for our drafts at the largest n."""
+def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | None = None) -> list[str]:
+    """Run directories not yet in MLflow (`only`: just these names); then the registry for our
+    drafts at the largest n.
+
+    An evaluation uploads only what it ran itself: the eval-n3 and eval-n7 jobs of one training
+    task share an output directory and run at the same time.
+    """
     ids = []
     orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
     for run_dir in pending_runs(out):
+        if only is not None and run_dir.name not in only:
+            continue
         meta = json.loads((run_dir / "run.json").read_text())
         if not meta.get("parent_run_id"):
             if orphan_parent is None:
