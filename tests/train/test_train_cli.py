@@ -28,9 +28,12 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "160 rows kept" in res.stdout
     state = json.loads((out / "checkpoints" / "step_00000060" / "state.json").read_text())
-    # 480 samples = 3 epochs of 160: two finished epochs forgotten, the third complete in the ledger.
+    # 480 samples = 3 epochs of 160. Finished epochs are forgotten; near a boundary the stream
+    # mixes two epochs, so what is left is the unfinished epoch's (epoch, id) pairs, each once.
     assert state["step"] == 60 and state["samples_seen"] == 480
-    assert state["epoch"] == 3 and state["ledger"] == []
+    ledger = {tuple(p) for p in state["ledger"]}
+    assert len(ledger) == len(state["ledger"]) and all(e >= state["epoch"] for e, _ in ledger)
+    assert state["epoch"] * 160 + len(ledger) == 480 and state["epoch"] in (2, 3)
     assert (out / "export" / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
