@@ -45,7 +45,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     from hpc.train.online import build_draft
     from tests.train.test_offline import chat_prompts
 
-    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"verifier.model={toy_target}"], check_tracking=False)
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]"],
+                  check_tracking=False)
     untrained, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), out / "data" / "vocab.safetensors",
                                norm=False)
     target = AutoModelForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
