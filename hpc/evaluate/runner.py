@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
@@ -167,8 +167,6 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
         attach_baseline(res, baselines[job.engine])
         for r in res:  # the baseline is known now: the files carry the speedup too
-            from dataclasses import asdict
-
             write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
         job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
                     "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,

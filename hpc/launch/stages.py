@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,19 +81,6 @@ def prepare_once(cfg, env: SlurmEnv) -> None:
         _wait_for(marker, 3600, "the prepared data")
 
 
-def _rank_entry(rank: int, cfg, T: int, V: int, addr: str, port: int, parent_run_id: str | None) -> None:
-    from hpc.train.driver import rank_main
-
-    try:
-        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
-    except UserError as err:
-        print(f"error: rank {rank}: {err}", file=sys.stderr)
-        code = 2
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # a blocked receive thread of a dead peer would hang interpreter teardown
-
-
 def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
     """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
     V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, cfg.train.ranks_per_node
@@ -109,6 +95,8 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     """One node's share of a training allocation; returns the node's exit code."""
     import torch.multiprocessing as mp
 
+    from hpc.train.driver import rank_process
+
     env = SlurmEnv.from_environ()
     V, Tn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes
     if env.n_nodes != V + Tn:
@@ -122,7 +110,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_entry, args=(r, cfg, T, V, master, port, parent_run_id), name=f"rank{r}")
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, parent_run_id), name=f"rank{r}")
              for r in ranks]
     for p in procs:
         p.start()

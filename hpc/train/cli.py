@@ -23,6 +23,7 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
     import torch.multiprocessing as mp
 
     from hpc.config.validate import trainer_ranks
+    from hpc.train.driver import rank_process
     from hpc.track.server import free_port
     from hpc.train.prepare import prepare_data
 
@@ -39,7 +40,7 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
     T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id), name=f"rank{r}")
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id), name=f"rank{r}")
              for r in range(T + V)]
     for p in procs:
         p.start()
@@ -49,24 +50,6 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
     if any(codes):
         print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
     return max(codes, key=abs) if any(codes) else 0
-
-
-def _entry(rank, cfg, T, V, addr, port, parent_run_id=None) -> None:
-    import os
-    import sys
-
-    from hpc.errors import UserError
-    from hpc.train.driver import rank_main
-
-    try:
-        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
-    except UserError as err:
-        print(f"error: rank {rank}: {err}", file=sys.stderr)
-        code = 2
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # A receive thread of a dead peer can block forever in C++; interpreter teardown would abort.
-    os._exit(code)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -173,6 +173,23 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     return code
 
 
+def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
+                 parent_run_id: str | None = None) -> None:
+    """The target of one rank's process (local `dspark train` or a node of a Slurm allocation)."""
+    import sys
+
+    from hpc.errors import UserError
+
+    try:
+        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
+    except UserError as err:
+        print(f"error: rank {rank}: {err}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A receive thread of a dead peer can block forever in C++; interpreter teardown would abort.
+    os._exit(code)
+
 def _as_dictconfig(cfg: DSparkConfig):
     from omegaconf import OmegaConf
 
