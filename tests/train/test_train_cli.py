@@ -22,7 +22,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
            f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
-           "train.checkpoint_interval=25", f"tracking.uri={mlflow_server.uri}", "tracking.experiment=train-cli",
+           "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}", "tracking.experiment=train-cli",
            "--steps", "60"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -50,11 +50,13 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     untrained, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), out / "data" / "vocab.safetensors",
                                norm=False)
     target = AutoModelForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(toy_target), 4, tmp_path / "eval.jsonl")
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(toy_target), 8, tmp_path / "eval.jsonl")
     after, _ = mean_acceptance_length(target, load_draft(out / "export").eval(), prompts, n=7, max_new_tokens=32)
     before, _ = mean_acceptance_length(target, untrained.eval(), prompts, n=7, max_new_tokens=32)
     print(f"online training, mean acceptance length at n=7: untrained {before:.3f} -> trained {after:.3f}")
-    assert after > before + 0.3  # measured: 1.03 -> 1.42 (offline), 1.05 -> 1.69 (online), 60 steps
+    # A short run wants a larger LR than the config's 1e-3: with it, 60 steps gave 1.05 -> 1.30 on one
+    # toy build and 1.69 on another; at 3e-3 (HF verifier, this build) 1.00 -> 1.58 on these 8 prompts.
+    assert after > before + 0.3
 
     client = MlflowClient(mlflow_server.uri)
     exp = client.get_experiment_by_name("train-cli")
