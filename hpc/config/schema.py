@@ -48,7 +48,8 @@ class ClusterConfig:
     verifier_nodes: int = 1
     trainer_nodes: int = 1
     eval_nodes: int = 1
-    regenerate_nodes: int = 1
+    regenerate_nodes: int = 1  # a Ray cluster over these nodes, one vLLM server on each
+    ray_object_store_mb: int = 512  # per node; regeneration moves only text through it
     gpus_per_node: int = 8
     cpus_per_task: int = 16
     mem: Optional[str] = None
@@ -129,6 +130,7 @@ class DataConfig:
     regenerate: bool = True  # regenerate assistant turns with the target (on-policy data)
     regen_temperature: float = 0.0
     regen_max_tokens: int = 4096
+    regen_concurrency: int = 8  # requests in flight per vLLM server (it batches them)
     output_dir: str = "runs/data"
     max_seq_len: int = 20000
     # Vocabulary pruning keeps this many target ids; one value, owned by the draft.

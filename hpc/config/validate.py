@@ -87,6 +87,8 @@ def _check_cluster(c: _Checker, cfg: DSparkConfig) -> None:
             c.fail(f"cluster.{role}_nodes", n, f"every role needs at least one node; set cluster.{role}_nodes >= 1")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
     c.positive("cluster.cpus_per_task", cl.cpus_per_task)
+    if cl.ray_object_store_mb < 80:  # Ray refuses less than ~75 MiB
+        c.fail("cluster.ray_object_store_mb", cl.ray_object_store_mb, "Ray needs at least 80 (MiB)")
     if not _SLURM_TIME.match(cl.time):
         c.fail("cluster.time", cl.time, "not a Slurm time; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00")
     if not 0 <= cl.signal_delay_s <= 65535:
@@ -202,6 +204,7 @@ def _check_data(c: _Checker, cfg: DSparkConfig) -> None:
                f"longer than verifier.max_model_len={cfg.verifier.max_model_len}; raise that or lower this")
     c.nonneg("data.regen_temperature", data.regen_temperature)
     c.positive("data.regen_max_tokens", data.regen_max_tokens)
+    c.positive("data.regen_concurrency", data.regen_concurrency)
 
 
 def trainer_ranks(cfg: DSparkConfig) -> int:

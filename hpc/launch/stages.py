@@ -210,20 +210,70 @@ def report_stage(cfg, parent_run_id: str) -> int:
 
 
 def regenerate_stage(cfg, parent_run_id: str | None = None) -> int:
-    """On-policy data: vLLM on this node, resumable shards (a requeue continues)."""
+    """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); outside
+    Slurm (`dspark demo`) with one server on this machine. A requeue resumes the shards."""
     from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
 
-    log = Path(cfg.data.output_dir) / "logs" / f"regenerate-vllm-{os.environ.get('SLURM_JOB_ID', 'local')}.log"
-    server = start_regen_server(cfg, log_path=log)
-    try:
-        stats = regenerate(cfg, server.url, progress=False, log=lambda line: print(line, flush=True))
-    finally:
-        server.stop()
-    print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}", flush=True)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    if "SLURM_JOB_ID" in os.environ:
+        done = _regenerate_on_ray(cfg, say)
+        if done is None:  # a worker node: node 0 reports
+            return 0
+        stats, served = done
+    else:
+        server = start_regen_server(cfg, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
+        try:
+            stats = regenerate(cfg, server.url, concurrency=cfg.data.regen_concurrency, log=say)
+        finally:
+            server.stop()
+        served = [stats.written]
+    say(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}")
     if parent_run_id:
-        _log_stage_run(cfg, parent_run_id, "regenerate", {k: float(v) for k, v in vars(stats).items()
-                                                          if isinstance(v, (int, float))})
+        metrics = {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}
+        metrics["servers"] = float(len(served))
+        metrics.update({f"served_{i}": float(n) for i, n in enumerate(served)})
+        _log_stage_run(cfg, parent_run_id, "regenerate", metrics)
     return 0
+
+
+def _regenerate_on_ray(cfg, say):
+    """A Ray cluster over the job's nodes (see ray_cluster): node 0 drives `regenerate()` through one
+    server per node and returns (stats, requests served per server); the other nodes host a server
+    until node 0 is done, and return None."""
+    from hpc.launch.ray_cluster import RayNode, done_marker
+    from hpc.verifier.regen_ray import start_servers, stop_servers
+    from hpc.verifier.regenerate import regenerate
+
+    env = SlurmEnv.from_environ()
+    logs = Path(cfg.data.output_dir) / "logs"
+    node = RayNode(env, logs / f"ray-{env.job_id}-node{env.node_index}.log",
+                   object_store_mb=cfg.cluster.ray_object_store_mb)
+    marker = done_marker(logs, env)
+    try:
+        if env.node_index != 0:
+            say(f"node {env.node_index}: Ray worker for the regeneration servers, head {node.address}")
+            node.wait_for(marker)
+            return None
+        import ray  # after RayNode: it set the cluster's auth token in this process's environment
+
+        try:
+            node.connect(env.n_nodes, timeout_s=600)
+            say(f"regenerate: Ray cluster of {env.n_nodes} node(s) at {node.address}")
+            conc = cfg.data.regen_concurrency
+            client = start_servers(cfg, env.n_nodes, logs, conc, log=say)
+            try:
+                stats = regenerate(cfg, f"{len(client.actors)} Ray-hosted server(s)",
+                                   concurrency=conc * len(client.actors), client=client, log=say)
+            finally:
+                stop_servers(client)
+            say(f"regenerate: requests served per node: {client.summary()}")
+            return stats, client.served
+        finally:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()  # the workers stop their raylets, whatever happened here
+            ray.shutdown()
+    finally:
+        node.stop()
 
 
 def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:

@@ -91,8 +91,9 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     c = cfg.cluster
     stages = []
     if cfg.data.regenerate:
-        stages.append(StageJobs("regenerate", _base_params(cfg, f"{cfg.name}-regenerate", c.regenerate_nodes, True),
-                                [("regenerate", str(files[0]))]))
+        regen = _base_params(cfg, f"{cfg.name}-regenerate", c.regenerate_nodes, True)
+        regen["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # node 0 drives; its death ends the Ray workers
+        stages.append(StageJobs("regenerate", regen, [("regenerate", str(files[0]))]))
     train = _base_params(cfg, f"{cfg.name}-train", c.verifier_nodes + c.trainer_nodes, True)
     train["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # a dead role stops the allocation, no hang
     stages.append(StageJobs("train", train, [("train", str(f)) for f in files],

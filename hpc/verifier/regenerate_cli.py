@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         server = start_regen_server(cfg, log_path=log)
         url = server.url
     try:
-        stats = regenerate(cfg, url, shard_size=args.shard_size, concurrency=args.concurrency,
+        stats = regenerate(cfg, url, shard_size=args.shard_size, concurrency=args.concurrency or cfg.data.regen_concurrency,
                            progress=progress, max_rows=args.max_rows,
                            log=lambda line: print(line, flush=True))
     finally:
@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-url", default=None,
                    help="an OpenAI-compatible server serving the target (default: start vLLM from the config)")
     p.add_argument("--shard-size", type=int, default=1000, help="input rows per output shard (default 1000)")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests in flight; vLLM batches them (default 8)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight; vLLM batches them (default: data.regen_concurrency)")
     p.add_argument("--max-rows", type=int, default=None,
                    help="stop after this many input rows (a later run without it continues)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

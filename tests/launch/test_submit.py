@@ -31,7 +31,7 @@ def overrides(cluster, toy_target, vllm_python, tmp: Path, uri: str) -> list[str
             "train.steps=6", "train.checkpoint_interval=3", "train.warmup_steps=1", "eval.compare=[]",
             "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16", f"tracking.uri={uri}",
             "tracking.experiment=submit-e2e", "tracking.registered_model=submit-e2e-draft",
-            "sweep={train.lr: [0.001, 0.0005]}"]
+            "cluster.regenerate_nodes=2", "sweep={train.lr: [0.001, 0.0005]}"]
 
 
 def squeue_count() -> int:
@@ -46,6 +46,7 @@ def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_clu
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "2 variant(s)" in out and "train.lr=0.001" in out and "train.lr=0.0005" in out
+    assert "regenerate   1 task(s) x 2 node(s)\n" in out
     assert "train        2 task(s) x 2 node(s)  after afterok:<regenerate>" in out
     assert "eval-n3      2 task(s) x 1 node(s)  after aftercorr:<train>" in out
     assert "report       1 task(s) x 1 node(s)  after afterany:<eval-n3>:<eval-n7>" in out
@@ -109,6 +110,10 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     assert "baseline" in stages
     for r in children:
         assert r.data.tags["dspark.config_hash"] and r.data.tags["git.sha"]
+    # Regeneration ran on a Ray cluster over both nodes of its job, one vLLM server on each.
+    (regen,) = [r for r in children if r.data.tags["dspark.stage"] == "regenerate"]
+    m = regen.data.metrics
+    assert m["servers"] == 2 and m["served_0"] > 0 and m["served_1"] > 0 and m["written"] == 32, m
     train = [r for r in children if r.data.tags["dspark.stage"] == "train"]
     assert all(r.data.tags.get("slurm.job_id") for r in train)
 

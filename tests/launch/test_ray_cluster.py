@@ -1,0 +1,93 @@
+"""The regeneration job's Ray cluster: commands, markers, and two real raylets sharing this host."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import psutil
+import pytest
+
+from hpc.errors import UserError
+from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_port, ray_start_command
+from hpc.launch.stages import SlurmEnv, rendezvous_port
+from hpc.verifier.regen_ray import REGEN_RESOURCE
+
+
+def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEnv:
+    return SlurmEnv(job, node, len(hosts), list(hosts), str(job))
+
+
+def test_head_and_worker_commands():
+    head, worker = ray_start_command(env(0), object_store_mb=256), ray_start_command(env(1), object_store_mb=256)
+    port = str(ray_port(4242))
+    assert head[head.index("--port") + 1] == port and "--head" in head and "--address" not in head
+    assert worker[worker.index("--address") + 1] == f"127.0.0.1:{port}" and "--head" not in worker
+    for cmd in (head, worker):
+        assert "--block" in cmd and json.loads(cmd[cmd.index("--resources") + 1]) == {REGEN_RESOURCE: 1}
+        assert cmd[cmd.index("--object-store-memory") + 1] == str(256 * 2**20)
+        # Every other port is the OS's choice, so raylets of two jobs (or two dev "nodes") share a host.
+        assert cmd[cmd.index("--min-worker-port") + 1] == "0" and cmd[cmd.index("--dashboard-agent-listen-port") + 1] == "0"
+
+
+def test_the_head_port_stays_clear_of_the_torch_rendezvous_range():
+    for job in (1, 9999, 10000, 123456, 2**31 - 1):
+        assert 10000 <= ray_port(job) < 20000 and ray_port(job) != rendezvous_port(job)
+
+
+def test_a_requeued_job_does_not_see_the_last_runs_done_marker(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    first = done_marker(tmp_path, env(1))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert done_marker(tmp_path, env(1)) != first and first.name.endswith("-4242-0")
+
+
+def test_a_worker_without_node_0s_token_gives_up_with_a_pointer(tmp_path):
+    with pytest.raises(UserError, match="node 0 left no Ray token"):
+        RayNode(env(1, 77), tmp_path / "worker.log", token_timeout_s=1)
+
+
+def test_an_unresolvable_node_is_named():
+    with pytest.raises(UserError, match="nosuchnode.invalid"):
+        ray_start_command(env(1, hosts=("nosuchnode.invalid", "localhost")), object_store_mb=256)
+
+
+def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
+    import ray
+
+    job = random.randrange(100000, 900000)
+    head = RayNode(env(0, job), tmp_path / "head.log", object_store_mb=128)
+    worker = RayNode(env(1, job), tmp_path / "worker.log", object_store_mb=128)
+    family = []
+    try:
+        head.connect(2, timeout_s=120)
+        assert ray.cluster_resources()[REGEN_RESOURCE] == 2
+        family = [p for n in (head, worker) for p in psutil.Process(n.proc.pid).children(recursive=True)]
+        assert len(family) >= 4  # gcs, raylets, agents...
+        token = head.token_file
+        assert token.stat().st_mode & 0o077 == 0 and worker.auth == head.auth  # one secret, owner-only
+    finally:
+        ray.shutdown()
+        worker.stop()
+        head.stop()
+        for key in head.auth:  # connect() made this process a token-auth driver: undo for later tests
+            os.environ.pop(key, None)
+        _refresh_ray_auth()
+    time.sleep(1)
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not token.exists()
+
+
+def test_a_worker_whose_raylet_dies_says_so(tmp_path):
+    job = random.randrange(100000, 900000)
+    (tmp_path / f".ray-token-{job}-0").write_text("0" * 64)  # as node 0 would leave it
+    worker = RayNode(env(1, job), tmp_path / "worker.log", object_store_mb=128)
+    try:
+        worker.proc.kill()
+        worker.proc.wait(10)
+        with pytest.raises(UserError, match="`ray start` exited"):
+            worker.wait_for(tmp_path / "never", poll_s=0.1)
+    finally:
+        worker.stop()
