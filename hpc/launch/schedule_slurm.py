@@ -141,6 +141,7 @@ def scrontab_entries(table: str) -> dict[str, str]:
 
 
 def install_scrontab(e: Entry) -> None:
+    Path(e.log_dir).mkdir(parents=True, exist_ok=True)  # Slurm cannot open -o in a missing directory
     write_scrontab(replace_block(read_scrontab(), e.name, scrontab_block(e)))
 
 

@@ -199,6 +199,33 @@ def test_the_tick_job_runs_and_resubmits_itself(slurm_cluster, mlflow_server, tm
         subprocess.run(["scancel", "-n", f"dspark-schedule-{name}"], capture_output=True)
 
 
+def test_the_scrontab_entry_runs_as_scrontab_would_run_it(slurm_cluster, mlflow_server, tmp_path, monkeypatch):
+    """The dev cluster's Slurm (Debian) ships no scrontab binary, so the installed entry is run the
+    way scrontab runs one: its #SCRON lines as sbatch options, its command as the batch script."""
+    monkeypatch.chdir(ROOT)
+    name = f"scron-{uuid.uuid4().hex[:8]}"
+    ov = toy_overrides(tmp_path, mlflow_server.uri, name, slurm_cluster.partition)
+    fake = FakeSlurm()
+    monkeypatch.setattr(subprocess, "run", fake)
+    assert schedule.install(CONFIG, ov, "0 3 * * 0") == 0
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)  # scrontab jobs start in the home directory: the entry must not need ROOT
+    fake_submit(monkeypatch)
+    schedule.retrain_tick(CONFIG, ov)  # a scheduled run with this data already exists
+    lines = fake.table.splitlines()
+    options = [line.removeprefix("#SCRON ") for line in lines if line.startswith("#SCRON ")]
+    (entry,) = [line for line in lines if line and not line.startswith("#")]
+    command = entry.split(None, 5)[5]  # after the five cron fields
+    script = tmp_path / "entry.sh"
+    script.write_text("#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in options) + command + "\n")
+    res = subprocess.run(["sbatch", "--parsable", "--wait", f"--job-name={name}", str(script)], capture_output=True,
+                         text=True, timeout=300)
+    job = res.stdout.strip().split(";")[0]
+    log = tmp_path / "slurm" / "schedule" / f"{name}-{job}.out"
+    assert res.returncode == 0, (res.stderr, log.read_text() if log.exists() else "no log")
+    assert log.read_text().startswith("no new data since "), log.read_text()
+
+
 def test_bad_cron_flag_is_one_line(tmp_path):
     res = dspark("schedule", CONFIG, *toy_overrides(tmp_path, f"sqlite:///{tmp_path}/m.db", "toy"), "--cron", "0 3 * *")
     assert res.returncode == 2 and res.stderr.startswith("error: schedule.cron = '0 3 * *': has 4 field(s), not 5")
