@@ -72,8 +72,9 @@ class RunLogger:
     def _ensure_run(self) -> None:
         if self.run_id is not None:
             return
-        exp = self.client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        from hpc.track.pipeline import experiment_id
+
+        exp_id = experiment_id(self.client, self.experiment)
         tags = {"mlflow.runName": self.run_name}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id

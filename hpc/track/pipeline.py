@@ -39,8 +39,16 @@ def common_tags(cfg) -> dict[str, str]:
 
 
 def experiment_id(client, name: str) -> str:
+    """The experiment's id, created if new. On a sqlite:/// store MLflow would put the artifacts in
+    ./mlruns of whatever directory the process runs in; they go next to the database instead."""
     exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name)
+    if exp:
+        return exp.experiment_id
+    location = None
+    if client.tracking_uri.startswith("sqlite:///"):
+        db = Path(client.tracking_uri.removeprefix("sqlite:///")).resolve()
+        location = (db.parent / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
 
 
 def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
