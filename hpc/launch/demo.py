@@ -22,7 +22,7 @@ def demo_stage(stage: str, config_file: str, parent_run_id: str, n: int | None =
 
     cfg = resolve(config_file, [], check_tracking=False)
     if stage == "regenerate":
-        return stages.regenerate_stage(cfg, parent_run_id)
+        return stages.regenerate_stage(cfg, parent_run_id, local=True)
     if stage == "train":
         from hpc.train.cli import train_local
 

@@ -1,18 +1,21 @@
 """A Ray cluster over the nodes of one Slurm allocation (the regeneration job).
 
 Node 0 runs `ray start --head --block`, every other node `ray start --address=HEAD:PORT --block`,
-each as a child of the node's task, so a raylet never outlives its job step. The GCS port
-derives from the job id (like the torch rendezvous port) and every other port is left to the OS,
-so two raylets can share a host: two jobs on one node, or the dev cluster, where all "nodes"
-are one machine. Each node offers one unit of REGEN_RESOURCE, which places one vLLM server per node.
+each as a child of the node's task. The GCS port derives from the job id (like the torch
+rendezvous port) and every other port is left to the OS, so two raylets can share a host: two
+jobs on one node, or the dev cluster, where all "nodes" are one machine. Each node offers one
+unit of REGEN_RESOURCE, which places one vLLM server per node.
 
 The GCS listens on the node's address (the other nodes must reach it), so the cluster runs with
 Ray's token authentication on: node 0 draws a token per job (and restart) and leaves it, mode
-0600, on the shared filesystem, where the other nodes read it. Ray does not own the GPUs here: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps the devices
-Slurm gave the task, so the node's vLLM sees all of them.
+0600, on the shared filesystem, where the other nodes read it. Ray does not own the GPUs here:
+RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps the devices Slurm gave the task, so the
+node's vLLM sees all of them.
 
-Node 0 drives; the others wait for its "done" marker on the shared filesystem and then stop
-their raylet. The marker carries the restart count, so a requeued job does not see the last one.
+Node 0 drives; the others serve until its "done" marker appears on the shared filesystem (or
+their raylet goes away with the head) and then end with exit 0: a worker's failure is node 0's
+to handle (its requests move to the other servers), never a reason to fail the job. The marker
+and the token carry the restart count, so a requeued job sees neither of the last attempt's.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.stages import SlurmEnv, rendezvous_port
+from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 
+TAG = "DSPARK_RAY_NODE"  # in the environment of everything a node's raylet starts, vLLM included
 
 
 def ray_port(job_id: int) -> int:
@@ -45,11 +49,32 @@ def node_ip(hostname: str) -> str:
         raise UserError(f"cannot resolve node {hostname!r} ({err}); Ray needs every node's address") from err
 
 
+def _my_host(env: SlurmEnv) -> str:
+    return env.hostnames[env.node_index] if env.node_index < len(env.hostnames) else socket.gethostname()
+
+
+def advertised_ip(env: SlurmEnv) -> str:
+    """The address this node's raylet gives the others.
+
+    Usually its hostname's. But a Debian-style /etc/hosts maps a machine's own name to 127.0.1.1:
+    when another node of the job resolves to a real address, the job spans hosts, and the
+    interface that routes to that node is the one to advertise. (When every name is loopback,
+    as on the dev cluster, the "nodes" are one host and loopback is right.)
+    """
+    ip = node_ip(_my_host(env))
+    if not ip.startswith("127."):
+        return ip
+    others = [a for h in env.hostnames if not (a := node_ip(h)).startswith("127.")]
+    if not others:
+        return ip
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((others[0], 9))  # no packet is sent: this only asks the routing table
+        return probe.getsockname()[0]
+
+
 def ray_start_command(env: SlurmEnv, *, object_store_mb: int) -> list[str]:
     ray_bin = Path(sys.executable).with_name("ray")
-    head_ip = node_ip(env.hostnames[0])
-    me = env.hostnames[env.node_index] if env.node_index < len(env.hostnames) else socket.gethostname()
-    cmd = [str(ray_bin), "start", "--block", "--disable-usage-stats", "--node-ip-address", node_ip(me),
+    cmd = [str(ray_bin), "start", "--block", "--disable-usage-stats", "--node-ip-address", advertised_ip(env),
            "--resources", json.dumps({REGEN_RESOURCE: 1}), "--object-store-memory", str(object_store_mb * 2**20),
            "--min-worker-port", "0", "--max-worker-port", "0", "--dashboard-agent-listen-port", "0"]
     if env.node_index == 0:
@@ -57,27 +82,40 @@ def ray_start_command(env: SlurmEnv, *, object_store_mb: int) -> list[str]:
         cmd += ["--head", "--port", str(ray_port(env.job_id)), "--include-dashboard", "false",
                 "--temp-dir", f"/tmp/dspark-ray-{env.job_id}"]
     else:
-        cmd += ["--address", f"{head_ip}:{ray_port(env.job_id)}"]
+        cmd += ["--address", f"{node_ip(env.hostnames[0])}:{ray_port(env.job_id)}"]
     return cmd
 
 
+def done_marker(root: Path, env: SlurmEnv) -> Path:
+    return root / f".ray-done-{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
 class RayNode:
-    """This node's raylet (and on node 0 the head), started under this process."""
+    """This node's raylet (and on node 0 the head), started under this process.
+
+    `late` is set on a worker node that arrived after node 0 had finished: nothing is started.
+    """
 
     def __init__(self, env: SlurmEnv, log_path: Path, *, object_store_mb: int = 512, token_timeout_s: float = 600):
-        self.env = env
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.env, self.log_path = env, log_path
+        self.marker = done_marker(log_path.parent, env)
         self.token_file = log_path.parent / f".ray-token-{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self._token(token_timeout_s)}
-        self._log = open(log_path, "ab")
-        child_env = dict(os.environ, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1", RAY_USAGE_STATS_ENABLED="0",
-                         **self.auth)
+        self.tag = f"{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}-{env.node_index}-{os.getpid()}"
         self.cmd = ray_start_command(env, object_store_mb=object_store_mb)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env,
-                                     start_new_session=True)
+        self.proc: subprocess.Popen | None = None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        token = self._token(token_timeout_s)
+        self.late = token is None
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or ""}
+        if self.late:
+            return
+        child_env = dict(os.environ, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1", RAY_USAGE_STATS_ENABLED="0",
+                         **{TAG: self.tag}, **self.auth)
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                         start_new_session=True)
 
-    def _token(self, timeout_s: float) -> str:
+    def _token(self, timeout_s: float) -> str | None:
         if self.env.node_index == 0:
             tmp = self.token_file.with_name(self.token_file.name + f".tmp-{os.getpid()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -85,7 +123,9 @@ class RayNode:
                 f.write(secrets.token_hex(32))
             tmp.replace(self.token_file)
         deadline = time.monotonic() + timeout_s
-        while not self.token_file.exists():
+        while not _visible(self.token_file):
+            if _visible(self.marker):
+                return None  # node 0 has come and gone
             if time.monotonic() > deadline:
                 raise UserError(f"node 0 left no Ray token in {timeout_s:.0f}s ({self.token_file}); see node 0's log")
             time.sleep(1)
@@ -99,14 +139,13 @@ class RayNode:
         """ray.init against the head, then wait until every node's raylet has joined."""
         import ray
 
-        me = self.env.hostnames[self.env.node_index] if self.env.node_index < len(self.env.hostnames) else None
-        deadline = time.monotonic() + timeout_s
         os.environ.update(self.auth)  # this process is a Ray driver too
         _refresh_ray_auth()
+        deadline = time.monotonic() + timeout_s
         while True:  # the head may still be starting
             self._check_alive()
             try:
-                ray.init(address=self.address, _node_ip_address=node_ip(me) if me else None,
+                ray.init(address=self.address, _node_ip_address=advertised_ip(self.env),
                          logging_level="WARNING", log_to_driver=False)
                 break
             except (ConnectionError, RuntimeError):
@@ -122,43 +161,67 @@ class RayNode:
             time.sleep(1)
 
     def _check_alive(self) -> None:
-        if self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
             raise UserError(f"`ray start` exited with code {self.proc.returncode} on node {self.env.node_index}; "
                             f"see {self.log_path}")
 
-    def wait_for(self, marker: Path, poll_s: float = 2.0) -> None:
-        """A worker node: serve until node 0 writes `marker` (or this raylet dies)."""
-        while not marker.exists():
-            self._check_alive()
+    def serve(self, poll_s: float = 2.0, grace_s: float = 60.0) -> str:
+        """A worker node: serve until node 0 is done; says how it ended. A raylet that exits (the head
+        went away, or it crashed) leaves `grace_s` for the marker to show through the FS cache."""
+        ended = None
+        while not _visible(self.marker):
+            if self.proc is None:
+                break
+            if ended is None and self.proc.poll() is not None:
+                ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > grace_s:
+                return f"the raylet exited (code {self.proc.returncode}) and node 0 left no done marker; see {self.log_path}"
             time.sleep(poll_s)
+        return "node 0 is done"
 
     def stop(self) -> None:
-        """Stop the raylet and everything it started: agents outlive `ray start` if left alone."""
-        import psutil
+        """Stop the raylet and everything it started. Found by TAG, not by parentage: a vLLM whose
+        actor was killed has been reparented, and Ray's agents outlive `ray start` if left alone."""
+        import shutil
 
-        try:
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # `ray start --block` drains and stops its processes on SIGTERM
             try:
                 self.proc.wait(45)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in family:
+        if self.proc is not None:
             try:
-                p.kill()
-            except psutil.Error:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
-        self._log.close()
+        kill_tagged(self.tag)
         if self.env.node_index == 0:
             self.token_file.unlink(missing_ok=True)
+            shutil.rmtree(f"/tmp/dspark-ray-{self.env.job_id}", ignore_errors=True)
+
+
+def kill_tagged(tag: str) -> int:
+    import psutil
+
+    killed = 0
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(TAG) == tag:
+                p.kill()
+                killed += 1
+        except psutil.Error:
+            pass
+    return killed
+
+
+def _visible(path: Path) -> bool:
+    """exists(), past an NFS client's negative-lookup cache (listing the directory revalidates it)."""
+    try:
+        return path.name in os.listdir(path.parent)
+    except OSError:
+        return False
 
 
 def _refresh_ray_auth() -> None:
@@ -169,7 +232,3 @@ def _refresh_ray_auth() -> None:
         return
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
-
-
-def done_marker(root: Path, env: SlurmEnv) -> Path:
-    return root / f".ray-done-{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"

@@ -20,43 +20,12 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
 
 EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
-
-
-@dataclass
-class SlurmEnv:
-    job_id: int
-    node_index: int
-    n_nodes: int
-    hostnames: list[str]
-    requeue_id: str  # what `scontrol requeue` takes: the array task's own id for arrays
-
-    @classmethod
-    def from_environ(cls) -> "SlurmEnv":
-        env = os.environ
-        if "SLURM_JOB_ID" not in env:
-            raise UserError("this stage runs inside a Slurm allocation (no SLURM_JOB_ID); use `dspark submit` "
-                            "or `dspark train` on one machine")
-        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURMD_NODENAME", "localhost"))
-        try:
-            hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                   timeout=30, check=True).stdout.split()
-        except (OSError, subprocess.SubprocessError):
-            hosts = [nodelist]
-        array = env.get("SLURM_ARRAY_JOB_ID")
-        requeue = f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
-        return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_NNODES", 1)),
-                   hosts, requeue)
-
-
-def rendezvous_port(job_id: int, base: int = 20000, span: int = 20000) -> int:
-    """Derived from the job id: every rank computes it alone, and two jobs sharing a node differ."""
-    return base + job_id % span
 
 
 def _wait_for(path: Path, timeout_s: float, what: str) -> None:
@@ -209,13 +178,13 @@ def report_stage(cfg, parent_run_id: str) -> int:
     return 0
 
 
-def regenerate_stage(cfg, parent_run_id: str | None = None) -> int:
-    """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); outside
-    Slurm (`dspark demo`) with one server on this machine. A requeue resumes the shards."""
+def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False) -> int:
+    """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
+    `local` (`dspark demo`, even inside an salloc) one server on this machine. A requeue resumes."""
     from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
 
     say = lambda line: print(line, flush=True)  # noqa: E731
-    if "SLURM_JOB_ID" in os.environ:
+    if not local:
         done = _regenerate_on_ray(cfg, say)
         if done is None:  # a worker node: node 0 reports
             return 0
@@ -242,19 +211,26 @@ def _regenerate_on_ray(cfg, say):
     until node 0 is done, and return None."""
     from hpc.launch.ray_cluster import RayNode, done_marker
     from hpc.verifier.regen_ray import start_servers, stop_servers
-    from hpc.verifier.regenerate import regenerate
+    from hpc.verifier.regenerate import RegenStats, regenerate, regenerated_dir
 
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"
+    if env.node_index == 0 and _regenerated_already(cfg):
+        say(f"regenerate: {regenerated_dir(cfg)} is complete; no servers started")
+        done_marker(logs, env).parent.mkdir(parents=True, exist_ok=True)
+        done_marker(logs, env).touch()
+        return RegenStats(), []
     node = RayNode(env, logs / f"ray-{env.job_id}-node{env.node_index}.log",
                    object_store_mb=cfg.cluster.ray_object_store_mb)
-    marker = done_marker(logs, env)
     try:
         if env.node_index != 0:
+            if node.late:
+                say(f"node {env.node_index}: node 0 had finished before this node started")
+                return None
             say(f"node {env.node_index}: Ray worker for the regeneration servers, head {node.address}")
-            node.wait_for(marker)
+            say(f"node {env.node_index}: {node.serve()}")
             return None
-        import ray  # after RayNode: it set the cluster's auth token in this process's environment
+        import ray  # only node 0 is a Ray driver
 
         try:
             node.connect(env.n_nodes, timeout_s=600)
@@ -269,11 +245,25 @@ def _regenerate_on_ray(cfg, say):
             say(f"regenerate: requests served per node: {client.summary()}")
             return stats, client.served
         finally:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()  # the workers stop their raylets, whatever happened here
+            node.marker.touch()  # the workers end, whatever happened here
             ray.shutdown()
     finally:
         node.stop()
+
+
+def _regenerated_already(cfg) -> bool:
+    """A requeue after the last shard: the manifest says finished, for these very sources."""
+    import json
+
+    from hpc.verifier.regen_shards import MANIFEST
+    from hpc.verifier.regenerate import regenerated_dir
+
+    try:
+        m = json.loads((regenerated_dir(cfg) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    sources = [[s.path, s.split, s.max_rows] for s in cfg.data.sources]
+    return bool(m.get("finished")) and m.get("settings", {}).get("sources") == sources
 
 
 def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:

@@ -14,8 +14,10 @@ other nodes, and the run goes on with those.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,8 +33,6 @@ class RegenServer:
 
     def __init__(self, cfg: DSparkConfig, log_dir: str, url: str | None = None):
         from hpc.verifier.regenerate import start_regen_server
-
-        import os
 
         # On a Slurm node the task's environment reaches Ray's workers: name the node as Slurm does.
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -55,6 +55,10 @@ class RegenServer:
         try:
             reply = self.client.complete(messages, seed)
         except RequestFailed as err:
+            if self.server is not None and self.server.proc.poll() is not None:
+                # vLLM is gone but this actor lives: the row must go to another node, not be skipped.
+                return ("dead", "server_died", f"vLLM exited with {self.server.proc.returncode}; "
+                                               f"see {self.server.log_path}")
             return ("failed", err.reason, err.detail)
         return ("ok", reply.content, reply.truncated)
 
@@ -94,23 +98,28 @@ class RayChatClient:
             try:
                 status, a, b = ray.get(self.actors[i].complete.remote(messages, seed))
             except RayActorError as err:
-                with self._lock:
-                    first = self.alive[i]
-                    self.alive[i] = False
-                if first:
-                    left = sum(self.alive)
-                    self._log(f"regenerate: the server on {self.names[i]} is gone ({type(err).__name__}); "
-                              f"its requests go to the {left} other(s)")
-                continue
+                status, b = "dead", f"{type(err).__name__}"
             finally:
                 with self._lock:
                     self.busy[i] -= 1
+            if status == "dead":
+                self._mark_dead(i, b)
+                continue
             if status == "ok":
                 with self._lock:
                     self.served[i] += 1
                 return Reply(a, b)
             raise RequestFailed(a, b)
-        raise RequestFailed("request_failed", "no regeneration server is left alive")
+        # Not a skipped row: no shard may record rows that were never asked of any server.
+        raise UserError(f"no regeneration server is left alive ({self.summary()}); re-run to resume")
+
+    def _mark_dead(self, i: int, why: str) -> None:
+        with self._lock:
+            first = self.alive[i]
+            self.alive[i] = False
+        if first:
+            self._log(f"regenerate: the server on {self.names[i]} is gone ({why[:200]}); "
+                      f"its requests go to the {sum(self.alive)} other(s)")
 
     def summary(self) -> str:
         return ", ".join(f"{n} {s}" + ("" if ok else " (died)")
@@ -126,11 +135,12 @@ def start_servers(cfg: DSparkConfig, servers: int, log_dir: Path, concurrency: i
     actor_cls = ray.remote(RegenServer).options(num_cpus=0, resources={REGEN_RESOURCE: 1},
                                                 max_concurrency=max(1, concurrency))
     actors = [actor_cls.remote(cfg, str(log_dir), url) for _ in range(servers)]
-    timeout = timeout_s if timeout_s is not None else cfg.verifier.health_timeout_s + 120
+    # One deadline for all: the servers start in parallel, each on its own node.
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else cfg.verifier.health_timeout_s + 120)
     ready, names, failures = [], [], []
     for k, actor in enumerate(actors):
         try:
-            host, model = ray.get(actor.info.remote(), timeout=timeout)
+            host, model = ray.get(actor.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
         except (RayActorError, GetTimeoutError) as err:
             failures.append(f"server {k}: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}")
             ray.kill(actor)

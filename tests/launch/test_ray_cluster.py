@@ -12,7 +12,7 @@ import pytest
 
 from hpc.errors import UserError
 from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_port, ray_start_command
-from hpc.launch.stages import SlurmEnv, rendezvous_port
+from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 
 
@@ -49,6 +49,18 @@ def test_a_worker_without_node_0s_token_gives_up_with_a_pointer(tmp_path):
         RayNode(env(1, 77), tmp_path / "worker.log", token_timeout_s=1)
 
 
+def test_a_node_whose_own_name_is_loopback_advertises_its_routed_address(monkeypatch):
+    import hpc.launch.ray_cluster as rc
+
+    table = {"n1": "127.0.1.1", "n2": "192.0.2.77"}  # Debian /etc/hosts on n1, DNS for n2
+    monkeypatch.setattr(rc, "node_ip", lambda h: table[h])
+    ip = rc.advertised_ip(env(0, hosts=("n1", "n2")))
+    mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    assert not ip.startswith("127.") and ip in mine  # an address of one of this machine's interfaces
+    table.update(n2="127.0.0.1")  # every name loopback: the nodes are one host (the dev cluster)
+    assert rc.advertised_ip(env(0, hosts=("n1", "n2"))) == "127.0.1.1"
+
+
 def test_an_unresolvable_node_is_named():
     with pytest.raises(UserError, match="nosuchnode.invalid"):
         ray_start_command(env(1, hosts=("nosuchnode.invalid", "localhost")), object_store_mb=256)
@@ -80,14 +92,22 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
     assert not token.exists()
 
 
-def test_a_worker_whose_raylet_dies_says_so(tmp_path):
+def test_a_worker_whose_raylet_dies_ends_cleanly_and_says_so(tmp_path):
+    """Exit 0 either way: the job's fate is node 0's (its requests move to the other servers)."""
     job = random.randrange(100000, 900000)
     (tmp_path / f".ray-token-{job}-0").write_text("0" * 64)  # as node 0 would leave it
     worker = RayNode(env(1, job), tmp_path / "worker.log", object_store_mb=128)
     try:
         worker.proc.kill()
         worker.proc.wait(10)
-        with pytest.raises(UserError, match="`ray start` exited"):
-            worker.wait_for(tmp_path / "never", poll_s=0.1)
+        assert "the raylet exited" in worker.serve(poll_s=0.1, grace_s=0.5)
     finally:
         worker.stop()
+
+
+def test_a_worker_arriving_after_node_0_finished_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    done_marker(tmp_path, env(1, 99)).touch()  # node 0 is done and took its token away
+    late = RayNode(env(1, 99), tmp_path / "worker.log", token_timeout_s=5)
+    assert late.late and late.proc is None and late.serve() == "node 0 is done"
+    late.stop()

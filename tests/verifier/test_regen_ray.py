@@ -7,13 +7,15 @@ tests/launch/test_submit.py's end-to-end pipeline.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from hpc.errors import UserError
-from hpc.verifier.regen_ray import REGEN_RESOURCE, start_servers, stop_servers
+from hpc.verifier.regen_ray import REGEN_RESOURCE, RegenServer, start_servers, stop_servers
 from hpc.verifier.regen_shards import read_shards
 from hpc.verifier.regenerate import regenerate, regenerated_dir
 from tests.verifier.test_regenerate import FakeChat, fake_rows, fake_url, make_cfg  # noqa: F401 (fixture)
@@ -74,10 +76,22 @@ def test_no_live_server_left_stops_the_run_like_a_dead_server(ray_two_slots, fak
     client = start_servers(cfg, 2, tmp_path, concurrency=1, url=fake_url, log=lambda _: None)
     for actor in client.actors:
         ray.kill(actor)
-    with pytest.raises(UserError, match="server down"):
-        regenerate(cfg, "ray", shard_size=4, concurrency=2, client=client, max_consecutive_failures=3,
-                   log=lambda _: None)
-    assert not list(regenerated_dir(cfg).glob("shard-*"))  # nothing half-written
+    with pytest.raises(UserError, match="no regeneration server is left alive"):
+        regenerate(cfg, "ray", shard_size=4, concurrency=2, client=client, log=lambda _: None)
+    # Not skipped rows: nothing written, so a re-run asks for every row again.
+    assert not list(regenerated_dir(cfg).glob("shard-*"))
+
+
+def test_a_dead_vllm_behind_a_live_actor_is_reported_dead_not_a_failed_row(fake_url, tmp_path):
+    cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a"]))
+    srv = RegenServer(cfg, str(tmp_path), url=fake_url)
+    srv.client.backoff = 0.01
+    assert srv.complete([{"role": "user", "content": "FAIL"}], None)[:2] == ("failed", "request_failed")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    srv.server = SimpleNamespace(proc=dead, log_path=tmp_path / "vllm.log")
+    status, reason, detail = srv.complete([{"role": "user", "content": "FAIL"}], None)
+    assert (status, reason) == ("dead", "server_died") and "vllm.log" in detail
 
 
 def test_servers_that_never_come_up_are_named_and_the_rest_carry_on(ray_two_slots, fake_url, tmp_path):
