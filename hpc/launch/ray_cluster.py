@@ -86,8 +86,13 @@ def ray_start_command(env: SlurmEnv, *, object_store_mb: int) -> list[str]:
     return cmd
 
 
+def attempt(env: SlurmEnv) -> str:
+    """This run of the job: a requeue is a new attempt, with its own marker, token and tag."""
+    return f"{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
 def done_marker(root: Path, env: SlurmEnv) -> Path:
-    return root / f".ray-done-{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return root / f".ray-done-{attempt(env)}"
 
 
 class RayNode:
@@ -99,8 +104,8 @@ class RayNode:
     def __init__(self, env: SlurmEnv, log_path: Path, *, object_store_mb: int = 512, token_timeout_s: float = 600):
         self.env, self.log_path = env, log_path
         self.marker = done_marker(log_path.parent, env)
-        self.token_file = log_path.parent / f".ray-token-{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-        self.tag = f"{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}-{env.node_index}-{os.getpid()}"
+        self.token_file = log_path.parent / f".ray-token-{attempt(env)}"
+        self.tag = f"{attempt(env)}-{env.node_index}-{os.getpid()}"
         self.cmd = ray_start_command(env, object_store_mb=object_store_mb)
         self.proc: subprocess.Popen | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)

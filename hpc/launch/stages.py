@@ -188,18 +188,18 @@ def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False)
         done = _regenerate_on_ray(cfg, say)
         if done is None:  # a worker node: node 0 reports
             return 0
-        stats, served = done
+        stats, servers, served = done
     else:
         server = start_regen_server(cfg, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
         try:
             stats = regenerate(cfg, server.url, concurrency=cfg.data.regen_concurrency, log=say)
         finally:
             server.stop()
-        served = [stats.written]
+        servers, served = 1, []
     say(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}")
     if parent_run_id:
         metrics = {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}
-        metrics["servers"] = float(len(served))
+        metrics["servers"] = float(servers)
         metrics.update({f"served_{i}": float(n) for i, n in enumerate(served)})
         _log_stage_run(cfg, parent_run_id, "regenerate", metrics)
     return 0
@@ -207,19 +207,19 @@ def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False)
 
 def _regenerate_on_ray(cfg, say):
     """A Ray cluster over the job's nodes (see ray_cluster): node 0 drives `regenerate()` through one
-    server per node and returns (stats, requests served per server); the other nodes host a server
+    server per node and returns (stats, servers, requests served per server); the other nodes host a server
     until node 0 is done, and return None."""
     from hpc.launch.ray_cluster import RayNode, done_marker
     from hpc.verifier.regen_ray import start_servers, stop_servers
-    from hpc.verifier.regenerate import RegenStats, regenerate, regenerated_dir
+    from hpc.verifier.regenerate import RegenStats, regenerate, regenerated_dir, regeneration_complete
 
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"
-    if env.node_index == 0 and _regenerated_already(cfg):
+    if env.node_index == 0 and regeneration_complete(cfg):
         say(f"regenerate: {regenerated_dir(cfg)} is complete; no servers started")
-        done_marker(logs, env).parent.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
         done_marker(logs, env).touch()
-        return RegenStats(), []
+        return RegenStats(), 0, []
     node = RayNode(env, logs / f"ray-{env.job_id}-node{env.node_index}.log",
                    object_store_mb=cfg.cluster.ray_object_store_mb)
     try:
@@ -243,27 +243,12 @@ def _regenerate_on_ray(cfg, say):
             finally:
                 stop_servers(client)
             say(f"regenerate: requests served per node: {client.summary()}")
-            return stats, client.served
+            return stats, len(client.actors), client.served
         finally:
             node.marker.touch()  # the workers end, whatever happened here
             ray.shutdown()
     finally:
         node.stop()
-
-
-def _regenerated_already(cfg) -> bool:
-    """A requeue after the last shard: the manifest says finished, for these very sources."""
-    import json
-
-    from hpc.verifier.regen_shards import MANIFEST
-    from hpc.verifier.regenerate import regenerated_dir
-
-    try:
-        m = json.loads((regenerated_dir(cfg) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    sources = [[s.path, s.split, s.max_rows] for s in cfg.data.sources]
-    return bool(m.get("finished")) and m.get("settings", {}).get("sources") == sources
 
 
 def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:

@@ -27,7 +27,7 @@ from hpc.errors import UserError
 from hpc.verifier.data import read_rows, to_messages
 from hpc.verifier.regen_client import ChatClient, RequestFailed, served_model
 from hpc.verifier.regen_progress import Reporter, count_rows
-from hpc.verifier.regen_shards import ShardStore
+from hpc.verifier.regen_shards import MANIFEST, ShardStore
 from hpc.verifier.vllm_server import VLLMServer, config_flags, start_vllm_server
 
 T = TypeVar("T")
@@ -153,6 +153,19 @@ def source_rows(cfg: DSparkConfig, max_rows: int | None = None) -> Iterator[tupl
     return enumerate(islice(rows, max_rows))
 
 
+def _source_settings(cfg: DSparkConfig) -> list[list]:
+    return [[s.path, s.split, s.max_rows] for s in cfg.data.sources]
+
+
+def regeneration_complete(cfg: DSparkConfig) -> bool:
+    """The shards cover every row of these very sources (a requeue after the last shard)."""
+    try:
+        m = json.loads((regenerated_dir(cfg) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(m.get("finished")) and m.get("settings", {}).get("sources") == _source_settings(cfg)
+
+
 def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, concurrency: int = 4,
                progress: bool = False, max_rows: int | None = None, max_consecutive_failures: int = 32,
                client: ChatClient | None = None, log: Callable[[str], None] = print) -> RegenStats:
@@ -167,7 +180,7 @@ def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, co
     if client is None:
         client = ChatClient(server_url, served_model(server_url), data.regen_max_tokens, data.regen_temperature)
     store = ShardStore(regenerated_dir(cfg), shard_size, {
-        "sources": [[s.path, s.split, s.max_rows] for s in data.sources], "model": client.model,
+        "sources": _source_settings(cfg), "model": client.model,
         "temperature": client.temperature, "max_tokens": client.max_tokens, "seed": data.seed})
     start = store.open()
     stats = RegenStats(resumed_rows=start, resumed_shards=len(store.shards))

@@ -273,3 +273,14 @@ def test_dead_server_stops_the_run_without_writing_the_shard_in_progress(fake_ur
     with pytest.raises(UserError, match="server down"):
         regenerate(cfg, fake_url, shard_size=4, concurrency=1, client=client, max_consecutive_failures=3)
     assert sorted(p.name for p in regenerated_dir(cfg).glob("shard-*")) == ["shard-00000.jsonl"]
+
+
+def test_a_finished_regeneration_is_complete_only_for_its_own_sources(fake_url, tmp_path):
+    from hpc.verifier.regenerate import regeneration_complete
+
+    cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c"]))
+    assert not regeneration_complete(cfg)
+    regenerate(cfg, fake_url, shard_size=2, client=ChatClient(fake_url, "fake", MAX_TOKENS))
+    assert regeneration_complete(cfg)
+    other = make_cfg(tmp_path, fake_rows(tmp_path / "more.jsonl", ["a", "b", "c", "d"]))
+    assert not regeneration_complete(other)  # same output directory, other data: not done
