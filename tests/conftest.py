@@ -1,6 +1,12 @@
 """Shared test plumbing: the session fixtures for real infrastructure live in tests/fixtures/."""
 
+import os
+import tempfile
+
+import pytest
 import torch
+
+from hpc.dist import rules
 
 pytest_plugins = [
     "tests.fixtures.infra",
@@ -14,3 +20,24 @@ pytest_plugins = [
 # rank processes): a 2-thread OpenMP pool spin-waiting against them runs small matmuls up to
 # 50x slower. One intra-op thread per process keeps timings sane and reproducible.
 torch.set_num_threads(1)
+
+# NCCL's rules are checked in every test and in every process a test starts (they inherit the
+# environment): violations land in one log that each test's teardown reads.
+os.environ[rules.ENV] = "1"
+os.environ.setdefault(rules.LOG_ENV, tempfile.mkstemp(prefix="dspark-nccl-rules-", suffix=".log")[1])
+rules.install()
+
+
+@pytest.fixture(autouse=True)
+def nccl_rules_hold(request):
+    """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""
+    log = os.environ[rules.LOG_ENV]
+    start = os.path.getsize(log) if os.path.exists(log) else 0
+    yield
+    if request.node.get_closest_marker("nccl_violations_expected"):
+        return
+    with open(log) as fh:
+        fh.seek(start)
+        broken = fh.read()
+    if broken:
+        pytest.fail(f"NCCL rules broken during this test:\n{broken}")

@@ -147,16 +147,36 @@ class _TileKeys(torch.autograd.Function):
         return grad, None
 
 
-def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_size: int) -> AttentionFn:
+_compiled_flex = None  # one compiled flex_attention per process: compiling per call would recompile
+
+
+def _flex_attention(compiled: bool):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_size: int,
+                      compiled: bool | None = None) -> AttentionFn:
     """The same mask as `training_mask`, as a flex_attention block mask (sparse: O(T) memory).
 
     At Kimi scale (T=20000, N=3072, B=8) the dense mask is 1.1 GB per row; the block mask
-    skips fully masked tiles instead.
+    skips fully masked tiles instead. Only compiled flex_attention is fused: called eagerly it
+    materialises the scores (hundreds of GB per layer at Kimi dims), so on CUDA both the
+    attention and the block mask are compiled, on the tensors' own device (never cuda:0 by
+    default). Eager runs serve CPU tests of the mask.
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     N, T, B = anchors_N.numel(), doc_ids_T.numel(), block_size
     anchors, docs = anchors_N, doc_ids_T
+    if compiled is None:
+        compiled = anchors_N.device.type == "cuda"
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // B
@@ -166,8 +186,32 @@ def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_si
         own_ok = (~in_ctx) & ((kv_idx - T) // B == block)
         return ctx_ok | own_ok
 
-    block_mask = create_block_mask(mask_mod, None, None, N * B, T + N * B, device=anchors_N.device.type)
+    block_mask = create_block_mask(mask_mod, None, None, N * B, T + N * B, device=anchors_N.device,
+                                   _compile=compiled)
+    flex = _flex_attention(compiled)
 
     def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask)
+        return flex(q, k, v, block_mask=block_mask)
     return attend
+
+
+def check_attention(kind: str, device: torch.device) -> str:
+    """The attention a run will use ("flex" or "sdpa"); one line naming the fix when it cannot run here."""
+    from hpc.errors import UserError
+
+    if kind == "auto":
+        kind = "flex" if device.type == "cuda" else "sdpa"
+    if kind != "flex":
+        return kind
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        raise UserError(f"train.attention=flex: torch {torch.__version__} has no flex_attention (needs >= 2.5); "
+                        "use train.attention=sdpa") from None
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise UserError(f"train.attention=flex: compiled flex_attention needs Triton, which this torch "
+                            f"{torch.__version__} build lacks; install triton or use train.attention=sdpa")
+    return kind

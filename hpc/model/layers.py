@@ -72,6 +72,10 @@ class Attention(nn.Module):
         v_hQd = self._heads(self.v_proj(x_QH), self.n_kv_heads)
         k_hKd = torch.cat([ctx_k_hTd, k_hQd], dim=1)
         v_hKd = torch.cat([ctx_v_hTd, v_hQd], dim=1)
+        if torch.is_autocast_enabled(q_hQd.device.type):
+            # The fp32 norm weights promote q/k back to fp32; attention runs in the autocast dtype.
+            dt = torch.get_autocast_dtype(q_hQd.device.type)
+            q_hQd, k_hKd, v_hKd = q_hQd.to(dt), k_hKd.to(dt), v_hKd.to(dt)
         groups = self.n_heads // self.n_kv_heads
         if groups > 1:
             k_hKd = k_hKd.repeat_interleave(groups, dim=0)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc.model import metrics as M
-from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
+from hpc.model.blocks import check_attention, flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
 from hpc.model.layers import RMSNorm
 
@@ -84,12 +84,6 @@ def slot_decay(block_size: int, gamma: float, sample_from_anchor: bool, device=N
     return torch.exp(-k / gamma)
 
 
-def pick_attention(kind: str, device: torch.device) -> str:
-    if kind == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    return kind
-
-
 def objective(
     logits_NBD: torch.Tensor, target_logits_NBD: torch.Tensor, valid_NB: torch.Tensor,
     conf_logits_NB: torch.Tensor | None, weights: LossWeights, sample_from_anchor: bool = True,
@@ -132,7 +126,7 @@ def dspark_loss(
     blocks = make_blocks(row.input_ids_T, row.loss_mask_T, row.position_ids_T, row.doc_ids_T, anchors_N, B,
                          a.mask_token_id, a.sample_from_anchor)
     ctx_TH = model.project_context(row.aux_TnH)
-    if pick_attention(attention, ctx_TH.device) == "flex":
+    if check_attention(attention, ctx_TH.device) == "flex":
         attend = flex_attention_fn(anchors_N, row.doc_ids_T, B)
     else:
         attend = tiled_sdpa_attention_fn(anchors_N, row.doc_ids_T, B)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-def _capture(i: int, T: int, n_aux: int, H: int, device: str):
+def _capture(i: int, T: int, n_aux: int, H: int):
     from hpc.verifier.hf_backend import Capture
 
     g = torch.Generator().manual_seed(i)
@@ -28,65 +27,76 @@ def _capture(i: int, T: int, n_aux: int, H: int, device: str):
                                torch.randn(T, n_aux + 1, H, generator=g))
 
 
-def _raw(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: torch.dtype) -> float:
-    """Seconds to move n samples' tensors with plain blocking send/recv."""
+def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
+    """Seconds to move n samples' tensors with plain blocking send/recv on the data plane."""
+    from hpc.dist.rules import Message, message
+
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
-    ids = torch.zeros(2, T, dtype=torch.int64, device=device)
-    states = torch.zeros(T, n_aux + 1, H, dtype=dtype, device=device)
-    dist.barrier()
+    ids = torch.zeros(2, T, dtype=torch.int64, device=planes.device)
+    states = torch.zeros(T, n_aux + 1, H, dtype=dtype, device=planes.device)
+    dist.barrier(group=planes.control)
     t0 = time.perf_counter()
-    for _ in range(n):
-        if rank == 1:
-            dist.send(ids, dst=0)
-            dist.send(states, dst=0)
-        else:
-            dist.recv(ids, src=1)
-            dist.recv(states, src=1)
-    dist.barrier()
+    with message(Message.SAMPLE):
+        for _ in range(n):
+            if planes.rank == 1:
+                dist.send(ids, dst=0, group=planes.data)
+                dist.send(states, dst=0, group=planes.data)
+            else:
+                dist.recv(ids, src=1, group=planes.data)
+                dist.recv(states, src=1, group=planes.data)
+    _sync(planes.device)
+    dist.barrier(group=planes.control)
     return time.perf_counter() - t0
 
 
-def _stream(rank: int, n: int, T: int, n_aux: int, H: int, device: str, dtype: torch.dtype, step_s: float,
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # NCCL ops return once queued: time what has arrived
+        torch.cuda.synchronize(device)
+
+
+def _stream(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype, step_s: float,
             buffer: int) -> tuple[float, float]:
     """(seconds for n samples through streamer + receiver, trainer wait fraction)."""
     from hpc.stream.receiver import StreamReceiver
     from hpc.stream.streamer import run_streamer
 
-    caps = [_capture(i, T, n_aux, H, device) for i in range(n)] if rank == 1 else []
-    dist.barrier()
+    caps = [_capture(i, T, n_aux, H) for i in range(n)] if planes.rank == 1 else []
+    dist.barrier(group=planes.control)
     t0 = time.perf_counter()
     wait = 0.0
-    if rank == 1:
+    if planes.rank == 1:
         rows = lambda ledger, epoch: ((0, c.sample_id, [], []) for c in caps)  # noqa: E731
-        run_streamer(rows, lambda i, ids, mask: caps[i], [0], device, dtype, prefetch=4, heartbeat_s=5.0)
+        run_streamer(rows, lambda i, ids, mask: caps[i], planes, dtype, prefetch=4, heartbeat_s=5.0)
     else:
-        recv = StreamReceiver([1], buffer, device, peer_timeout_s=60.0).start([], 0, share_ledger=True)
+        recv = StreamReceiver([1], buffer, planes, peer_timeout_s=60.0).start([], 0, share_ledger=True)
         while (item := recv.get()) is not None:
             recv.consumed(item[0])
+            recv.release(item[2])
             if step_s:
                 time.sleep(step_s)  # a trainer step that takes this long
         wait = recv.wait_s
-    dist.barrier()
+    _sync(planes.device)
+    dist.barrier(group=planes.control)
     elapsed = time.perf_counter() - t0
     return elapsed, wait / elapsed
 
 
 def worker(rank: int, args: dict, port: int, out: str) -> None:
+    from hpc.dist.planes import init_planes, rank_device
+
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR=args["addr"], MASTER_PORT=str(port))
-    dist.init_process_group(args["backend"], rank=rank, world_size=2)
-    device = "cuda" if args["backend"] == "nccl" else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
+    device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank)
+    planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port)
     dtype = getattr(torch, args["dtype"])
     T, A, H, n = args["tokens"], args["n_aux"], args["hidden"], args["samples"]
     raw, stream, waits = [], [], []
-    _raw(rank, 2, T, A, H, device, dtype)  # warm up the connection
+    _raw(planes, 2, T, A, H, dtype)  # warm up the connection
     for _ in range(args["repeats"]):
-        raw.append(_raw(rank, n, T, A, H, device, dtype))
-        stream.append(_stream(rank, n, T, A, H, device, dtype, 0.0, args["buffer"])[0])
+        raw.append(_raw(planes, n, T, A, H, dtype))
+        stream.append(_stream(planes, n, T, A, H, dtype, 0.0, args["buffer"])[0])
         # Demand below supply: every step's worth of data should already be waiting.
-        waits.append(_stream(rank, n, T, A, H, device, dtype, args["step_ms"] / 1000, args["buffer"])[1])
+        waits.append(_stream(planes, n, T, A, H, dtype, args["step_ms"] / 1000, args["buffer"])[1])
     if rank == 0:
         Path(out).write_text(json.dumps({"raw": raw, "stream": stream, "wait": waits}))
     dist.destroy_process_group()

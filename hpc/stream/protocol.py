@@ -1,20 +1,25 @@
-"""Wire format between streamers (verifier nodes) and trainers, over torch.distributed p2p.
+"""Wire format between streamers (verifier nodes) and trainers, on the two planes of `hpc.dist.planes`.
 
-One code path for NCCL (GPU tensors) and gloo (CPU tensors). Every message starts with a
-fixed-size int64 header, so a receiver can post its receive before it knows the sender:
-NCCL has no receive-from-any-source, so trainers post one header receive per streamer and
-poll them. A sample is then two more tensors: token ids + loss mask [2, T], and the aux states
-with the last hidden as one more column, [T, n_aux + 1, H], in the stream dtype.
+Every message starts with a fixed-size int64 header on the control plane (gloo, CPU), so a
+receiver can post its receive before it knows what comes: NCCL has no receive-from-any-source,
+so trainers keep one header receive posted per streamer. A SAMPLE header is followed by two
+tensors on the data plane (the training backend, on the device): token ids + loss mask [2, T]
+and the aux states with the last hidden as one more column, [T, n_aux + 1, H], in the stream
+dtype. Credits, heartbeats, STOP and the ledger are control messages only.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
+from hpc.dist.planes import Planes
+from hpc.dist.rules import Message, message
 from hpc.verifier.hf_backend import Capture
 
 HEADER_LEN = 8
@@ -40,9 +45,9 @@ class Header:
     epoch: int = 0
     dtype: int = 0
 
-    def tensor(self, device) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor:
         return torch.tensor([int(self.kind), self.sample_id, self.length, self.n_aux, self.hidden, self.epoch,
-                             self.dtype, 0], dtype=torch.int64, device=device)
+                             self.dtype, 0], dtype=torch.int64)
 
     @classmethod
     def parse(cls, t: torch.Tensor) -> "Header":
@@ -50,44 +55,96 @@ class Header:
         return cls(Kind(v[0]), v[1], v[2], v[3], v[4], v[5], v[6])
 
 
-def empty_header(device) -> torch.Tensor:
-    return torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+def send_header(h: Header, dst: int, planes: Planes) -> None:
+    dist.send(h.tensor(), dst=dst, group=planes.control)
 
 
-def send_header(h: Header, dst: int, device) -> None:
-    dist.send(h.tensor(device), dst=dst)
+def recv_header(src: int, planes: Planes) -> Header:
+    buf = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    dist.recv(buf, src=src, group=planes.control)
+    return Header.parse(buf)
 
 
-def send_sample(cap: Capture, epoch: int, dst: int, device, dtype: torch.dtype) -> int:
+def send_sample(cap: Capture, epoch: int, dst: int, planes: Planes, dtype: torch.dtype) -> int:
     """Blocking send of one capture; returns the payload bytes."""
     T, n_aux, H = cap.aux_TnH.shape
-    send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst, device)
-    ids = torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]).to(device)
+    ids = torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]).to(planes.device)
     # aux + last in one message: every message costs a round of gloo/NCCL bookkeeping.
-    states = cap.packed_states().to(device=device, dtype=dtype).contiguous()
-    dist.send(ids, dst=dst)
-    dist.send(states, dst=dst)
+    states = cap.packed_states().to(device=planes.device, dtype=dtype).contiguous()
+    send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst, planes)
+    with message(Message.SAMPLE):
+        dist.send(ids, dst=dst, group=planes.data)
+        dist.send(states, dst=dst, group=planes.data)
     return ids.numel() * 8 + states.numel() * states.element_size()
 
 
-def recv_sample_body(h: Header, src: int, device) -> Capture:
-    ids = torch.empty(2, h.length, dtype=torch.int64, device=device)
-    states = torch.empty(h.length, h.n_aux + 1, h.hidden, dtype=DTYPES[h.dtype], device=device)
-    dist.recv(ids, src=src)
-    dist.recv(states, src=src)
-    return Capture.from_states(h.sample_id, ids[0], ids[1], states)
+class BufferPool:
+    """Receive buffers reused from sample to sample, handed back once the trainer has packed a sample.
+
+    A fresh buffer per sample costs a page-faulting allocation on CPU (glibc maps every
+    allocation over 32 MB anew) and churn in the CUDA caching allocator. Credits bound the
+    samples a trainer holds, so the pool stays small. On CUDA a released buffer is safe to
+    receive into at once: the trainer's copy out of it (pack) is queued on the default stream
+    before the release, and NCCL's stream waits for that stream before the next receive.
+    """
+
+    def __init__(self, device: torch.device, max_free: int = 16):
+        self.device, self.max_free = device, max_free
+        self.free: list[torch.Tensor] = []
+        self.lent: dict[int, list[torch.Tensor]] = {}  # id(capture) -> its flat buffers
+        self.lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a tensor of `shape` for the receive, the flat buffer behind it)."""
+        n = math.prod(shape)
+        with self.lock:
+            fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.numel() >= n]
+            if fits:  # the smallest that fits (by index: == on tensors compares elements)
+                flat = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+                return flat[:n].view(shape), flat
+        self.allocated += 1
+        flat = torch.empty(n, dtype=dtype, device=self.device)
+        return flat.view(shape), flat
+
+    def lend(self, cap: Capture, flats: list[torch.Tensor]) -> Capture:
+        with self.lock:
+            self.lent[id(cap)] = flats
+        return cap
+
+    def release(self, cap: Capture) -> None:
+        """The trainer is done with this capture's tensors: its buffers serve the next samples."""
+        with self.lock:
+            flats = self.lent.pop(id(cap), [])
+            self.free.extend(flats)
+            self.free.sort(key=lambda b: b.numel())
+            del self.free[: max(0, len(self.free) - self.max_free)]
 
 
-def send_ledger(pairs: list[list[int]], epoch: int, dst: int, device) -> None:
+def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | None = None) -> Capture:
+    if pool is None:
+        ids = torch.empty(2, h.length, dtype=torch.int64, device=planes.device)
+        states = torch.empty(h.length, h.n_aux + 1, h.hidden, dtype=DTYPES[h.dtype], device=planes.device)
+    else:
+        ids, ids_flat = pool.take((2, h.length), torch.int64)
+        states, states_flat = pool.take((h.length, h.n_aux + 1, h.hidden), DTYPES[h.dtype])
+    with message(Message.SAMPLE):
+        dist.recv(ids, src=src, group=planes.data)
+        dist.recv(states, src=src, group=planes.data)
+    cap = Capture.from_states(h.sample_id, ids[0], ids[1], states)
+    return cap if pool is None else pool.lend(cap, [ids_flat, states_flat])
+
+
+def send_ledger(pairs: list[list[int]], epoch: int, dst: int, planes: Planes) -> None:
     """The trainer's ledger: (epoch, sample id) pairs already trained, from `epoch` on."""
-    send_header(Header(Kind.LEDGER, length=len(pairs), epoch=epoch), dst, device)
+    send_header(Header(Kind.LEDGER, length=len(pairs), epoch=epoch), dst, planes)
     if pairs:
-        dist.send(torch.tensor(pairs, dtype=torch.int64, device=device).reshape(len(pairs), 2), dst=dst)
+        dist.send(torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2), dst=dst, group=planes.control)
 
 
-def recv_ledger(h: Header, src: int, device) -> list[list[int]]:
+def recv_ledger(h: Header, src: int, planes: Planes) -> list[list[int]]:
     if h.length == 0:
         return []
-    t = torch.empty(h.length, 2, dtype=torch.int64, device=device)
-    dist.recv(t, src=src)
+    t = torch.empty(h.length, 2, dtype=torch.int64)
+    dist.recv(t, src=src, group=planes.control)
     return t.tolist()

@@ -1,7 +1,9 @@
-"""Trainer side of the stream: a receiver thread per trainer rank and the micro-batch source.
+"""Trainer side of the stream: a receive thread per streamer, a control thread, and the micro-batch source.
 
-The thread keeps one header receive posted per streamer (NCCL cannot receive from any
-source), pulls sample bodies, and hands credits back as the training loop consumes samples.
+Each receive thread keeps one header receive posted with its streamer on the control plane
+(NCCL cannot receive from any source) and pulls sample bodies from that streamer on the data
+plane: it is the only thread of this rank that touches the data plane with that peer. The
+control thread owns every send (credits, STOP), all on the control plane.
 A streamer silent for longer than `peer_timeout_s` (no sample, no heartbeat) is declared
 dead: the source then stops the step loop on every trainer rank at the same step, so the
 driver can checkpoint and exit naming the peer.
@@ -17,7 +19,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from hpc.stream.protocol import Header, Kind, empty_header, recv_sample_body, send_header, send_ledger
+from hpc.dist.planes import Planes, bind_thread
+from hpc.stream.protocol import BufferPool, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
 from hpc.train.loop import MicroBatch
 
 
@@ -31,15 +34,16 @@ class StreamReceiver:
     (Polling `irecv(...).is_completed()` does not work on gloo: it stays False until waited.)
     """
 
-    def __init__(self, streamers: list[int], capacity: int, device, peer_timeout_s: float = 30.0,
+    def __init__(self, streamers: list[int], capacity: int, planes: Planes, peer_timeout_s: float = 30.0,
                  names: dict[int, str] | None = None):
         self.streamers = list(streamers)
-        self.device = device
+        self.planes = planes
         self.timeout = peer_timeout_s
         self.names = names or {}
         # Each streamer may hold a share of this trainer's buffer; together they fill it.
         self.share = max(1, capacity // len(self.streamers))
         self.samples: queue.Queue = queue.Queue()
+        self.pool = BufferPool(planes.device, max_free=capacity + len(self.streamers))
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self.error: str | None = None
@@ -49,9 +53,9 @@ class StreamReceiver:
     def start(self, ledger: list[list[int]], epoch: int, share_ledger: bool) -> "StreamReceiver":
         if share_ledger:
             for s in self.streamers:
-                send_ledger(ledger, epoch, s, self.device)
+                send_ledger(ledger, epoch, s, self.planes)
         for s in self.streamers:
-            send_header(Header(Kind.CREDIT, length=self.share), s, self.device)
+            send_header(Header(Kind.CREDIT, length=self.share), s, self.planes)
         for s in self.streamers:
             threading.Thread(target=self._recv_loop, args=(s,), daemon=True).start()
         threading.Thread(target=self._control_loop, daemon=True).start()
@@ -59,6 +63,10 @@ class StreamReceiver:
 
     def consumed(self, source_rank: int) -> None:
         self._events.put(("credit", source_rank, ""))
+
+    def release(self, cap) -> None:
+        """The trainer packed this sample: its receive buffers may take the next one."""
+        self.pool.release(cap)
 
     def close(self, timeout_s: float = 60.0) -> bool:
         """Training is over: tell every streamer to stop sending here, wait for their goodbyes."""
@@ -71,13 +79,12 @@ class StreamReceiver:
 
     def _recv_loop(self, s: int) -> None:
         try:
+            bind_thread(self.planes.device)
             while True:
-                buf = empty_header(self.device)
-                dist.recv(buf, src=s)
+                h = recv_header(s, self.planes)
                 self._last_seen[s] = time.monotonic()
-                h = Header.parse(buf)
                 if h.kind == Kind.SAMPLE:
-                    self.samples.put((s, h.epoch, recv_sample_body(h, s, self.device)))
+                    self.samples.put((s, h.epoch, recv_sample_body(h, s, self.planes, self.pool)))
                     self._last_seen[s] = time.monotonic()
                 elif h.kind == Kind.STOP:
                     self._events.put(("stop", s, ""))
@@ -103,17 +110,17 @@ class StreamReceiver:
                     owed[s] += 1
                 elif kind == "stop":
                     if s not in told:  # the streamer ran out of data: acknowledge, no more credits
-                        send_header(Header(Kind.STOP), s, self.device)
+                        send_header(Header(Kind.STOP), s, self.planes)
                     live.discard(s)
                 elif kind == "close":
                     for d in live - told:
-                        send_header(Header(Kind.STOP), d, self.device)
+                        send_header(Header(Kind.STOP), d, self.planes)
                     told |= live
                 elif kind == "error":
                     raise PeerDied(msg)
                 for d in live - told:
                     if owed[d] >= batch or (kind == "tick" and owed[d]):
-                        send_header(Header(Kind.CREDIT, length=owed[d]), d, self.device)
+                        send_header(Header(Kind.CREDIT, length=owed[d]), d, self.planes)
                         owed[d] = 0
                 now = time.monotonic()
                 dead = [d for d in live if now - self._last_seen[d] > self.timeout]
@@ -134,8 +141,12 @@ class StreamReceiver:
         return item
 
 
-def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int, group=None) -> Iterator[MicroBatch]:
-    """Full micro-batches while every trainer rank has one; all ranks stop at the same step."""
+def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Iterator[MicroBatch]:
+    """Full micro-batches while every trainer rank has one; all ranks stop at the same step.
+
+    The agreement and the ledger gather are bookkeeping: CPU tensors on the trainers' gloo group.
+    """
+    group = receiver.planes.train_control
     while True:
         mine = []
         while len(mine) < micro_batch_size:
@@ -153,4 +164,6 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int, group=
         dist.all_gather(gathered, pairs, group=group)
         for src, _, _ in mine:
             receiver.consumed(src)
-        yield MicroBatch([cap for _, _, cap in mine], [tuple(p) for p in torch.cat(gathered).tolist()])
+        caps = [cap for _, _, cap in mine]
+        yield MicroBatch(caps, [tuple(p) for p in torch.cat(gathered).tolist()],
+                         release=lambda caps=caps: [receiver.release(c) for c in caps])

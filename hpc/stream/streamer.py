@@ -13,13 +13,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from hpc.stream.protocol import Header, Kind, empty_header, recv_ledger, send_header, send_sample
+from hpc.dist.planes import Planes
+from hpc.stream.protocol import Header, Kind, recv_header, recv_ledger, send_header, send_sample
 from hpc.verifier.hf_backend import Capture
 
 CaptureFn = Callable[[int, list[int], list[int]], Capture]
@@ -40,41 +42,54 @@ MAX_CONSECUTIVE_FAILURES = 20  # more in a row means the verifier itself is gone
 
 
 def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: CaptureFn, out: queue.Queue,
-              stats: StreamerStats, stop: threading.Event) -> None:
+              stats: StreamerStats, stop: threading.Event, concurrency: int = 1) -> None:
+    """Captures with `concurrency` requests in flight (so vLLM batches prefills), handed on in row order."""
     streak = 0
-    for epoch, sample_id, ids, mask in rows:
-        if stop.is_set():
-            return
-        try:
-            cap = capture(sample_id, ids, mask)
-        except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
-            if stop.is_set():  # the stream is over and the verifier is shutting down
-                return
-            stats.failed += 1
-            streak += 1
-            print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
-            if streak >= MAX_CONSECUTIVE_FAILURES:
-                stats.fatal = f"{streak} captures failed in a row, last: {err}"
+    pending: deque = deque()  # (epoch, sample id, future), oldest first
+    rows = iter(rows)
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="capture") as pool:
+        while True:
+            while len(pending) < concurrency and not stop.is_set():
+                row = next(rows, None)
+                if row is None:
+                    break
+                epoch, sample_id, ids, mask = row
+                pending.append((epoch, sample_id, pool.submit(capture, sample_id, ids, mask)))
+            if not pending or stop.is_set():
                 break
-            continue
-        streak = 0
-        out.put((epoch, cap))
-    out.put(None)
+            epoch, sample_id, future = pending.popleft()
+            try:
+                cap = future.result()
+            except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
+                if stop.is_set():  # the stream is over and the verifier is shutting down
+                    break
+                stats.failed += 1
+                streak += 1
+                print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
+                if streak >= MAX_CONSECUTIVE_FAILURES:
+                    stats.fatal = f"{streak} captures failed in a row, last: {err}"
+                    break
+                continue
+            streak = 0
+            out.put((epoch, cap))
+        for _, _, future in pending:  # the stream ended early: drop what has not started
+            future.cancel()
+    if not stop.is_set():
+        out.put(None)
 
 
 def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,
-                 trainers: list[int], device: torch.device | str, dtype: torch.dtype, prefetch: int = 2,
-                 heartbeat_s: float = 2.0) -> StreamerStats:
+                 planes: Planes, dtype: torch.dtype, prefetch: int = 2, heartbeat_s: float = 2.0,
+                 capture_concurrency: int = 1) -> StreamerStats:
     """Stream every row not yet trained.
 
     `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
     ledger's (epoch, id) pairs.
     """
+    trainers = planes.trainers
     stats = StreamerStats(per_trainer={t: 0 for t in trainers})
-    ledger_header = empty_header(device)
-    dist.recv(ledger_header, src=trainers[0])
-    header = Header.parse(ledger_header)
-    ledger = recv_ledger(header, trainers[0], device)
+    header = recv_header(trainers[0], planes)
+    ledger = recv_ledger(header, trainers[0], planes)
     stats.skipped = len(ledger)
 
     credits = {t: 0 for t in trainers}
@@ -82,11 +97,9 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
     changed = threading.Condition()
 
     def credit_loop(t: int) -> None:
-        """Blocking receives from one trainer: credits, then its STOP acknowledgement."""
+        """Blocking receives from one trainer on the control plane: credits, then its STOP."""
         while True:
-            buf = empty_header(device)
-            dist.recv(buf, src=t)
-            h = Header.parse(buf)
+            h = recv_header(t, planes)
             with changed:
                 if h.kind == Kind.CREDIT:
                     credits[t] += h.length
@@ -104,13 +117,13 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
         nonlocal last_beat
         if time.monotonic() - last_beat > heartbeat_s:
             for t in trainers:
-                send_header(Header(Kind.HEARTBEAT), t, device)
+                send_header(Header(Kind.HEARTBEAT), t, planes)
             last_beat = time.monotonic()
 
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
     stop = threading.Event()
-    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), capture, ready, stats, stop),
-                                daemon=True)
+    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), capture, ready, stats, stop,
+                                                        capture_concurrency), daemon=True)
     producer.start()
     try:
         while True:
@@ -138,12 +151,12 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
             if best is None or best in acked:
                 break
             stats.wait_credit_s += time.monotonic() - t0
-            stats.bytes += send_sample(cap, epoch, best, device, dtype)
+            stats.bytes += send_sample(cap, epoch, best, planes, dtype)
             stats.sent += 1
             stats.per_trainer[best] += 1
             last_beat = time.monotonic()
         for t in trainers:
-            send_header(Header(Kind.STOP), t, device)
+            send_header(Header(Kind.STOP), t, planes)
         with changed:  # late credits are harmless; wait until every trainer has acknowledged
             while len(acked) < len(trainers):
                 changed.wait(timeout=heartbeat_s)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -38,6 +39,8 @@ class RequeueRequested(Exception):
 class MicroBatch:
     mine: list[Capture]  # this rank's samples
     consumed: list[tuple[int, int]]  # every rank's (epoch, sample id) of this micro-step, in order
+    # Called once the samples are packed into the step's row: their receive buffers are free.
+    release: Callable[[], object] | None = None
 
 
 def pack(captures: list[Capture]) -> PackedRow:
@@ -70,12 +73,14 @@ def _dist(group) -> tuple[int, int]:
 
 class Trainer:
     def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
-                 device: str = "cpu", autocast_dtype: torch.dtype | None = None, group=None,
-                 epoch_size: int | None = None):
+                 device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None, group=None,
+                 control_group=None, epoch_size: int | None = None):
         self.cfg = train_cfg
         self.epoch_size = epoch_size  # rows per epoch: lets the ledger forget finished epochs
-        # `group` holds the trainer ranks only: streamers share the default world for p2p.
+        # Trainer ranks only, on two planes (hpc.dist.planes): `group` on the training backend
+        # carries DDP's gradients, `control_group` (gloo) the bookkeeping on CPU tensors.
         self.group = group
+        self.control_group = control_group if control_group is not None else group
         self.rank, self.world = _dist(group)
         self.model = model.to(device)
         self.head = head.to(device)
@@ -91,6 +96,7 @@ class Trainer:
         self.ckpt_dir = Path(out_dir) / "checkpoints"
         self.state = TrainState()
         self.autocast_dtype = autocast_dtype
+        self.attention = check_attention(train_cfg.attention, self.device)  # fails here, not at step 1
         self.stop_requested = False
 
     # -- resume / checkpoint -----------------------------------------------------------------
@@ -98,28 +104,30 @@ class Trainer:
         path = path or latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
-        self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.group)
+        self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.control_group)
         return True
 
     def checkpoint(self) -> Path:
         return save_checkpoint(self.ckpt_dir, self.model, self.export_config, self.opt, self.state, self.generator,
-                               self.cfg.keep_checkpoints, self.group)
+                               self.cfg.keep_checkpoints, self.control_group)
 
     # -- one optimizer step ----------------------------------------------------------------------
     @property
     def micro_batch_size(self) -> int:
         return self.cfg.global_batch_size // (self.world * self.cfg.grad_accumulation)
 
-    def _micro_loss(self, captures: list[Capture]) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         a = self.model.args
-        for cap in captures:  # a mismatched capture must stop the run, not train on garbage
+        for cap in mb.mine:  # a mismatched capture must stop the run, not train on garbage
             cap.check(len(a.aux_layer_ids), a.target_hidden_size)
-        row = pack(captures)
+        row = pack(mb.mine)  # copies: the captures' buffers are free from here on
+        if mb.release is not None:
+            mb.release()
         row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
                                                       row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))
         enabled = self.autocast_dtype is not None and self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
-            return self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.cfg.attention)
+            return self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.attention)
 
     def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         cfg = self.cfg
@@ -131,7 +139,7 @@ class Trainer:
             last = i == len(micro_batches) - 1
             sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
             with sync:
-                loss, metrics = self._micro_loss(mb.mine)
+                loss, metrics = self._micro_loss(mb)
                 (loss / len(micro_batches)).backward()
             for k, v in metrics.items():
                 if v.numel() == 1:
@@ -152,7 +160,7 @@ class Trainer:
             return values
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, group=self.control_group)
         return {k: float(v) / self.world for k, v in zip(keys, t)}
 
     # -- the loop -----------------------------------------------------------------------------
@@ -166,7 +174,7 @@ class Trainer:
         if self.world == 1:
             return self.stop_requested
         flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(flag.item())
 
     def run(self, batches: Iterator[MicroBatch], on_step: Callable[[int, dict], None] | None = None,

@@ -1,13 +1,12 @@
 """One online training world: trainer ranks [0, T) and one streamer per verifier node [T, T+V).
 
 The same function runs every rank, on a laptop over gloo or on H200 nodes over NCCL: the
-rank decides the role. Trainers form their own process group for DDP; the default world
-carries the streamers' point-to-point traffic.
+rank decides the role. The groups (control over gloo, data over the training backend, and the
+trainers' own pair of them) are described in `hpc.dist.planes`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from hpc.dist.planes import Planes, init_planes
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.loss import VerifierHead
@@ -54,13 +54,10 @@ class World:
         return list(range(self.n_trainers, self.size))
 
 
-def init_world(w: World, backend: str, master_addr: str, port: int, timeout_s: float = 600.0):
-    """Default group over everyone, plus the trainer-only group (every rank must create it)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(backend, rank=w.rank, world_size=w.size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.new_group(w.trainers)
+def init_world(w: World, backend: str, device: torch.device, master_addr: str, port: int,
+               timeout_s: float = 600.0) -> Planes:
+    """Every rank's groups, on both planes (collective: every rank of the world calls it)."""
+    return init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, timeout_s)
 
 
 def write_rows(path: str | Path, rows: Iterable) -> Path:
@@ -119,15 +116,24 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
     return path
 
 
-def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead, out_dir: str | Path,
-                verifier_name: str | None, on_step: Callable | None = None, device: str = "cpu",
+def autocast_dtype(train_cfg, device: torch.device) -> torch.dtype | None:
+    """bf16 (or fp16) autocast over fp32 master weights on GPU; CPU runs stay fp32."""
+    if device.type != "cuda" or train_cfg.dtype == "float32":
+        return None
+    return getattr(torch, train_cfg.dtype)
+
+
+def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead,
+                out_dir: str | Path, verifier_name: str | None, on_step: Callable | None = None,
                 epoch_size: int | None = None) -> int:
     """Train from the stream until the data or the step budget ends; returns the exit code."""
     export_cfg = speculators_config(model.args, verifier_name, [], model.args.block_size)
-    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device, group=group, epoch_size=epoch_size)
+    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=planes.device,
+                      autocast_dtype=autocast_dtype(train_cfg, planes.device), group=planes.train_data,
+                      control_group=planes.train_control, epoch_size=epoch_size)
     trainer.resume()
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
-    receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, "cpu", stream_cfg.peer_timeout_s, names)
+    receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names)
     receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.rank == 0)
 
     def step_hook(step: int, metrics: dict) -> None:
@@ -137,7 +143,7 @@ def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head
         if on_step is not None:
             on_step(step, metrics)
     try:
-        trainer.run(stream_micro_batches(receiver, trainer.micro_batch_size, group), on_step=step_hook)
+        trainer.run(stream_micro_batches(receiver, trainer.micro_batch_size), on_step=step_hook)
     except RequeueRequested as why:
         receiver.close()
         print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
@@ -147,7 +153,7 @@ def run_trainer(w: World, group, train_cfg, stream_cfg, model: DSparkDraft, head
     if trainer.state.step % train_cfg.checkpoint_interval and trainer.state.step != train_cfg.steps:
         trainer.checkpoint()
     failed = torch.tensor([1.0 if receiver.error else 0.0])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=planes.train_control)
     if failed.item():
         msg = receiver.error or "another trainer rank lost its streamer"
         print(f"trainer {w.rank}: stopping at step {trainer.state.step}, checkpoint saved: {msg}",

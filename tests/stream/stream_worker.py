@@ -17,7 +17,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
     from tests.train.test_resume import make_parts, rows
 
     w = World(rank, n_trainers, n_streamers)
-    group = init_world(w, "gloo", "127.0.0.1", port, timeout_s=120)
+    planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, timeout_s=120)
     out = Path(out_dir)
     stream_cfg = StreamConfig(buffer_per_trainer=3, heartbeat_s=0.5, peer_timeout_s=peer_timeout_s)
     data = rows(n_rows)
@@ -30,7 +30,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
             depth.append(metrics["stream_buffered"])
             (out / f"progress{rank}").write_text(str(step))
 
-        code = run_trainer(w, group, cfg, stream_cfg, model, head, out_dir, None,
+        code = run_trainer(w, planes, cfg, stream_cfg, model, head, out_dir, None,
                            on_step=on_step)  # no epoch_size: the ledger keeps every pair
         from hpc.train.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
@@ -48,7 +48,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
             if sample_id == corrupt_id:
                 raise ValueError("truncated capture file")
             return verifier.capture(sample_id, ids, mask)
-        stats = run_streamer(streamer_rows(data, w, seed=3, epochs=1), capture, w.trainers, "cpu", torch.float32,
+        stats = run_streamer(streamer_rows(data, w, seed=3, epochs=1), capture, planes, torch.float32,
                              prefetch=2, heartbeat_s=stream_cfg.heartbeat_s)
         (out / f"streamer{rank}.json").write_text(json.dumps(
             {"sent": stats.sent, "failed": stats.failed, "per_trainer": stats.per_trainer, "skipped": stats.skipped}))

@@ -71,10 +71,11 @@ def make_parts(target_dir, init_seed: int, **kw):
     return train_cfg(**kw), model, head, speculators_config(args, None, [], 4)
 
 
-def make_trainer(target_dir, out_dir, init_seed: int, **kw) -> tuple[Trainer, HFVerifier]:
+def make_trainer(target_dir, out_dir, init_seed: int, group=None, control_group=None, **kw) -> tuple[Trainer, HFVerifier]:
     verifier = HFVerifier(str(target_dir), [1, 2, 3])
     cfg, model, head, export = make_parts(target_dir, init_seed, **kw)
-    return Trainer(cfg, model, head, export, out_dir, epoch_size=len(rows())), verifier
+    return Trainer(cfg, model, head, export, out_dir, group=group, control_group=control_group,
+                   epoch_size=len(rows())), verifier
 
 
 def run(trainer, verifier, max_steps=None):

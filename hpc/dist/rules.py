@@ -1,0 +1,263 @@
+"""NCCL's rules, enforced where only gloo runs (CPU tests), so a GPU run cannot be the first to hit them.
+
+Gloo accepts patterns that NCCL refuses or deadlocks on. In checked mode (`DSPARK_NCCL_CHECK=1`,
+on in every test and inherited by every process a test starts) the torch.distributed calls
+our code makes are wrapped, and a call that breaks a rule raises `NCCLRuleError` before it
+runs. Each violation is also appended to `$DSPARK_NCCL_CHECK_LOG`, which the test session
+reads after every test: a rank process that swallows the exception still fails its test.
+
+The rules (groups are registered with a plane and the device type their backend takes):
+1. a p2p op to a peer on the data plane while another thread has one outstanding with that
+   peer (NCCL runs one pair's sends and receives on one stream: the second waits forever);
+2. a control message on the data plane, or sample tensors on the control plane;
+3. a collective on a group with tensors of another device type (an NCCL group refuses CPU
+   tensors: "No backend type associated with device type cpu");
+4. a receive from any source (NCCL has none);
+5. data-plane p2p in both directions between one pair (the stream's data flows one way).
+
+Calls on unregistered groups are checked for rule 4 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import threading
+from collections.abc import Iterator
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+ENV = "DSPARK_NCCL_CHECK"
+LOG_ENV = "DSPARK_NCCL_CHECK_LOG"
+
+
+class Plane(str, Enum):
+    CONTROL = "control"  # gloo, CPU tensors: headers, credits, heartbeats, STOP, ledger, bookkeeping
+    DATA = "data"  # the training backend (NCCL on GPU): sample tensors, DDP gradients
+
+
+class Message(str, Enum):
+    CONTROL = "control"
+    SAMPLE = "sample"
+
+
+class NCCLRuleError(RuntimeError):
+    """Code that works on gloo but fails or deadlocks under NCCL."""
+
+
+_P2P = ("send", "recv", "isend", "irecv")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+
+
+class Checker:
+    """The rules' state: registered groups, outstanding data-plane ops, directions used."""
+
+    def __init__(self) -> None:
+        self.groups: dict = {}  # process group -> (plane, device type)
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.outstanding: dict = {}  # (group, peer) -> {thread id: count}
+        self.directions: dict = {}  # (group, peer) -> {"send", "recv"}
+        self.violations: list[str] = []
+
+    def register(self, group, plane: Plane, device_type: str) -> None:
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        self.groups[group] = (Plane(plane), device_type)
+
+    def kind(self) -> Message:
+        return getattr(self.local, "kind", Message.CONTROL)
+
+    @contextlib.contextmanager
+    def message(self, kind: Message) -> Iterator[None]:
+        """Declare what the enclosed calls carry; undeclared calls are control (bookkeeping)."""
+        previous = self.kind()
+        self.local.kind = kind
+        try:
+            yield
+        finally:
+            self.local.kind = previous
+
+    def violate(self, *rules: str) -> None:
+        """Log every broken rule of one call, then raise once."""
+        msgs = [f"NCCL rule broken: {r}" for r in rules]
+        self.violations.extend(msgs)
+        path = os.environ.get(LOG_ENV)
+        if path:
+            with open(path, "a") as fh:
+                for m in msgs:
+                    fh.write(f"[pid {os.getpid()} thread {threading.current_thread().name}] {m}\n")
+        raise NCCLRuleError("; ".join(msgs))
+
+    # -- the checks, called before the real op ---------------------------------------------
+    def _plane_rules(self, group, what: str, tensors: list[torch.Tensor]) -> list[str]:
+        reg = self.groups.get(group)
+        if reg is None:
+            return []
+        plane, device_type = reg
+        kind = self.kind()
+        broken = []
+        if plane == Plane.DATA and kind == Message.CONTROL:
+            broken.append(f"{what}: a control message or bookkeeping op on the data plane (NCCL); "
+                          "send it as a CPU tensor on the gloo control group")
+        if plane == Plane.CONTROL and kind == Message.SAMPLE:
+            broken.append(f"{what}: sample tensors on the control plane (gloo); they belong on the data plane")
+        for t in tensors:
+            if t.device.type != device_type:
+                broken.append(f"{what}: a {t.device.type} tensor on a {plane.value}-plane group that takes "
+                              f"{device_type} tensors (NCCL: 'No backend type associated with device type "
+                              f"{t.device.type}')")
+                break
+        return broken
+
+    def before_p2p(self, op: str, tensor: torch.Tensor, group, peer) -> tuple | None:
+        """Checks one p2p op; returns the token to release after it when it is tracked."""
+        broken = []
+        if op in ("recv", "irecv") and peer is None:
+            broken.append(f"{op} from any source: NCCL has no receive-from-any; post one receive per peer")
+        broken += self._plane_rules(group, f"{op} with peer {peer}", [tensor])
+        reg = self.groups.get(group)
+        token = None
+        if reg is not None and reg[0] == Plane.DATA and peer is not None:
+            key, me = (group, peer), threading.get_ident()
+            direction = "send" if op in ("send", "isend") else "recv"
+            with self.lock:
+                mine = self.outstanding.setdefault(key, {})
+                if any(n for t, n in mine.items() if t != me):
+                    broken.append(f"{op} with peer {peer} on the data plane while another thread has an op "
+                                  "outstanding with that peer: NCCL serialises one pair on one stream (deadlock)")
+                used = self.directions.setdefault(key, set())
+                if used and direction not in used:
+                    broken.append(f"{op} with peer {peer}: the data plane already carries the other direction "
+                                  "with this peer; sample tensors flow streamer -> trainer only")
+                if not broken:
+                    used.add(direction)
+                    mine[me] = mine.get(me, 0) + 1
+                    token = (key, me)
+        if broken:
+            self.violate(*broken)
+        return token
+
+    def release(self, token) -> None:
+        if token is None:
+            return
+        key, me = token
+        with self.lock:
+            self.outstanding[key][me] -= 1
+
+    def before_collective(self, name: str, tensors: list[torch.Tensor], group) -> None:
+        broken = self._plane_rules(group, name, tensors)
+        if broken:
+            self.violate(*broken)
+
+    def busy(self, group, peer) -> bool:
+        """Some thread has a data-plane op outstanding with this peer."""
+        with self.lock:
+            return any(self.outstanding.get((group, peer), {}).values())
+
+
+CHECKER = Checker()
+_originals: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def _group_of(bound: inspect.BoundArguments):
+    group = bound.arguments.get("group")
+    if group is None and dist.is_initialized():
+        return dist.distributed_c10d._get_default_group()
+    return group
+
+
+def _peer(bound: inspect.BoundArguments, op: str):
+    a = bound.arguments
+    if op in ("send", "isend"):
+        return a.get("dst") if a.get("dst") is not None else a.get("group_dst")
+    return a.get("src") if a.get("src") is not None else a.get("group_src")
+
+
+class _TrackedWork:
+    """An isend/irecv handle whose op stays outstanding until it is waited on."""
+
+    def __init__(self, work, token):
+        self._work, self._token = work, token
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            CHECKER.release(self._token)
+            self._token = None
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wrap_p2p(op: str):
+    orig = getattr(dist, op)
+    sig = inspect.signature(orig)
+
+    def checked(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        token = CHECKER.before_p2p(op, bound.arguments["tensor"], _group_of(bound), _peer(bound, op))
+        if op in ("isend", "irecv"):
+            return _TrackedWork(orig(*args, **kwargs), token)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            CHECKER.release(token)
+    return checked
+
+
+def _tensors(bound: inspect.BoundArguments) -> list[torch.Tensor]:
+    out = []
+    for value in bound.arguments.values():
+        if torch.is_tensor(value):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if torch.is_tensor(v))
+    return out
+
+
+def _wrap_collective(name: str):
+    orig = getattr(dist, name)
+    sig = inspect.signature(orig)
+
+    def checked(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        CHECKER.before_collective(name, _tensors(bound), _group_of(bound))
+        return orig(*args, **kwargs)
+    return checked
+
+
+def install() -> None:
+    """Wrap torch.distributed's p2p and collective calls (idempotent)."""
+    if _originals:
+        return
+    for name in _P2P:
+        _originals[name] = getattr(dist, name)
+        setattr(dist, name, _wrap_p2p(name))
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            _originals[name] = getattr(dist, name)
+            setattr(dist, name, _wrap_collective(name))
+
+
+def install_from_env() -> bool:
+    if enabled():
+        install()
+    return enabled()
+
+
+def register(group, plane: Plane, device_type: str) -> None:
+    CHECKER.register(group, plane, device_type)
+
+
+def message(kind: Message):
+    return CHECKER.message(kind)

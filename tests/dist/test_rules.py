@@ -1,0 +1,103 @@
+"""The NCCL rules checker: each rule on its own, and the pre-planes stream pattern caught."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+import torch
+
+from hpc.dist import rules
+from hpc.dist.rules import Checker, Message, NCCLRuleError, Plane
+from hpc.track.server import free_port
+
+pytestmark = pytest.mark.nccl_violations_expected
+
+
+@pytest.fixture
+def checker():
+    c = Checker()
+    data, control = object(), object()
+    c.register(data, Plane.DATA, "cuda")
+    c.register(control, Plane.CONTROL, "cpu")
+    return c, data, control
+
+
+def test_checked_mode_is_on_in_tests():
+    assert rules.enabled() and torch.distributed.send.__name__ == "checked"
+
+
+def test_receive_from_any_source_is_refused(checker):
+    c, _, control = checker
+    with pytest.raises(NCCLRuleError, match="any source"):
+        c.before_p2p("recv", torch.zeros(8, dtype=torch.int64), control, None)
+    c.before_p2p("recv", torch.zeros(8, dtype=torch.int64), control, 3)  # a named peer is fine
+
+
+def test_control_message_on_the_data_plane_and_samples_on_the_control_plane(checker):
+    c, data, control = checker
+    with pytest.raises(NCCLRuleError, match="control message or bookkeeping op on the data plane"):
+        c.before_p2p("send", torch.zeros(8, dtype=torch.int64, device="meta"), data, 1)
+    with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="sample tensors on the control plane"):
+        c.before_p2p("send", torch.zeros(4), control, 1)
+    with c.message(Message.SAMPLE):  # the right plane for each
+        c.release(c.before_p2p("send", torch.zeros(4, device="meta").to("meta"), object(), 1))
+    c.before_p2p("send", torch.zeros(8, dtype=torch.int64), control, 1)
+
+
+def test_collective_with_tensors_of_another_device_type(checker):
+    c, data, control = checker
+    with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="cpu tensor on a data-plane group"):
+        c.before_collective("all_reduce", [torch.zeros(1)], data)
+    with pytest.raises(NCCLRuleError, match="meta tensor on a control-plane group that takes cpu"):
+        c.before_collective("all_reduce", [torch.zeros(1, device="meta")], control)
+    c.before_collective("all_reduce", [torch.zeros(1)], control)
+
+
+def test_second_thread_with_the_same_peer_on_the_data_plane(checker):
+    c, _, _ = checker
+    data = object()
+    c.register(data, Plane.DATA, "cpu")
+    with c.message(Message.SAMPLE):
+        token = c.before_p2p("recv", torch.zeros(4), data, 5)  # a receive thread, blocked
+    errors = []
+
+    def other_thread():
+        with c.message(Message.SAMPLE):
+            try:
+                c.before_p2p("recv", torch.zeros(4), data, 5)
+            except NCCLRuleError as err:
+                errors.append(str(err))
+            c.release(c.before_p2p("recv", torch.zeros(4), data, 6))  # another peer is fine
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "another thread has an op outstanding" in errors[0]
+    c.release(token)
+    with c.message(Message.SAMPLE):  # once the first op is done, the pair is free again
+        c.release(c.before_p2p("recv", torch.zeros(4), data, 5))
+        with pytest.raises(NCCLRuleError, match="other direction"):
+            c.before_p2p("send", torch.zeros(4), data, 5)
+
+
+def test_the_pre_planes_stream_pattern_is_caught(tmp_path):
+    from tests.dist import old_pattern_worker
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=old_pattern_worker.main, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    for r in range(2):
+        send_err, reduce_err = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "another thread has an op outstanding" in send_err  # finding 2: the deadlock
+        assert "control message or bookkeeping op on the data plane" in send_err
+        assert "cpu tensor on a data-plane group that takes cuda" in reduce_err  # finding 1
+    with open(os.environ[rules.LOG_ENV]) as fh:
+        assert "another thread has an op outstanding" in fh.read()
