@@ -1,17 +1,46 @@
-"""Configuration: typed schema, YAML + dotlist loading, and login-node validation."""
+"""Configuration: typed schema, YAML + dotlist loading, and login-node validation.
 
-from hpc.config.load import config_hash, flatten, load_config, sweep_overrides, to_object, to_yaml
-from hpc.config.schema import DSparkConfig
-from hpc.config.validate import validate
+Names load on first use (PEP 562): `hpc.config.schema` is plain dataclasses, and code that
+needs only the schema (the planner, `scripts/gpu-check` on a bare GPU image) must not pull
+in omegaconf.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from hpc.errors import ConfigError
 
+if TYPE_CHECKING:
+    from hpc.config.load import config_hash, flatten, load_config, sweep_overrides, to_object, to_yaml
+    from hpc.config.schema import DSparkConfig
+    from hpc.config.validate import validate
 
-def resolve(path, overrides=None, check_tracking: bool = True) -> DSparkConfig:
-    """Load, type-check and validate; raise ConfigError with every problem found."""
-    from hpc.config.load import check_sweep, load_config_collecting
+_LAZY = {
+    "config_hash": "hpc.config.load", "flatten": "hpc.config.load", "load_config": "hpc.config.load",
+    "sweep_overrides": "hpc.config.load", "to_object": "hpc.config.load", "to_yaml": "hpc.config.load",
+    "DSparkConfig": "hpc.config.schema", "validate": "hpc.config.validate",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpc.config' has no attribute {name!r}")
+
+
+def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool | None = None) -> DSparkConfig:
+    """Load, type-check and validate; raise ConfigError with every problem found.
+
+    `runs_here`: the work runs on this machine (`dspark train`, a stage inside its job), so its
+    devices are checked too; None means "when cluster.executor is local".
+    """
+    from hpc.config.load import check_sweep, load_config_collecting, to_object
+    from hpc.config.validate import validate
 
     cfg, problems = load_config_collecting(path, overrides)
-    problems += check_sweep(cfg) + validate(to_object(cfg), check_tracking=check_tracking)
+    problems += check_sweep(cfg) + validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here)
     if problems:
         raise ConfigError(problems)
     return to_object(cfg)

@@ -62,7 +62,13 @@ class ClusterConfig:
 class VerifierConfig:
     """The target model and how it is served while we capture its hidden states."""
 
-    model: str = "moonshotai/Kimi-K2.6"
+    model: str = "moonshotai/Kimi-K2.6"  # a local directory, or a hub id resolved to a snapshot
+    revision: Optional[str] = None  # pin a hub id to a commit (recommended) or tag
+    # None: the environment decides (HF_HUB_OFFLINE); true/false overrides it for our processes.
+    offline: Optional[bool] = None
+    # The target's name in exports and baseline keys; set by the launcher to the hub id when it
+    # replaces `model` with the local snapshot. None: `model`.
+    name: Optional[str] = None
     tokenizer: Optional[str] = None  # defaults to `model`
     trust_remote_code: bool = True
     backend: VerifierBackend = VerifierBackend.vllm
@@ -88,6 +94,9 @@ class VerifierConfig:
     )
     env: dict[str, str] = field(default_factory=dict)
     capture_dir: str = "/dev/shm/dspark-captures"
+    # Capture requests in flight per verifier node, so vLLM batches prefills; None: what
+    # `dspark plan` recommends for the data's sample length.
+    capture_concurrency: Optional[int] = None
     health_timeout_s: float = 1800.0
 
 

@@ -31,6 +31,7 @@ class TargetShape:
     hidden_size: int
     vocab_size: int
     source: str  # where the numbers came from, for messages
+    architectures: tuple[str, ...] = ()  # the target's model classes, when its config.json was read
 
 
 def looks_like_path(value: str) -> bool:
@@ -39,17 +40,22 @@ def looks_like_path(value: str) -> bool:
 
 
 def target_shape(cfg: DSparkConfig) -> TargetShape:
-    """The target's real dims from its config.json when reachable, else the configured ones."""
+    """The target's real dims from its config.json when it is local (a directory or the HF
+    cache: never the network, login nodes often have none), else the configured ones."""
+    from hpc.config.target import cached_config_dir
+
     v = cfg.verifier
-    config_json = Path(v.model).expanduser() / "config.json"
-    if looks_like_path(v.model) and config_json.is_file():
-        data = json.loads(config_json.read_text())
-        data = data.get("text_config", data)  # multimodal wrappers keep the LM dims nested
+    where = cached_config_dir(v.model, v.revision)
+    config_json = where / "config.json" if where is not None else None
+    if config_json is not None and config_json.is_file():
+        outer = json.loads(config_json.read_text())
+        data = outer.get("text_config", outer)  # multimodal wrappers keep the LM dims nested
         return TargetShape(
             data.get("num_hidden_layers", v.num_hidden_layers),
             data.get("hidden_size", v.hidden_size),
             data.get("vocab_size", v.vocab_size),
             str(config_json),
+            tuple(outer.get("architectures") or ()),
         )
     return TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
 
@@ -97,7 +103,7 @@ def _check_cluster(c: _Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.partition", cl.partition, "set the Slurm partition to run in (see `sinfo`)")
 
 
-def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
+def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
     v = cfg.verifier
     c.path("verifier.model", v.model, "target model directory")
     if v.model and looks_like_path(v.model) and Path(v.model).expanduser().is_dir():
@@ -137,7 +143,17 @@ def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
         if not found:
             c.fail("verifier.python", v.python,
                    "interpreter not found; point it at the venv vLLM is installed in (bin/python)")
+        elif "/" in v.python and check_vllm:
+            # A path names one venv on a shared filesystem: ask its vLLM. A bare name is looked
+            # up on each node's PATH, which the login node cannot speak for.
+            from hpc.verifier.vllm_support import support_problems
+
+            for key, msg in support_problems(v.python, v.model, list(shape.architectures),
+                                             cfg.draft.sample_from_anchor):
+                c.fail(key, v.python if key == "verifier.python" else v.model, msg)
     c.positive("verifier.health_timeout_s", v.health_timeout_s)
+    if v.capture_concurrency is not None:
+        c.positive("verifier.capture_concurrency", v.capture_concurrency)
     norm_pairs = {
         (FinalHidden.pre_norm, False): "a pre-norm capture trains against wrong targets unless "
         "train.apply_verifier_norm=true; set one of the two",
@@ -335,12 +351,28 @@ def _check_schedule(c: _Checker, cfg: DSparkConfig) -> None:
             c.fail("schedule.cron", cron, f"{err}; use {HINT}")
 
 
-def validate(cfg: DSparkConfig, check_tracking: bool = True) -> list[str]:
+def _check_devices_here(c: _Checker, cfg: DSparkConfig) -> None:
+    """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
+    t = cfg.train
+    if t.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            c.fail("train.device", t.device, "this machine has no CUDA device; use train.device=cpu "
+                   "train.dist_backend=gloo, or run on a GPU node")
+
+
+def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
+             check_vllm: bool = True) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit."""
     c = _Checker()
+    if runs_here is None:
+        runs_here = cfg.cluster.executor == "local"
+    if runs_here:
+        _check_devices_here(c, cfg)
     shape = target_shape(cfg)
     _check_cluster(c, cfg)
-    _check_verifier(c, cfg, shape)
+    _check_verifier(c, cfg, shape, check_vllm)
     _check_draft(c, cfg, shape)
     _check_data(c, cfg)
     _check_train(c, cfg)

@@ -56,7 +56,8 @@ def _tracking(cfg):
 
 
 def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches) -> str:
-    ident = {"target": cfg.verifier.model, "engine": engine, "version": engine_version, "hardware": hardware,
+    v = cfg.verifier
+    ident = {"target": v.name or v.model, "revision": v.revision, "engine": engine, "version": engine_version, "hardware": hardware,
              "manifests": {b.name: b.sha256 for b in benches}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -89,12 +90,12 @@ class EngineFactory:
 
                 draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
             return ReferenceEngine(self.target(), draft, job.n, eos)
-        from hpc.verifier.vllm_server import config_flags, start_vllm_server
+        from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
         v = self.cfg.verifier
         spec = ["--speculative-config", json.dumps(job.draft.speculative_config(job.n))] if job.draft else []
         server = start_vllm_server(v.python, v.model, host=v.host, port=v.port or None, base_args=config_flags(v),
-                                   extra_args=[*spec, *v.extra_args], env=dict(v.env),
+                                   extra_args=[*spec, *v.extra_args], env=server_env(v),
                                    log_path=self.out / "logs" / f"{job.name}.log", timeout=v.health_timeout_s)
         return VLLMEngine(server)
 
@@ -120,7 +121,10 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
              parent_run_id: str | None = None, quiet: bool = False) -> dict[str, list[BenchResult]]:
     from transformers import AutoTokenizer
 
-    drafts, benches, vllm_version, cpu_build = plan(cfg, draft_path, ns)
+    from hpc.config.target import localize
+
+    drafts, benches, vllm_version, cpu_build = plan(cfg, draft_path, ns)  # the cheap checks first
+    cfg = localize(cfg)  # a hub id becomes its local snapshot (a no-op inside a job: done there)
     engine_cfg = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
     jobs = [Job(d, n, choose_engine(d, engine_cfg, cpu_build)) for d in drafts for n in ns]
     out = Path(cfg.eval.output_dir)

@@ -47,6 +47,8 @@ class Plan:
     link_bound: bool
     supply_samples_s: float
     supply_bytes_s: float
+    capture_concurrency: int
+    capture_concurrency_set: bool
     # trainer demand, per trainer node
     gpus_per_node: int
     ranks_per_node: int
@@ -205,6 +207,9 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     link_bytes = p.link_gbps * 1e9 / 8
     link_samples = link_bytes / sample_bytes
     supply = min(prefill / seq, link_samples)
+    from hpc.verifier.vllm_backend import default_capture_concurrency
+
+    in_flight = cfg.verifier.capture_concurrency or default_capture_concurrency(seq)
 
     ranks = t.ranks_per_node or max(c.gpus_per_node, 1)
     world = c.trainer_nodes * ranks
@@ -228,7 +233,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         avg_seq_len=seq, bytes_per_sample=sample_bytes, prefill_tok_s=prefill,
         prefill_estimated=p.prefill_tok_s_per_node is None, prefill_samples_s=prefill / seq,
         link_bytes_s=link_bytes, link_samples_s=link_samples, link_bound=link_samples < prefill / seq,
-        supply_samples_s=supply, supply_bytes_s=supply * sample_bytes, gpus_per_node=c.gpus_per_node,
+        supply_samples_s=supply, supply_bytes_s=supply * sample_bytes, capture_concurrency=in_flight,
+        capture_concurrency_set=cfg.verifier.capture_concurrency is not None, gpus_per_node=c.gpus_per_node,
         ranks_per_node=ranks, micro_batch=micro, block_tokens_per_sample=micro_block / micro,
         train_flops_per_sample=flops,
         trainer_samples_s_per_gpu=per_gpu, trainer_estimated=p.trainer_step_samples_s_per_gpu is None,
@@ -283,6 +289,9 @@ def format_plan(pl: Plan) -> str:
             ("supply", f"{_rate(pl.supply_samples_s)} samples/s",
              ("LINK-BOUND: the network, not prefill, limits supply" if pl.link_bound
               else "prefill-bound: the link carries it") + f" ({_bytes(pl.supply_bytes_s)}/s on the wire)"),
+            ("capture requests in flight", str(pl.capture_concurrency),
+             "verifier.capture_concurrency" if pl.capture_concurrency_set else
+             "recommended (verifier.capture_concurrency unset): 1 + 16384 batched tokens / avg tokens, 2..8"),
         ]),
         ("trainer demand (per trainer node)", [
             ("train FLOPs per sample", f"{pl.train_flops_per_sample:.3g} FLOP",

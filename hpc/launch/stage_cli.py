@@ -15,7 +15,9 @@ def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
     from hpc.launch import stages
 
-    cfg = resolve(args.config, list(args.overrides), check_tracking=False)
+    cfg = resolve(args.config, list(args.overrides), check_tracking=False, runs_here=True)
+    if args.stage != "report":  # the report reads MLflow only
+        cfg = stages.localize_stage(cfg)
     if args.stage == "train":
         return stages.train_allocation(cfg, args.parent_run_id)
     if args.stage == "eval":

@@ -36,6 +36,38 @@ def _wait_for(path: Path, timeout_s: float, what: str) -> None:
         time.sleep(1.0)
 
 
+def localize_in_job(cfg, env: SlurmEnv):
+    """The job's config naming the target's local snapshot: node 0 resolves a hub id, the others
+    read the path it wrote under cluster.log_dir (a filesystem every node sees)."""
+    from dataclasses import replace
+
+    from hpc.config.target import is_local, localize, localized
+
+    if is_local(cfg.verifier.model):
+        return cfg
+    marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
+    if env.node_index == 0:
+        cfg = localize(cfg)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
+        tmp.write_text(cfg.verifier.model)
+        tmp.replace(marker)
+        print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
+        return cfg
+    # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
+    _wait_for(marker, cfg.verifier.health_timeout_s + 3600, f"node 0's snapshot of {cfg.verifier.model}")
+    return replace(cfg, verifier=localized(cfg.verifier, Path(marker.read_text().strip())))
+
+
+def localize_stage(cfg):
+    """The target as a local snapshot: once per job inside Slurm, in-process elsewhere."""
+    if "SLURM_JOB_ID" in os.environ:
+        return localize_in_job(cfg, SlurmEnv.from_environ())
+    from hpc.config.target import localize
+
+    return localize(cfg)
+
+
 def prepare_once(cfg, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
     from hpc.train.prepare import prepare_data
@@ -79,8 +111,8 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, parent_run_id), name=f"rank{r}")
-             for r in ranks]
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, parent_run_id, local),
+                         name=f"rank{r}") for local, r in enumerate(ranks)]
     for p in procs:
         p.start()
     stop = {"requested": False}
@@ -275,7 +307,9 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
     """
     from hpc.config import resolve
 
-    cfg = resolve(config_file, [], check_tracking=False)
+    cfg = resolve(config_file, [], check_tracking=False, runs_here=True)
+    if stage != "report":  # the report reads MLflow only
+        cfg = localize_stage(cfg)
     if stage == "train":
         code = train_allocation(cfg, parent_run_id)
     elif stage == "eval":

@@ -14,8 +14,14 @@ def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
 
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = resolve(args.config, overrides, check_tracking=False)
+    cfg = resolve(args.config, overrides, check_tracking=False, runs_here=True)
     return train_local(cfg)
+
+
+def _localize(cfg):
+    from hpc.config.target import localize
+
+    return localize(cfg)
 
 
 def train_local(cfg, parent_run_id: str | None = None) -> int:
@@ -34,13 +40,14 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
             # Training is not held hostage by the tracking server: metrics wait in a buffer.
             print(f"warning: tracking server {cfg.tracking.uri} unreachable; metrics are buffered and "
                   "sent when it answers", flush=True)
+    cfg = _localize(cfg)  # a hub id becomes its local snapshot, once, before any rank starts
     prep = prepare_data(cfg)
     print(f"data: {prep.stats.summary()}; draft vocab {cfg.draft.draft_vocab_size}"
           + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
     T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id), name=f"rank{r}")
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id, r), name=f"rank{r}")
              for r in range(T + V)]
     for p in procs:
         p.start()

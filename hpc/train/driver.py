@@ -23,6 +23,17 @@ def stream_dtype(cfg: DSparkConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.train.dist_backend == "nccl" else torch.float32
 
 
+def capture_concurrency(cfg: DSparkConfig) -> int:
+    """Capture requests in flight: the config's, else the plan's recommendation (HF: one, it is not thread-safe)."""
+    if cfg.verifier.backend.value == "hf":
+        return 1
+    if cfg.verifier.capture_concurrency:
+        return cfg.verifier.capture_concurrency
+    from hpc.verifier.vllm_backend import default_capture_concurrency
+
+    return default_capture_concurrency(cfg.plan.avg_seq_len or max(cfg.data.max_seq_len // 2, 1))
+
+
 def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
     """The configured verifier backend's capture function (called in the streamer)."""
     v = cfg.verifier
@@ -87,6 +98,7 @@ def write_progress(path: Path, step: int, total: int, m: dict) -> None:
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
               parent_run_id: str | None = None) -> int:
+    from hpc.dist.planes import rank_device
     from hpc.model.dspark import DSparkArgs
     from hpc.stream.streamer import run_streamer
     from hpc.train.online import World, build_draft, init_world, run_trainer, streamer_rows
@@ -94,9 +106,13 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
 
     w = World(rank, n_trainers, n_streamers)
     out = Path(cfg.train.output_dir)
-    device = cfg.train.device
-    if device == "cpu":  # every rank of this world shares the machine's cores
+    # Every tensor of this rank, the block mask included, lives on its own GPU (cuda:LOCAL_RANK).
+    device = rank_device(cfg.train.device)
+    if device.type == "cpu":  # every rank of this world shares the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.size))
+    else:
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
+        torch.backends.cudnn.allow_tf32 = True
     # Readiness is gated on the verifier: a streamer joins the world only once its vLLM answers
     # /health, so trainers wait in the rendezvous (not on a watchdog that would call the
     # still-loading verifier dead). The rendezvous timeout therefore covers vLLM's start.
@@ -107,9 +123,9 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        capture, closer = make_capture(cfg, "cpu" if device == "cpu" else "cuda", out)
+        capture, closer = make_capture(cfg, str(device), out)  # cuda:N: capture threads have no current device
     try:
-        group = init_world(w, cfg.train.dist_backend, master_addr, port, timeout_s=rendezvous_s)
+        planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, timeout_s=rendezvous_s)
     except BaseException:
         if closer is not None:
             closer.close()
@@ -117,17 +133,15 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     rows, vocab_file = load_prepared(out)
     if not w.is_trainer:
         try:
-            stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), capture, w.trainers,
-                                 "cuda" if cfg.train.dist_backend == "nccl" else "cpu", stream_dtype(cfg),
-                                 cfg.stream.prefetch, cfg.stream.heartbeat_s)
+            stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), capture, planes,
+                                 stream_dtype(cfg), cfg.stream.prefetch, cfg.stream.heartbeat_s,
+                                 capture_concurrency(cfg))
             print(f"streamer {rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
                   f"skipped {stats.failed} bad captures", flush=True)
         finally:
             if closer is not None:
                 closer.close()
         return 0
-    if device.startswith("cuda"):
-        device = f"cuda:{w.rank % max(torch.cuda.device_count(), 1)}"
     args = DSparkArgs.from_config(cfg)
     torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights, run after run
     model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
@@ -165,7 +179,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
             write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
-    code = run_trainer(w, group, cfg.train, cfg.stream, model, head, out, cfg.verifier.model, on_step, device,
+    code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
                        epoch_size=len(rows))
     if w.rank == 0:
         progress.close()
@@ -174,12 +188,16 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
 
 
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
-                 parent_run_id: str | None = None) -> None:
-    """The target of one rank's process (local `dspark train` or a node of a Slurm allocation)."""
+                 parent_run_id: str | None = None, local_rank: int = 0) -> None:
+    """The target of one rank's process (local `dspark train` or a node of a Slurm allocation).
+
+    `local_rank` is the rank's index among the processes of its node: its GPU.
+    """
     import sys
 
     from hpc.errors import UserError
 
+    os.environ["LOCAL_RANK"] = str(local_rank)
     try:
         code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
     except UserError as err:
@@ -209,7 +227,7 @@ def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True) -> None:
 
     ckpt = latest_checkpoint(out / "checkpoints") if export else None
     if ckpt is not None:
-        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.model,
+        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.name or cfg.verifier.model,
                               json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"],
                               max(cfg.eval.num_speculative_tokens))
         losses = json.loads((ckpt / "state.json").read_text())["losses"]

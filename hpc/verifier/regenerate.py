@@ -28,7 +28,7 @@ from hpc.verifier.data import read_rows, to_messages
 from hpc.verifier.regen_client import ChatClient, RequestFailed, served_model
 from hpc.verifier.regen_progress import Reporter, count_rows
 from hpc.verifier.regen_shards import MANIFEST, ShardStore
-from hpc.verifier.vllm_server import VLLMServer, config_flags, start_vllm_server
+from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -51,7 +51,7 @@ def start_regen_server(cfg: DSparkConfig, log_path: str | Path | None = None) ->
     """The target behind /v1/chat/completions, from cfg.verifier; on 127.0.0.1, as only we call it."""
     v = cfg.verifier
     return start_vllm_server(v.python, v.model, host="127.0.0.1", port=v.port or None, base_args=serve_args(v),
-                             env=dict(v.env), log_path=log_path, timeout=v.health_timeout_s,
+                             env=server_env(v), log_path=log_path, timeout=v.health_timeout_s,
                              entrypoint=v.entrypoint)
 
 

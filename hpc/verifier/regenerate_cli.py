@@ -17,7 +17,9 @@ def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
     from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
 
-    cfg = resolve(args.config, args.overrides, check_tracking=False)
+    from hpc.config.target import localize
+
+    cfg = localize(resolve(args.config, args.overrides, check_tracking=False))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     server = None
     url = args.server_url

@@ -2,8 +2,8 @@
 
 The vLLM backend needs the final norm's weight to turn vLLM's pre-norm capture into the
 post-norm state the lm_head sees, without loading the model (Kimi-K2.6 is ~600 GB): only the
-index and the one shard holding `...model.norm.weight` are read. A hub id is resolved through
-the local Hugging Face cache, where vLLM has already downloaded the checkpoint.
+index and the one shard holding `...model.norm.weight` are read. Jobs hand us the local snapshot
+(hpc.config.target); a hub id still resolves, one file at a time, through the same resolver.
 """
 
 from __future__ import annotations
@@ -21,26 +21,17 @@ SINGLE = "model.safetensors"
 
 
 def target_file(model: str | Path, name: str, *, required: bool = True) -> Path | None:
-    """`name` inside a local model directory, or from the HF cache/hub for a repo id."""
-    local = Path(model)
-    if local.is_dir():
-        path = local / name
-        if path.is_file():
-            return path
-        if required:
-            raise UserError(f"{path} not found")
-        return None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    """`name` inside a local model directory, or in the snapshot of a hub id (hpc.config.target)."""
+    from hpc.config.target import resolve_target
 
-    try:
-        return Path(hf_hub_download(str(model), name))
-    except EntryNotFoundError:
-        if required:
-            raise UserError(f"{name} not found in {model}") from None
-        return None
-    except Exception as err:  # noqa: BLE001 - offline, gated, no such repo: all need the user
-        raise UserError(f"cannot read {name} of {model}: {err}") from err
+    local = Path(model)
+    root = local if local.is_dir() else resolve_target(str(model), files=[name])
+    path = root / name
+    if path.is_file():
+        return path
+    if required:
+        raise UserError(f"{name} not found in {model}")
+    return None
 
 
 def text_config(model: str | Path) -> dict:

@@ -27,7 +27,7 @@ from hpc.errors import UserError
 # CPU-safe defaults: vLLM sees ~10 GiB on a small host and refuses its default 0.92 utilisation;
 # cudagraph capture does not apply on CPU.
 DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.5"]
-DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # read by the CPU backend only
 
 
 def config_flags(v) -> list[str]:
@@ -43,6 +43,15 @@ def config_flags(v) -> list[str]:
     if v.compilation_config:
         args += ["--compilation-config", json.dumps(dict(v.compilation_config))]
     return args
+
+
+def server_env(v) -> dict[str, str]:
+    """The environment a server of ours gets from a VerifierConfig: `v.env`, plus offline mode
+    when the config sets it (otherwise the caller's environment decides, never us)."""
+    env = dict(v.env)
+    if v.offline is not None:
+        env["HF_HUB_OFFLINE"] = "1" if v.offline else "0"
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:

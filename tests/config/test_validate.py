@@ -85,6 +85,8 @@ BAD_CASES = {
     "batch not divisible": (["train.global_batch_size=10"], "train.global_batch_size"),
     "tp above gpus per node": (["verifier.tensor_parallel_size=16"], "verifier.tensor_parallel_size"),
     "nccl on cpu": (["train.device=cpu"], "train.dist_backend"),
+    "cuda here without cuda": (["cluster.executor=local"], "train.device = 'cuda': this machine has no CUDA device"),
+    "bad capture concurrency": (["verifier.capture_concurrency=0"], "verifier.capture_concurrency"),
     "unknown benchmark": (["eval.benchmarks=[gsm8k,mmlu]"], "eval.benchmarks"),
     "zero n": (["eval.num_speculative_tokens=[0,3]"], "eval.num_speculative_tokens"),
     "dataset override for an unknown benchmark": (["eval.datasets={mmlu: /tmp}"], "eval.datasets.mmlu"),
@@ -110,6 +112,17 @@ def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
     assert any(needle in p for p in problems), problems
     # One line per problem, each naming what to do or what is allowed.
     assert all("\n" not in p for p in problems)
+
+
+def test_a_gpu_config_is_fine_on_a_login_node_without_cuda():
+    # Submitted to Slurm, the GPU is on the compute node: the login node's lack of one is no problem.
+    import torch
+
+    assert not torch.cuda.is_available()
+    cfg = resolve(KIMI, check_tracking=False)
+    assert cfg.train.device == "cuda" and cfg.cluster.executor == "slurm"
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        resolve(KIMI, check_tracking=False, runs_here=True)  # what a job's own node checks
 
 
 def test_all_problems_are_reported_at_once():

@@ -89,7 +89,8 @@ def test_vllm_runs_the_deepseek_toy(vllm_python, toy_deepseek):
 @pytest.mark.slow
 def test_server_that_never_gets_healthy_raises_with_log(vllm_python, tmp_path):
     log = tmp_path / "server.log"
-    server = start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, wait=False)
+    server = start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, wait=False,
+                               env={"HF_HUB_OFFLINE": "1"})
     with pytest.raises(UserError) as err:
         server.wait_healthy(timeout=3)
     message = str(err.value)
@@ -102,7 +103,8 @@ def test_server_that_never_gets_healthy_raises_with_log(vllm_python, tmp_path):
 def test_server_that_exits_raises_with_its_error(vllm_python, tmp_path):
     log = tmp_path / "server.log"
     with pytest.raises(UserError) as err:
-        start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, timeout=300)
+        start_vllm_server(vllm_python, tmp_path / "no-such-model", log_path=log, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1"})
     message = str(err.value)
     assert "exited with code" in message
     assert "no-such-model" in message, message

@@ -1,0 +1,93 @@
+"""The target model as local files: what `verifier.model` names, resolved once, read by everyone.
+
+`verifier.model` is a local directory or a hub id (`org/name`, pinned by `verifier.revision`).
+A hub id resolves to a snapshot in the Hugging Face cache (`HF_HUB_CACHE`, on a filesystem
+every node sees): safetensors weights, configs, tokenizer and remote code, never pickles. In
+a Slurm job node 0 resolves it and the other nodes read the path it wrote (launch/stages.py);
+the job's config then names the snapshot directory in `verifier.model` and keeps the hub id
+in `verifier.name` for exports and baseline keys.
+
+Offline mode is the user's: `verifier.offline` when set, else the environment's HF_HUB_OFFLINE.
+`dspark validate` reads only what is already local (a directory or the cache): login nodes
+often have no network.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from hpc.errors import UserError
+
+# Weights as safetensors only (no pickles), plus what vLLM and tokenizers read.
+SNAPSHOT_FILES = ["*.safetensors", "*.json", "*.py", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_TRUE = ("1", "true", "yes", "on")
+
+
+def offline_mode(offline: bool | None) -> bool:
+    if offline is not None:
+        return bool(offline)
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+
+
+def is_local(model: str) -> bool:
+    return Path(model).expanduser().is_dir()
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """`org/name`: not an explicit path (/, ./, ../, ~) and two non-empty parts."""
+    parts = model.split("/")
+    return not model.startswith(("/", ".", "~")) and len(parts) == 2 and all(parts)
+
+
+def resolve_target(model: str, revision: str | None = None, offline: bool | None = None,
+                   files: list[str] | None = None, token: str | None = None) -> Path:
+    """A local directory holding the target (or just `files` of it); one line naming the id if not."""
+    if is_local(model):
+        return Path(model).expanduser()
+    if not looks_like_hub_id(model):
+        raise UserError(f"verifier.model = {model!r}: no such directory, and not a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    off = offline_mode(offline)
+    try:
+        path = snapshot_download(model, revision=revision, local_files_only=off, token=token,
+                                 allow_patterns=files or SNAPSHOT_FILES,
+                                 cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    except Exception as err:  # noqa: BLE001 - offline miss, no such repo, gated, network: all one line
+        at = f" at revision {revision}" if revision else ""
+        why = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        hint = ("it is not in the local cache; download it first (`hf download " + model + "`) or set "
+                "verifier.offline=false" if off else "check the id, the network and HF_TOKEN (verifier.env)")
+        raise UserError(f"verifier.model = {model!r}{at}: cannot resolve the hub id ({why}); offline mode is "
+                        f"{'on' if off else 'off'} (verifier.offline / HF_HUB_OFFLINE): {hint}") from None
+    return Path(path)
+
+
+def cached_config_dir(model: str, revision: str | None = None) -> Path | None:
+    """Where the target's config.json is without any network: a directory or the HF cache; else None."""
+    if is_local(model):
+        return Path(model).expanduser()
+    if not looks_like_hub_id(model):
+        return None
+    try:
+        return resolve_target(model, revision, offline=True, files=["config.json"])
+    except UserError:
+        return None
+
+
+def localized(verifier_cfg, path: Path):
+    """The verifier section naming the local snapshot, with the hub id kept as its name."""
+    if str(path) == verifier_cfg.model:
+        return verifier_cfg
+    return replace(verifier_cfg, model=str(path), name=verifier_cfg.name or verifier_cfg.model)
+
+
+def localize(cfg):
+    """`cfg` with its target resolved on this machine (a whole config; a copy when it changes)."""
+    v = cfg.verifier
+    if is_local(v.model):
+        return cfg
+    path = resolve_target(v.model, v.revision, v.offline, token=v.env.get("HF_TOKEN"))
+    return replace(cfg, verifier=localized(v, path))

@@ -1,0 +1,94 @@
+"""Target resolution: local directories, hub ids from the HF cache (offline), and the one-line errors."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from hpc.config import ConfigError, resolve
+from hpc.config.target import localize, offline_mode, resolve_target
+from hpc.errors import UserError
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch, toy_target):
+    """A Hugging Face cache holding `acme/toy` at COMMIT (what `hf download` leaves), no network."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--toy"
+    snap = repo / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    for f in toy_target.iterdir():
+        if f.is_file():
+            (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return snap
+
+
+def test_a_local_directory_is_itself(toy_target):
+    assert resolve_target(str(toy_target)) == toy_target
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_offline(hub_cache):
+    assert resolve_target("acme/toy", offline=True) == hub_cache
+    assert resolve_target("acme/toy", revision=COMMIT, offline=True) == hub_cache
+
+
+def test_an_unknown_id_offline_is_one_line_naming_the_id_and_the_mode(hub_cache, monkeypatch):
+    with pytest.raises(UserError) as info:
+        resolve_target("acme/nope", revision="v1", offline=True)
+    msg = str(info.value)
+    assert "\n" not in msg and "'acme/nope' at revision v1: cannot resolve the hub id" in msg
+    assert "offline mode is on" in msg and "hf download acme/nope" in msg
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the environment decides when the config does not
+    assert offline_mode(None) and not offline_mode(False)
+    with pytest.raises(UserError, match="not a hub id"):
+        resolve_target("./missing/dir")
+
+
+def test_localize_keeps_the_hub_id_as_the_name(hub_cache, toy_target):
+    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
+                  check_tracking=False)
+    local = localize(cfg)
+    assert local.verifier.model == str(hub_cache) and local.verifier.name == "acme/toy"
+    assert cfg.verifier.model == "acme/toy"  # the caller's config is unchanged
+
+
+def test_validate_reads_a_cached_hub_target_and_checks_it(hub_cache):
+    # The toy target has 4 layers: its cached config.json is read (no network) and an aux id past it caught.
+    with pytest.raises(ConfigError) as info:
+        resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.aux_layer_ids=[1,2,9]",
+                                         "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
+                check_tracking=False)
+    assert any("id 9 outside 0..4" in p and str(hub_cache / "config.json") in p for p in info.value.problems)
+
+
+def test_every_server_gets_offline_mode_only_when_the_config_sets_it():
+    from hpc.config.schema import VerifierConfig
+    from hpc.verifier.vllm_server import DEFAULT_ENV, server_env
+
+    assert "HF_HUB_OFFLINE" not in DEFAULT_ENV
+    assert "HF_HUB_OFFLINE" not in server_env(VerifierConfig())
+    assert server_env(VerifierConfig(offline=True))["HF_HUB_OFFLINE"] == "1"
+    assert server_env(VerifierConfig(offline=False, env={"HF_TOKEN": "x"})) == {"HF_TOKEN": "x", "HF_HUB_OFFLINE": "0"}
+
+
+def test_in_a_job_node_0_resolves_and_the_other_nodes_read_its_path(hub_cache, tmp_path):
+    from hpc.launch.slurm_env import SlurmEnv
+    from hpc.launch.stages import localize_in_job
+
+    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                           f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
+                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
+                  check_tracking=False)
+    node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
+    first = localize_in_job(cfg, node(0))
+    assert first.verifier.model == str(hub_cache) and (tmp_path / "logs" / ".target-42").read_text() == str(hub_cache)
+    (hub_cache.parent / "elsewhere").mkdir()  # node 1 never resolves: it takes node 0's answer
+    (tmp_path / "logs" / ".target-42").write_text(str(hub_cache.parent / "elsewhere"))
+    second = localize_in_job(cfg, node(1))
+    assert second.verifier.model == str(hub_cache.parent / "elsewhere") and second.verifier.name == "acme/toy"
