@@ -36,6 +36,9 @@ def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None =
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
     args = DSparkArgs.from_config(cfg)
+    import torch
+
+    torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights (as online)
     model, head = build_draft(args, cfg.verifier.model, vocab_file, norm=cfg.train.apply_verifier_norm,
                               train_lm_head=cfg.train.train_lm_head)
     verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "peers" / "vllm_dflash_spec.py"
 NS = (3, 7)  # draft block_size 8: the DFlash layout runs n+1 <= 8 slots
 MAX_TOKENS = 48
-STEPS = 120
+STEPS = 300
 TIE_BUDGET = 0.01  # share of drafted positions a float tie may flip
 DFLASH_OVERRIDES = ["draft.markov_rank=0", "draft.enable_confidence_head=false",
                     "draft.sample_from_anchor=false", "draft.confidence_head_with_markov=false"]
@@ -79,7 +79,7 @@ def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
 
     cfg = resolve(REPO / "configs" / "toy-cpu.yaml",
                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / 'run'}", *DFLASH_OVERRIDES], check_tracking=False)
+                   f"train.output_dir={tmp / 'run'}", "train.lr=3e-3", *DFLASH_OVERRIDES], check_tracking=False)
     ckpt = train_in_process(cfg, steps=STEPS)
     draft = load_draft(ckpt)
     assert draft.args.is_dflash and not draft.args.sample_from_anchor
