@@ -260,9 +260,15 @@ def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
     if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", t.device):
         c.fail("train.device", t.device, "must be cpu, cuda, cuda:N, mps or xpu")
     c.one_of("train.dtype", t.dtype, DTYPES)
+    if t.dtype == "float16" and t.device.startswith("cuda"):
+        c.fail("train.dtype", t.dtype, "float16 needs loss scaling, which the trainer does not do; use bfloat16")
     c.one_of("train.dist_backend", t.dist_backend, ("nccl", "gloo"))
     if t.dist_backend == "nccl" and not t.device.startswith("cuda"):
         c.fail("train.dist_backend", "nccl", "NCCL needs CUDA devices; use gloo on CPU")
+    gpus = cfg.cluster.gpus_per_node
+    if t.dist_backend == "nccl" and t.ranks_per_node and gpus and t.ranks_per_node > gpus:
+        c.fail("train.ranks_per_node", t.ranks_per_node, f"NCCL needs one GPU per rank and a node has "
+               f"cluster.gpus_per_node={gpus}; use at most {gpus}")
     c.one_of("train.attention", t.attention, ("auto", "flex", "sdpa"))
     if t.init_from and t.init_from != "champion" and not (Path(t.init_from).expanduser() / "config.json").is_file():
         c.fail("train.init_from", t.init_from, "not a draft export directory (config.json + model.safetensors); "

@@ -20,6 +20,14 @@ header arrived on the control plane, so no NCCL op waits on a peer that has noth
 (NCCL's watchdog would abort it). On CPU both backends are gloo, and the same code runs:
 `hpc.dist.rules` checks NCCL's rules there.
 
+Sample tensors live on the data plane's device: the rank's GPU under NCCL, the CPU under gloo
+(gloo's p2p takes no CUDA tensors, so a GPU run over gloo streams through host memory).
+
+NCCL creates a communicator per (streamer, trainer) pair at the pair's first send. Left to the
+first sample, that setup would interleave with DDP's collectives mid-training (and block a
+streamer where the watchdog cannot see it): `open_pairs` creates them all up front, in one
+order on every rank, before anything else runs.
+
 Threads that touch CUDA must `set_device` themselves: the current device is per thread.
 """
 
@@ -41,8 +49,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
-def rank_device(device: str, local: int | None = None) -> torch.device:
-    """`cuda` becomes this rank's own GPU (cuda:LOCAL_RANK), made current; cpu stays cpu."""
+def rank_device(device: str, local: int | None = None, exclusive: bool = False) -> torch.device:
+    """`cuda` becomes this rank's own GPU (cuda:LOCAL_RANK), made current; cpu stays cpu.
+
+    `exclusive` (NCCL): no two ranks of a node may share a GPU ("Duplicate GPU detected").
+    """
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev
@@ -52,7 +63,12 @@ def rank_device(device: str, local: int | None = None) -> torch.device:
         raise UserError(f"train.device={device} but this node has no CUDA device "
                         f"(host {os.uname().nodename}); use train.device=cpu and dist_backend=gloo")
     if dev.index is None:
-        dev = torch.device("cuda", (local_rank() if local is None else local) % torch.cuda.device_count())
+        local = local_rank() if local is None else local
+        n = torch.cuda.device_count()
+        if exclusive and local >= n:
+            raise UserError(f"rank with local index {local} on {os.uname().nodename}, which has {n} GPUs: NCCL "
+                            "needs one GPU per rank; lower train.ranks_per_node (or ranks on this machine)")
+        dev = torch.device("cuda", local % n)
     torch.cuda.set_device(dev)  # before any CUDA op or NCCL call, or every local rank lands on cuda:0
     return dev
 
@@ -66,8 +82,9 @@ def bind_thread(device: torch.device) -> None:
 @dataclass
 class Planes:
     rank: int
+    world_size: int
     trainers: list[int]
-    device: torch.device  # this rank's data-plane tensors live here
+    device: torch.device  # this rank's data-plane tensors live here (the GPU under NCCL, else CPU)
     data: object | None  # the default group; None = the default group
     control: object
     train_data: object  # NON_GROUP_MEMBER on streamer ranks
@@ -77,10 +94,42 @@ class Planes:
     def is_trainer(self) -> bool:
         return self.rank in self.trainers
 
+    @property
+    def streamers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.trainers]
+
+
+def data_device(backend: str, device: torch.device) -> torch.device:
+    """Where sample tensors travel: the rank's GPU under NCCL; host memory under gloo."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def open_pairs(planes: Planes) -> None:
+    """Create every streamer -> trainer pair on the data plane now, in one order on every rank.
+
+    Streamers send to trainers in ascending order and trainers receive from streamers in
+    ascending order, so no pair waits on another; the control barrier then lets training start.
+    The calling thread hands each pair over: its receive thread or main loop owns it next.
+    """
+    one = torch.zeros(1, device=planes.device)
+    with rules.message(rules.Message.SAMPLE):
+        if planes.is_trainer:
+            for s in planes.streamers:
+                dist.recv(one, src=s, group=planes.data)
+                rules.handover(planes.data, s)
+        else:
+            for t in planes.trainers:
+                dist.send(one, dst=t, group=planes.data)
+                rules.handover(planes.data, t)
+    dist.barrier(group=planes.control)
+
 
 def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, device: torch.device,
                 master_addr: str, port: int, timeout_s: float = 600.0) -> Planes:
-    """Rendezvous and create the four groups (collective over the whole world)."""
+    """Rendezvous and create the four groups (collective over the whole world).
+
+    `device` is the rank's compute device; the planes' data device follows the backend.
+    """
     rules.install_from_env()
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(port))
@@ -90,8 +139,9 @@ def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, d
     train_data = dist.new_group(trainers, timeout=timeout)
     train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)
     data = dist.distributed_c10d._get_default_group()
-    rules.register(data, Plane.DATA, device.type)
-    rules.register(train_data, Plane.DATA, device.type)
+    moved = data_device(backend, device)
+    rules.register(data, Plane.DATA, moved.type)
+    rules.register(train_data, Plane.DATA, moved.type)
     rules.register(control, Plane.CONTROL, "cpu")
     rules.register(train_control, Plane.CONTROL, "cpu")
-    return Planes(rank, list(trainers), device, data, control, train_data, train_control)
+    return Planes(rank, world_size, list(trainers), moved, data, control, train_data, train_control)

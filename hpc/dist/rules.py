@@ -7,8 +7,10 @@ runs. Each violation is also appended to `$DSPARK_NCCL_CHECK_LOG`, which the tes
 reads after every test: a rank process that swallows the exception still fails its test.
 
 The rules (groups are registered with a plane and the device type their backend takes):
-1. a p2p op to a peer on the data plane while another thread has one outstanding with that
-   peer (NCCL runs one pair's sends and receives on one stream: the second waits forever);
+1. a p2p op to a peer on the data plane from a thread other than the one that owns that pair
+   (NCCL runs one pair's sends and receives on one stream, and its calls return once queued:
+   a second thread's op waits behind a pending receive, or lands in a random order). A thread
+   owns a pair from its first op until it calls `handover`;
 2. a control message on the data plane, or sample tensors on the control plane;
 3. a collective on a group with tensors of another device type (an NCCL group refuses CPU
    tensors: "No backend type associated with device type cpu");
@@ -54,13 +56,13 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast
 
 
 class Checker:
-    """The rules' state: registered groups, outstanding data-plane ops, directions used."""
+    """The rules' state: registered groups, the owner thread of each data-plane pair, directions used."""
 
     def __init__(self) -> None:
         self.groups: dict = {}  # process group -> (plane, device type)
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.outstanding: dict = {}  # (group, peer) -> {thread id: count}
+        self.owners: dict = {}  # (group, peer) -> the thread that owns the pair on the data plane
         self.directions: dict = {}  # (group, peer) -> {"send", "recv"}
         self.violations: list[str] = []
 
@@ -114,50 +116,43 @@ class Checker:
                 break
         return broken
 
-    def before_p2p(self, op: str, tensor: torch.Tensor, group, peer) -> tuple | None:
-        """Checks one p2p op; returns the token to release after it when it is tracked."""
+    def before_p2p(self, op: str, tensor: torch.Tensor, group, peer) -> None:
         broken = []
         if op in ("recv", "irecv") and peer is None:
             broken.append(f"{op} from any source: NCCL has no receive-from-any; post one receive per peer")
         broken += self._plane_rules(group, f"{op} with peer {peer}", [tensor])
         reg = self.groups.get(group)
-        token = None
         if reg is not None and reg[0] == Plane.DATA and peer is not None:
             key, me = (group, peer), threading.get_ident()
             direction = "send" if op in ("send", "isend") else "recv"
             with self.lock:
-                mine = self.outstanding.setdefault(key, {})
-                if any(n for t, n in mine.items() if t != me):
-                    broken.append(f"{op} with peer {peer} on the data plane while another thread has an op "
-                                  "outstanding with that peer: NCCL serialises one pair on one stream (deadlock)")
+                owner = self.owners.setdefault(key, me)
+                if owner != me:
+                    broken.append(f"{op} with peer {peer} on the data plane from a second thread: another thread "
+                                  "owns this pair (NCCL serialises a pair on one stream: a deadlock or a random "
+                                  "order); one thread per pair, or hand it over")
                 used = self.directions.setdefault(key, set())
                 if used and direction not in used:
                     broken.append(f"{op} with peer {peer}: the data plane already carries the other direction "
                                   "with this peer; sample tensors flow streamer -> trainer only")
-                if not broken:
-                    used.add(direction)
-                    mine[me] = mine.get(me, 0) + 1
-                    token = (key, me)
+                used.add(direction)
         if broken:
             self.violate(*broken)
-        return token
 
-    def release(self, token) -> None:
-        if token is None:
-            return
-        key, me = token
+    def handover(self, group, peer) -> None:
+        """The owning thread is done with this pair (after its ops are complete): the next user owns it."""
         with self.lock:
-            self.outstanding[key][me] -= 1
+            self.owners.pop((group, peer), None)
+
+    def owned(self, group, peer) -> bool:
+        with self.lock:
+            return (group, peer) in self.owners
 
     def before_collective(self, name: str, tensors: list[torch.Tensor], group) -> None:
         broken = self._plane_rules(group, name, tensors)
         if broken:
             self.violate(*broken)
 
-    def busy(self, group, peer) -> bool:
-        """Some thread has a data-plane op outstanding with this peer."""
-        with self.lock:
-            return any(self.outstanding.get((group, peer), {}).values())
 
 
 CHECKER = Checker()
@@ -182,36 +177,25 @@ def _peer(bound: inspect.BoundArguments, op: str):
     return a.get("src") if a.get("src") is not None else a.get("group_src")
 
 
-class _TrackedWork:
-    """An isend/irecv handle whose op stays outstanding until it is waited on."""
-
-    def __init__(self, work, token):
-        self._work, self._token = work, token
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            CHECKER.release(self._token)
-            self._token = None
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 def _wrap_p2p(op: str):
     orig = getattr(dist, op)
     sig = inspect.signature(orig)
 
     def checked(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
-        token = CHECKER.before_p2p(op, bound.arguments["tensor"], _group_of(bound), _peer(bound, op))
-        if op in ("isend", "irecv"):
-            return _TrackedWork(orig(*args, **kwargs), token)
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            CHECKER.release(token)
+        CHECKER.before_p2p(op, bound.arguments["tensor"], _group_of(bound), _peer(bound, op))
+        return orig(*args, **kwargs)
+    return checked
+
+
+def _wrap_batch():
+    orig = dist.batch_isend_irecv
+
+    def checked(p2p_op_list, *args, **kwargs):
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        for p in p2p_op_list:
+            CHECKER.before_p2p(p.op.__name__, p.tensor, p.group or default, p.peer)
+        return orig(p2p_op_list, *args, **kwargs)
     return checked
 
 
@@ -247,6 +231,8 @@ def install() -> None:
         if hasattr(dist, name):
             _originals[name] = getattr(dist, name)
             setattr(dist, name, _wrap_collective(name))
+    _originals["batch_isend_irecv"] = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _wrap_batch()
 
 
 def install_from_env() -> bool:
@@ -261,3 +247,7 @@ def register(group, plane: Plane, device_type: str) -> None:
 
 def message(kind: Message):
     return CHECKER.message(kind)
+
+
+def handover(group, peer) -> None:
+    CHECKER.handover(group, peer)

@@ -28,9 +28,11 @@ from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
 EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
 
 
-def _wait_for(path: Path, timeout_s: float, what: str) -> None:
+def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
+        if failed is not None and failed.exists():
+            raise UserError(f"node 0 failed: {failed.read_text().strip()}")
         if time.monotonic() > deadline:
             raise UserError(f"{what} did not appear within {timeout_s:.0f}s ({path}); check node 0's log")
         time.sleep(1.0)
@@ -46,16 +48,21 @@ def localize_in_job(cfg, env: SlurmEnv):
     if is_local(cfg.verifier.model):
         return cfg
     marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
+    failed = marker.with_name(f"{marker.name}.error")
     if env.node_index == 0:
-        cfg = localize(cfg)
         marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            cfg = localize(cfg)
+        except UserError as err:  # the other nodes stop waiting and say why
+            failed.write_text(str(err))
+            raise
         tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
         tmp.write_text(cfg.verifier.model)
         tmp.replace(marker)
         print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
         return cfg
     # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
-    _wait_for(marker, cfg.verifier.health_timeout_s + 3600, f"node 0's snapshot of {cfg.verifier.model}")
+    _wait_for(marker, cfg.verifier.health_timeout_s + 3600, f"node 0's snapshot of {cfg.verifier.model}", failed)
     return replace(cfg, verifier=localized(cfg.verifier, Path(marker.read_text().strip())))
 
 
@@ -111,8 +118,11 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")
+    # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
+    # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
+    locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
     procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, parent_run_id, local),
-                         name=f"rank{r}") for local, r in enumerate(ranks)]
+                         name=f"rank{r}") for local, r in zip(locals_, ranks)]
     for p in procs:
         p.start()
     stop = {"requested": False}

@@ -175,15 +175,18 @@ def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_si
 
     N, T, B = anchors_N.numel(), doc_ids_T.numel(), block_size
     anchors, docs = anchors_N, doc_ids_T
+    # The row length as a tensor, not a Python int the compiled mask would guard on: every
+    # packed row has its own length, and a recompile per length would soon hit dynamo's limit.
+    T_t = torch.tensor(T, device=anchors_N.device)
     if compiled is None:
         compiled = anchors_N.device.type == "cuda"
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // B
         anchor = anchors[block]
-        in_ctx = kv_idx < T
-        ctx_ok = in_ctx & (kv_idx < anchor) & (docs[kv_idx.clamp(max=T - 1)] == docs[anchor])
-        own_ok = (~in_ctx) & ((kv_idx - T) // B == block)
+        in_ctx = kv_idx < T_t
+        ctx_ok = in_ctx & (kv_idx < anchor) & (docs[torch.clamp(kv_idx, max=T_t - 1)] == docs[anchor])
+        own_ok = (~in_ctx) & ((kv_idx - T_t) // B == block)
         return ctx_ok | own_ok
 
     block_mask = create_block_mask(mask_mod, None, None, N * B, T + N * B, device=anchors_N.device,

@@ -29,7 +29,7 @@ def _capture(i: int, T: int, n_aux: int, H: int):
 
 def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
     """Seconds to move n samples' tensors with plain blocking send/recv on the data plane."""
-    from hpc.dist.rules import Message, message
+    from hpc.dist.rules import Message, handover, message
 
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
     ids = torch.zeros(2, T, dtype=torch.int64, device=planes.device)
@@ -46,6 +46,7 @@ def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> floa
                 dist.recv(states, src=1, group=planes.data)
     _sync(planes.device)
     dist.barrier(group=planes.control)
+    handover(planes.data, 1 - planes.rank)  # the stream's own threads take the pair next
     return time.perf_counter() - t0
 
 
@@ -77,17 +78,21 @@ def _stream(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype, step
         wait = recv.wait_s
     _sync(planes.device)
     dist.barrier(group=planes.control)
+    from hpc.dist.rules import handover
+
+    handover(planes.data, 1 - planes.rank)
     elapsed = time.perf_counter() - t0
     return elapsed, wait / elapsed
 
 
 def worker(rank: int, args: dict, port: int, out: str) -> None:
-    from hpc.dist.planes import init_planes, rank_device
+    from hpc.dist.planes import init_planes, open_pairs, rank_device
 
     torch.set_num_threads(1)
     # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
-    device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank)
+    device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank, exclusive=True)
     planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port)
+    open_pairs(planes)
     dtype = getattr(torch, args["dtype"])
     T, A, H, n = args["tokens"], args["n_aux"], args["hidden"], args["samples"]
     raw, stream, waits = [], [], []

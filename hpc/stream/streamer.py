@@ -71,11 +71,22 @@ def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: Ca
                     break
                 continue
             streak = 0
-            out.put((epoch, cap))
+            if not _put(out, (epoch, cap), stop):
+                break
         for _, _, future in pending:  # the stream ended early: drop what has not started
             future.cancel()
-    if not stop.is_set():
-        out.put(None)
+    _put(out, None, stop)
+
+
+def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put unless the stream is over (a full queue nobody reads would block this thread forever)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,

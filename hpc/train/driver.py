@@ -107,7 +107,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     w = World(rank, n_trainers, n_streamers)
     out = Path(cfg.train.output_dir)
     # Every tensor of this rank, the block mask included, lives on its own GPU (cuda:LOCAL_RANK).
-    device = rank_device(cfg.train.device)
+    device = rank_device(cfg.train.device, exclusive=cfg.train.dist_backend == "nccl")
     if device.type == "cpu":  # every rank of this world shares the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.size))
     else:
@@ -180,7 +180,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
     code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
-                       epoch_size=len(rows))
+                       epoch_size=len(rows), device=device)
     if w.rank == 0:
         progress.close()
         _finish(cfg, out, logger, export=code == 0)

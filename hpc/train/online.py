@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from hpc.dist.planes import Planes, init_planes
+from hpc.dist.planes import Planes, init_planes, open_pairs
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.loss import VerifierHead
@@ -56,8 +56,11 @@ class World:
 
 def init_world(w: World, backend: str, device: torch.device, master_addr: str, port: int,
                timeout_s: float = 600.0) -> Planes:
-    """Every rank's groups, on both planes (collective: every rank of the world calls it)."""
-    return init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, timeout_s)
+    """Every rank's groups, on both planes, and every streamer -> trainer pair opened (collective:
+    every rank of the world calls it, before any DDP collective can run)."""
+    planes = init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, timeout_s)
+    open_pairs(planes)
+    return planes
 
 
 def write_rows(path: str | Path, rows: Iterable) -> Path:
@@ -125,11 +128,12 @@ def autocast_dtype(train_cfg, device: torch.device) -> torch.dtype | None:
 
 def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead,
                 out_dir: str | Path, verifier_name: str | None, on_step: Callable | None = None,
-                epoch_size: int | None = None) -> int:
-    """Train from the stream until the data or the step budget ends; returns the exit code."""
+                epoch_size: int | None = None, device: torch.device | str = "cpu") -> int:
+    """Train on `device` from the stream until the data or the step budget ends; returns the exit code."""
+    device = torch.device(device)
     export_cfg = speculators_config(model.args, verifier_name, [], model.args.block_size)
-    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=planes.device,
-                      autocast_dtype=autocast_dtype(train_cfg, planes.device), group=planes.train_data,
+    trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device,
+                      autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)
     trainer.resume()
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}

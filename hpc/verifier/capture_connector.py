@@ -180,6 +180,9 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache = cache
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dspark-capture")
         self._copier = HostCopier(cache.device, max_buffers=4)
+        # Pin the host buffers for the longest sample now, not in an engine step.
+        longest = self._vllm_config.model_config.max_model_len * n * self._hidden
+        self._copier.reserve(longest, cache.dtype, count=2)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self._writes_files or not self.has_connector_metadata():

@@ -66,6 +66,8 @@ def probe(python: str, archs: list[str], timeout_s: float = 600) -> dict | None:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise ProbeError(f"probing vLLM in {python} failed (exit {out.returncode}): {tail[:200]}")
     result = json.loads(lines[-1])
+    if result.get("errors") or None in result.get("aux_hidden_states", {}).values():
+        return result  # maybe transient (an import that failed on this node): ask again next time
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
     tmp.write_text(json.dumps(result))

@@ -92,3 +92,18 @@ def test_in_a_job_node_0_resolves_and_the_other_nodes_read_its_path(hub_cache, t
     (tmp_path / "logs" / ".target-42").write_text(str(hub_cache.parent / "elsewhere"))
     second = localize_in_job(cfg, node(1))
     assert second.verifier.model == str(hub_cache.parent / "elsewhere") and second.verifier.name == "acme/toy"
+
+
+def test_a_node_0_failure_stops_the_other_nodes_at_once(hub_cache, tmp_path):
+    from hpc.launch.slurm_env import SlurmEnv
+    from hpc.launch.stages import localize_in_job
+
+    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/missing", "verifier.offline=true",
+                                           f"cluster.log_dir={tmp_path / 'logs'}",
+                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
+                  check_tracking=False)
+    node = lambda i: SlurmEnv(job_id=7, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="7")  # noqa: E731
+    with pytest.raises(UserError, match="cannot resolve the hub id"):
+        localize_in_job(cfg, node(0))
+    with pytest.raises(UserError, match="node 0 failed: verifier.model = 'acme/missing'"):
+        localize_in_job(cfg, node(1))  # no hour-long wait for a marker that never comes

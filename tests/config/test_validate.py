@@ -87,6 +87,8 @@ BAD_CASES = {
     "nccl on cpu": (["train.device=cpu"], "train.dist_backend"),
     "cuda here without cuda": (["cluster.executor=local"], "train.device = 'cuda': this machine has no CUDA device"),
     "bad capture concurrency": (["verifier.capture_concurrency=0"], "verifier.capture_concurrency"),
+    "fp16 without loss scaling": (["train.dtype=float16"], "float16 needs loss scaling"),
+    "more nccl ranks than gpus": (["train.ranks_per_node=16"], "NCCL needs one GPU per rank"),
     "unknown benchmark": (["eval.benchmarks=[gsm8k,mmlu]"], "eval.benchmarks"),
     "zero n": (["eval.num_speculative_tokens=[0,3]"], "eval.num_speculative_tokens"),
     "dataset override for an unknown benchmark": (["eval.datasets={mmlu: /tmp}"], "eval.datasets.mmlu"),

@@ -39,7 +39,7 @@ def main(rank: int, port: int, out_dir: str) -> None:
 
     threading.Thread(target=recv_loop, daemon=True).start()
     deadline = time.monotonic() + 30
-    while not CHECKER.busy(world, peer) and time.monotonic() < deadline:
+    while not CHECKER.owned(world, peer) and time.monotonic() < deadline:
         time.sleep(0.01)
     try:  # the old _control_loop (trainer) / main loop (streamer): a header to the same peer
         dist.send(torch.zeros(8, dtype=torch.int64), dst=peer)

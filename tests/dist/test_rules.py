@@ -43,9 +43,7 @@ def test_control_message_on_the_data_plane_and_samples_on_the_control_plane(chec
         c.before_p2p("send", torch.zeros(8, dtype=torch.int64, device="meta"), data, 1)
     with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="sample tensors on the control plane"):
         c.before_p2p("send", torch.zeros(4), control, 1)
-    with c.message(Message.SAMPLE):  # the right plane for each
-        c.release(c.before_p2p("send", torch.zeros(4, device="meta").to("meta"), object(), 1))
-    c.before_p2p("send", torch.zeros(8, dtype=torch.int64), control, 1)
+    c.before_p2p("send", torch.zeros(8, dtype=torch.int64), control, 1)  # the right plane
 
 
 def test_collective_with_tensors_of_another_device_type(checker):
@@ -57,30 +55,37 @@ def test_collective_with_tensors_of_another_device_type(checker):
     c.before_collective("all_reduce", [torch.zeros(1)], control)
 
 
-def test_second_thread_with_the_same_peer_on_the_data_plane(checker):
+def test_one_thread_per_pair_on_the_data_plane_until_it_hands_over(checker):
     c, _, _ = checker
     data = object()
     c.register(data, Plane.DATA, "cpu")
     with c.message(Message.SAMPLE):
-        token = c.before_p2p("recv", torch.zeros(4), data, 5)  # a receive thread, blocked
+        c.before_p2p("recv", torch.zeros(4), data, 5)  # this thread now owns the pair with rank 5
     errors = []
 
     def other_thread():
         with c.message(Message.SAMPLE):
-            try:
+            try:  # even after the first op returned: NCCL's calls return once queued
                 c.before_p2p("recv", torch.zeros(4), data, 5)
             except NCCLRuleError as err:
                 errors.append(str(err))
-            c.release(c.before_p2p("recv", torch.zeros(4), data, 6))  # another peer is fine
+            c.before_p2p("recv", torch.zeros(4), data, 6)  # another peer is fine
     t = threading.Thread(target=other_thread)
     t.start()
     t.join()
-    assert len(errors) == 1 and "another thread has an op outstanding" in errors[0]
-    c.release(token)
-    with c.message(Message.SAMPLE):  # once the first op is done, the pair is free again
-        c.release(c.before_p2p("recv", torch.zeros(4), data, 5))
-        with pytest.raises(NCCLRuleError, match="other direction"):
-            c.before_p2p("send", torch.zeros(4), data, 5)
+    assert len(errors) == 1 and "another thread owns this pair" in errors[0]
+    c.handover(data, 5)  # e.g. the pair warm-up in the main thread, then the receive thread
+
+    def receive_thread():
+        with c.message(Message.SAMPLE):
+            c.before_p2p("recv", torch.zeros(4), data, 5)
+    t = threading.Thread(target=receive_thread)
+    t.start()
+    t.join()
+    assert c.owned(data, 5) and c.owners[(data, 5)] == t.ident
+    with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="other direction"):
+        c.handover(data, 5)
+        c.before_p2p("send", torch.zeros(4), data, 5)
 
 
 def test_the_pre_planes_stream_pattern_is_caught(tmp_path):
@@ -96,8 +101,8 @@ def test_the_pre_planes_stream_pattern_is_caught(tmp_path):
         assert p.exitcode == 0
     for r in range(2):
         send_err, reduce_err = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert "another thread has an op outstanding" in send_err  # finding 2: the deadlock
+        assert "another thread owns this pair" in send_err  # finding 2: the deadlock
         assert "control message or bookkeeping op on the data plane" in send_err
         assert "cpu tensor on a data-plane group that takes cuda" in reduce_err  # finding 1
     with open(os.environ[rules.LOG_ENV]) as fh:
-        assert "another thread has an op outstanding" in fh.read()
+        assert "another thread owns this pair" in fh.read()

