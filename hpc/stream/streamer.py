@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -44,37 +44,53 @@ MAX_CONSECUTIVE_FAILURES = 20  # more in a row means the verifier itself is gone
 def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: CaptureFn, out: queue.Queue,
               stats: StreamerStats, stop: threading.Event, concurrency: int = 1) -> None:
     """Captures with `concurrency` requests in flight (so vLLM batches prefills), handed on in row order."""
+    if concurrency > 1:
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="capture") as pool:
+            _produce(rows, lambda *a: pool.submit(capture, *a), out, stats, stop, concurrency)
+    else:  # one in flight: capture in this thread, no hand-off to a worker and back per sample
+        _produce(rows, lambda *a: _done(capture, *a), out, stats, stop, 1)
+
+
+def _done(fn, *args) -> Future:
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as err:  # noqa: BLE001 - delivered where the result is read, as from a pool
+        future.set_exception(err)
+    return future
+
+
+def _produce(rows, submit, out: queue.Queue, stats: StreamerStats, stop: threading.Event, concurrency: int) -> None:
     streak = 0
     pending: deque = deque()  # (epoch, sample id, future), oldest first
     rows = iter(rows)
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="capture") as pool:
-        while True:
-            while len(pending) < concurrency and not stop.is_set():
-                row = next(rows, None)
-                if row is None:
-                    break
-                epoch, sample_id, ids, mask = row
-                pending.append((epoch, sample_id, pool.submit(capture, sample_id, ids, mask)))
-            if not pending or stop.is_set():
+    while True:
+        while len(pending) < concurrency and not stop.is_set():
+            row = next(rows, None)
+            if row is None:
                 break
-            epoch, sample_id, future = pending.popleft()
-            try:
-                cap = future.result()
-            except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
-                if stop.is_set():  # the stream is over and the verifier is shutting down
-                    break
-                stats.failed += 1
-                streak += 1
-                print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
-                if streak >= MAX_CONSECUTIVE_FAILURES:
-                    stats.fatal = f"{streak} captures failed in a row, last: {err}"
-                    break
-                continue
-            streak = 0
-            if not _put(out, (epoch, cap), stop):
+            epoch, sample_id, ids, mask = row
+            pending.append((epoch, sample_id, submit(sample_id, ids, mask)))
+        if not pending or stop.is_set():
+            break
+        epoch, sample_id, future = pending.popleft()
+        try:
+            cap = future.result()
+        except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
+            if stop.is_set():  # the stream is over and the verifier is shutting down
                 break
-        for _, _, future in pending:  # the stream ended early: drop what has not started
-            future.cancel()
+            stats.failed += 1
+            streak += 1
+            print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
+            if streak >= MAX_CONSECUTIVE_FAILURES:
+                stats.fatal = f"{streak} captures failed in a row, last: {err}"
+                break
+            continue
+        streak = 0
+        if not _put(out, (epoch, cap), stop):
+            break
+    for _, _, future in pending:  # the stream ended early: drop what has not started
+        future.cancel()
     _put(out, None, stop)
 
 
