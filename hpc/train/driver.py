@@ -179,6 +179,11 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
             write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
+    # The training loop turns USR2/TERM into a checkpoint and a requeue. Outside it (setup, and the
+    # export after the last step) a signal must not kill the rank: the default action would end
+    # the node's task with 244 and fail a job whose training was complete.
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
                        epoch_size=len(rows), device=device)
     if w.rank == 0:

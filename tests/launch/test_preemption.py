@@ -15,7 +15,9 @@ import pytest
 from hpc.verifier.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 40  # long enough that the signal lands mid-run (progress.json is written every ~2 s)
+# Long enough that the signal lands mid-run: progress.json is written every ~2 s, and on this
+# machine 40 steps took ~3 s, so the signal came after the last step.
+STEPS = 200
 
 
 def recipe(toy_target: Path, tmp: Path, partition: str) -> list[str]:
