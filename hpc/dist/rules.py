@@ -154,7 +154,6 @@ class Checker:
             self.violate(*broken)
 
 
-
 CHECKER = Checker()
 _originals: dict[str, object] = {}
 
