@@ -29,7 +29,7 @@ def capture_concurrency(cfg: DSparkConfig) -> int:
         return 1
     if cfg.verifier.capture_concurrency:
         return cfg.verifier.capture_concurrency
-    from hpc.verifier.vllm_backend import default_capture_concurrency
+    from hpc.verifier.vllm_support import default_capture_concurrency
 
     return default_capture_concurrency(cfg.plan.avg_seq_len or max(cfg.data.max_seq_len // 2, 1))
 

@@ -50,12 +50,6 @@ class CaptureError(RuntimeError):
     """One sample's capture failed (bad file, rejected prompt); other samples are unaffected."""
 
 
-def default_capture_concurrency(avg_seq_len: int, batch_tokens: int = 16384, cap: int = 8) -> int:
-    """Requests in flight per verifier: enough prompts that vLLM's scheduler always has a full
-    prefill batch (`batch_tokens`, its max_num_batched_tokens) while one more is read out."""
-    return max(2, min(cap, 1 + -(-batch_tokens // max(avg_seq_len, 1))))
-
-
 def capture_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
     """What vLLM must capture: the aux ids and the final pre-norm output (id == num layers)."""
     bad = [i for i in aux_layer_ids if not 0 <= i <= num_hidden_layers]

@@ -1,4 +1,5 @@
-"""Does the vLLM at `verifier.python` serve and capture what we need? Asked on the login node.
+"""Does the vLLM at `verifier.python` serve and capture what we need? Asked on the login node,
+so stdlib only (no torch): also what the planner recommends for capture requests in flight.
 
 The answer comes from `vllm_probe.py` run inside that interpreter (importing vLLM takes ~10 s)
 and is cached per (interpreter, vLLM version, architectures) under ~/.cache/dspark, so
@@ -26,6 +27,12 @@ class ProbeError(RuntimeError):
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_CACHE", "~/.cache/dspark")).expanduser() / "vllm-probe"
+
+
+def default_capture_concurrency(avg_seq_len: int, batch_tokens: int = 16384, cap: int = 8) -> int:
+    """Requests in flight per verifier: enough prompts that vLLM's scheduler always has a full
+    prefill batch (`batch_tokens`, its max_num_batched_tokens) while one more is read out."""
+    return max(2, min(cap, 1 + -(-batch_tokens // max(avg_seq_len, 1))))
 
 
 def installed_version(python: str) -> tuple[str, str] | None:

@@ -76,3 +76,10 @@ def test_the_gpu_venv_is_built_from_the_pinned_requirements(tmp_path):
     cmds = gpu_venv_commands(tmp_path / "v", "python3.12")
     assert cmds[0][:3] == ["python3.12", "-m", "venv"] and ["-r", str(GPU_REQUIREMENTS)] == cmds[2][-2:]
     assert main(["--gpu"]) == 2  # no --venv: one line, nothing built
+
+
+def test_capture_requests_in_flight_fill_a_prefill_batch():
+    from hpc.verifier.vllm_support import default_capture_concurrency
+
+    assert default_capture_concurrency(10000) == 3  # Kimi's average sample: two fill 16k batched tokens
+    assert default_capture_concurrency(256) == 8 and default_capture_concurrency(40000) == 2  # clamped to 2..8
