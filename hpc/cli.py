@@ -52,7 +52,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `dspark submit CFG --dry-run train.lr=1e-4`: argparse stops filling a positional list at
+    # the first flag, so KEY=VALUE words after flags arrive here; they are overrides all the same.
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.parse_args(argv)  # argparse's own one-line usage error, exit 2
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         return int(args.func(args) or 0)
     except UserError as err:

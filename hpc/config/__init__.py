@@ -40,10 +40,35 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     from hpc.config.validate import validate
 
     cfg, problems = load_config_collecting(path, overrides)
-    problems += check_sweep(cfg) + validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here)
+    problems += check_sweep(cfg)
+    base = validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here)
+    if not problems:
+        base += _variant_problems(path, list(overrides or []), cfg, set(base))
+    problems += base
     if problems:
         raise ConfigError(problems)
-    return to_object(cfg)
+    out = to_object(cfg)
+    from hpc.config.validate import ranks_per_node
+
+    out.train.ranks_per_node = ranks_per_node(out)  # resolved once: every stage reads the number
+    return out
+
+
+def _variant_problems(path, overrides: list[str], cfg, known: set[str]) -> list[str]:
+    """A sweep value that breaks a range check is named with its variant; checks that hold for
+    the base config are not repeated per variant."""
+    from hpc.config.load import load_config_collecting, sweep_overrides, to_object
+    from hpc.config.validate import validate
+
+    variants = sweep_overrides(cfg)
+    if variants == [[]]:
+        return []
+    out = []
+    for i, variant in enumerate(variants):
+        vcfg, problems = load_config_collecting(path, overrides + variant)
+        problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False)
+        out += [f"sweep variant {i} ({' '.join(variant)}): {p}" for p in problems if p not in known]
+    return out
 
 
 __all__ = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,19 @@ from hpc.errors import ConfigError, UserError
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `3e-4` as a string; users (and OmegaConf) mean a float."""
+    """YAML 1.1 reads `3e-4` as a string; users (and OmegaConf) mean a float. A key given twice
+    (a section pasted twice) is an error: plain YAML keeps the last copy without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"`{key}` is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    "keep one and merge the other into it", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -76,8 +89,27 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
                 # merge_with (not update) so lists of dicts become typed DataSource/... entries.
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))
         except OmegaConfBaseException as err:
-            reason = str(err).splitlines()[0]
-            problems.append(f"{full} = {_short(value)}: {reason} ({origin})")
+            problems.append(f"{full} = {_short(value)}: {_reason(err, child)} ({origin})")
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _reason(err: OmegaConfBaseException, node: Any) -> str:
+    """What the key takes, in our words: OmegaConf's own text names its internals."""
+    from omegaconf import ValueNode
+
+    if isinstance(node, ValueNode):
+        kind = getattr(node, "_metadata").ref_type
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            return f"must be one of {', '.join(m.value for m in kind)}"
+        if kind in _KINDS:
+            return f"must be {_KINDS[kind]}" + ("" if getattr(node, "_metadata").optional is False else " or null")
+    if isinstance(node, ListConfig):
+        return "must be a list, e.g. [1, 2]"
+    if isinstance(node, DictConfig):
+        return "must be a mapping of keys to values"
+    return str(err).splitlines()[0]
 
 
 def _schema() -> DictConfig:
@@ -101,9 +133,17 @@ def _schema() -> DictConfig:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file not found: {path}; pass a YAML file such as configs/toy-cpu.yaml")
+    raw = path.read_bytes()
+    if b"\0" in raw[:8192]:
+        raise UserError(f"{path}: is a binary file, not a YAML config; pass a file such as configs/toy-cpu.yaml")
     try:
-        # OmegaConf's loader reads 3e-4 as a float, as users expect (plain YAML 1.1 does not).
-        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8")
+    if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
+        raise UserError(f"{path}: is empty; start from configs/toy-cpu.yaml or configs/kimi-k2.6-dspark.yaml")
+    try:
+        data = yaml.load(text, Loader=_Loader) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -206,6 +246,10 @@ def check_sweep(cfg: DictConfig) -> list[str]:
     for key, values in sweep.items():
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" or key.startswith("sweep"):
             problems.append(f"sweep.{key}: not a config key; sweep over keys like train.lr")
+        elif key.split(".")[0] in ("cluster", "name"):
+            # Every task of one Slurm array shares one allocation shape and one pipeline name.
+            problems.append(f"sweep.{key}: the tasks of a training array share one allocation and name; "
+                            "submit one pipeline per value instead (dspark submit CONFIG {key}=VALUE)")
         elif not isinstance(values, list) or not values:
             problems.append(f"sweep.{key} = {_short(values)}: give a non-empty list of values")
         else:

@@ -34,9 +34,15 @@ class TargetShape:
     architectures: tuple[str, ...] = ()  # the target's model classes, when its config.json was read
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow", ".safetensors", ".yaml")
+
+
 def looks_like_path(value: str) -> bool:
-    """Hub ids (org/name) are not checked on a login node; explicit paths are."""
-    return value.startswith(("/", "./", "../", "~")) or Path(value).exists()
+    """Hub ids (org/name) are not checked on a login node; paths are. `data/train.jsonl` has
+    the shape of a hub id but names a file: a file suffix or a second slash makes it a path."""
+    return (value.startswith(("/", "./", "../", "~")) or Path(value).exists() or not _HUB_ID.match(value)
+            or value.lower().endswith(_DATA_SUFFIXES))
 
 
 def target_shape(cfg: DSparkConfig) -> TargetShape:
@@ -60,7 +66,7 @@ def target_shape(cfg: DSparkConfig) -> TargetShape:
     return TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
 
 
-class _Checker:
+class Checker:
     def __init__(self) -> None:
         self.problems: list[str] = []
 
@@ -84,7 +90,7 @@ class _Checker:
             self.fail(key, value, f"{what} does not exist; fix the path or use a hub id")
 
 
-def _check_cluster(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
     cl = cfg.cluster
     c.one_of("cluster.executor", cl.executor, ("slurm", "local"))
     for role in ("verifier", "trainer", "eval", "regenerate"):
@@ -103,7 +109,7 @@ def _check_cluster(c: _Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.partition", cl.partition, "set the Slurm partition to run in (see `sinfo`)")
 
 
-def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
+def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
     v = cfg.verifier
     c.path("verifier.model", v.model, "target model directory")
     if v.model and looks_like_path(v.model) and Path(v.model).expanduser().is_dir():
@@ -165,7 +171,7 @@ def _check_verifier(c: _Checker, cfg: DSparkConfig, shape: TargetShape, check_vl
         c.fail("verifier.final_hidden", v.final_hidden.value, msg)
 
 
-def _check_draft(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
+def _check_draft(c: Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
     d = cfg.draft
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "block_size", "draft_vocab_size"):
@@ -193,6 +199,9 @@ def _check_draft(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
                f"larger than the target vocab {shape.vocab_size}; set it <= {shape.vocab_size}")
     c.nonneg("draft.markov_rank", d.markov_rank)
     c.one_of("draft.markov_head_type", d.markov_head_type, MARKOV_HEADS)
+    if d.markov_rank == 0 and not d.enable_confidence_head and d.sample_from_anchor:
+        c.fail("draft.sample_from_anchor", True, "a DFlash-layout draft (markov_rank=0, no confidence head) "
+               "exports in vLLM's dflash format, which has no anchor slot; set draft.sample_from_anchor=false")
     if d.enable_confidence_head and d.confidence_head_with_markov and d.markov_rank == 0:
         c.fail("draft.confidence_head_with_markov", True,
                "needs a Markov head; set draft.markov_rank > 0 or confidence_head_with_markov=false")
@@ -203,7 +212,7 @@ def _check_draft(c: _Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
                    f"smaller than the largest eval n={largest}; raise draft.block_size or lower eval.num_speculative_tokens")
 
 
-def _check_data(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_data(c: Checker, cfg: DSparkConfig) -> None:
     data = cfg.data
     if not data.sources:
         c.fail("data.sources", [], "need at least one source (HF dataset id or local .jsonl/.parquet)")
@@ -223,12 +232,16 @@ def _check_data(c: _Checker, cfg: DSparkConfig) -> None:
     c.positive("data.regen_concurrency", data.regen_concurrency)
 
 
+def ranks_per_node(cfg: DSparkConfig) -> int:
+    """Trainer ranks per trainer node: the one place `train.ranks_per_node: null` is resolved."""
+    return cfg.train.ranks_per_node or max(cfg.cluster.gpus_per_node, 1)
+
+
 def trainer_ranks(cfg: DSparkConfig) -> int:
-    per_node = cfg.train.ranks_per_node or max(cfg.cluster.gpus_per_node, 1)
-    return cfg.cluster.trainer_nodes * per_node
+    return cfg.cluster.trainer_nodes * ranks_per_node(cfg)
 
 
-def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_train(c: Checker, cfg: DSparkConfig) -> None:
     t = cfg.train
     c.positive("train.lr", t.lr, "e.g. 3e-4")
     c.positive("train.steps", t.steps)
@@ -275,7 +288,7 @@ def _check_train(c: _Checker, cfg: DSparkConfig) -> None:
                "point it at one, or use champion")
 
 
-def _check_stream(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     st = cfg.stream
     c.one_of("stream.dtype", st.dtype, ("auto", *DTYPES))
     c.positive("stream.buffer_per_trainer", st.buffer_per_trainer)
@@ -287,7 +300,7 @@ def _check_stream(c: _Checker, cfg: DSparkConfig) -> None:
         c.fail("stream.port", st.port, "must be 0 (derive from the job id) or a TCP port")
 
 
-def _check_eval(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
     e = cfg.eval
     if not e.benchmarks:
         c.fail("eval.benchmarks", [], f"need at least one of {', '.join(BENCHMARKS)}")
@@ -333,7 +346,7 @@ def _tracking_reachable(uri: str) -> str | None:
         return str(getattr(err, "reason", err))
 
 
-def _check_tracking(c: _Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
+def _check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
     tr = cfg.tracking
     scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
     if scheme not in TRACKING_SCHEMES:
@@ -346,7 +359,7 @@ def _check_tracking(c: _Checker, cfg: DSparkConfig, check_tracking: bool) -> Non
         c.fail("tracking.experiment", tr.experiment, "set an experiment name")
 
 
-def _check_schedule(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_schedule(c: Checker, cfg: DSparkConfig) -> None:
     from hpc.launch.cron import HINT, parse_cron
 
     cron = cfg.schedule.cron
@@ -357,7 +370,7 @@ def _check_schedule(c: _Checker, cfg: DSparkConfig) -> None:
             c.fail("schedule.cron", cron, f"{err}; use {HINT}")
 
 
-def _check_devices_here(c: _Checker, cfg: DSparkConfig) -> None:
+def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
     """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
     t = cfg.train
     if t.device.startswith("cuda"):
@@ -368,10 +381,42 @@ def _check_devices_here(c: _Checker, cfg: DSparkConfig) -> None:
                    "train.dist_backend=gloo, or run on a GPU node")
 
 
+_PLAN_POSITIVE = {
+    "target_params_b": "total target parameters in billions, e.g. 1000 for Kimi-K2.6",
+    "target_active_params_b": "parameters active per token in billions, e.g. 32 for Kimi-K2.6",
+    "target_bytes_per_param": "bytes per stored target parameter, e.g. 2 for bf16",
+    "gpu_tflops": "dense bf16 TFLOP/s per GPU, e.g. 989 for H200",
+    "link_gbps": "verifier node network bandwidth in gigabit/s, e.g. 400 for one NDR port",
+    "gpu_memory_gb": "memory per GPU in GB, e.g. 141 for H200",
+}
+
+
+def check_plan(c: Checker, cfg: DSparkConfig) -> None:
+    """The planner's knobs: zeros here become divisors in `dspark plan`."""
+    p = cfg.plan
+    for key, hint in _PLAN_POSITIVE.items():
+        c.positive(f"plan.{key}", getattr(p, key), f"set the {hint}")
+    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
+        if getattr(p, key) is not None:
+            c.positive(f"plan.{key}", getattr(p, key), "or null to estimate it")
+    if not 0 < p.mfu <= 1:
+        c.fail("plan.mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
+    if p.target_active_params_b > p.target_params_b:
+        c.fail("plan.target_active_params_b", p.target_active_params_b,
+               f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
+    if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
+        c.fail("plan.avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
+
+
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
              check_vllm: bool = True) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit."""
-    c = _Checker()
+    from hpc.config.inputs import check_leaves, check_names, check_repeats
+
+    c = Checker()
+    check_leaves(cfg, c.fail)
+    check_names(cfg, c.fail)
+    check_repeats(cfg, c.fail)
     if runs_here is None:
         runs_here = cfg.cluster.executor == "local"
     if runs_here:
@@ -386,4 +431,5 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     _check_eval(c, cfg)
     _check_tracking(c, cfg, check_tracking)
     _check_schedule(c, cfg)
+    check_plan(c, cfg)
     return c.problems

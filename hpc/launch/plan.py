@@ -80,35 +80,15 @@ class Plan:
     verifier_over: bool
 
 
-def _bad(key: str, value, why: str) -> UserError:
-    return UserError(f"plan.{key} = {value}: {why}")
-
-
 def check_plan(cfg: DSparkConfig) -> None:
     """One-line UserError naming the first bad `plan.*` knob."""
-    p = cfg.plan
-    positive = {
-        "target_params_b": "total target parameters in billions, e.g. 1000 for Kimi-K2.6",
-        "target_active_params_b": "parameters active per token in billions, e.g. 32 for Kimi-K2.6",
-        "target_bytes_per_param": "bytes per stored target parameter, e.g. 2 for bf16",
-        "gpu_tflops": "dense bf16 TFLOP/s per GPU, e.g. 989 for H200",
-        "link_gbps": "verifier node network bandwidth in gigabit/s, e.g. 400 for one NDR port",
-        "gpu_memory_gb": "memory per GPU in GB, e.g. 141 for H200",
-    }
-    for key, hint in positive.items():
-        if not getattr(p, key) > 0:
-            raise _bad(key, getattr(p, key), f"must be > 0; set the {hint}")
-    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
-        value = getattr(p, key)
-        if value is not None and not value > 0:
-            raise _bad(key, value, "must be > 0, or null to estimate it")
-    if not 0 < p.mfu <= 1:
-        raise _bad("mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
-    if p.target_active_params_b > p.target_params_b:
-        raise _bad("target_active_params_b", p.target_active_params_b,
-                   f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
-    if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
-        raise _bad("avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
+    from hpc.config.validate import Checker
+    from hpc.config.validate import check_plan as plan_checks
+
+    c = Checker()
+    plan_checks(c, cfg)
+    if c.problems:
+        raise UserError(c.problems[0])
 
 
 def stream_dtype_name(cfg: DSparkConfig) -> str:
@@ -211,7 +191,9 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
 
     in_flight = cfg.verifier.capture_concurrency or default_capture_concurrency(seq)
 
-    ranks = t.ranks_per_node or max(c.gpus_per_node, 1)
+    from hpc.config.validate import ranks_per_node
+
+    ranks = ranks_per_node(cfg)
     world = c.trainer_nodes * ranks
     micro = max(t.global_batch_size // (world * t.grad_accumulation), 1)
     # max_anchors bounds the anchors of one packed micro-step row, not of one sample.

@@ -91,7 +91,9 @@ def prepare_once(cfg, env: SlurmEnv) -> None:
 
 def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
     """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
-    V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, cfg.train.ranks_per_node
+    from hpc.config.validate import ranks_per_node
+
+    V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, ranks_per_node(cfg)
     T = Tn * rpn
     if node_index < V:
         return [T + node_index], T, V

@@ -42,11 +42,18 @@ def shapes_only(config: str, overrides: list[str]) -> int:
 
 
 def export(checkpoint: str, out: str, n: int | None) -> int:
-    from hpc.model.export import export_draft, load_draft
+    from hpc.model.export import check_export_target, export_draft, load_draft, read_export_config
 
     src = Path(checkpoint)
+    check_export_target(Path(out))
+    if Path(out).resolve() == src.resolve():
+        raise UserError(f"OUT is the checkpoint itself ({src}); export into a new directory")
+    config = read_export_config(src)
+    block = config.get("block_size")
+    if n is not None and isinstance(block, int) and not 1 <= n <= block:
+        raise UserError(f"--n {n}: a draft of block_size {block} proposes 1..{block} tokens; pick n in that range")
     model = load_draft(src)
-    verifier = json.loads((src / "config.json").read_text()).get("speculators_config", {}).get("verifier", {})
+    verifier = config.get("speculators_config", {}).get("verifier", {})
     export_draft(model, out, verifier.get("name_or_path"), verifier.get("architectures", []), n)
     print(f"exported {src} -> {out} ({'dflash' if model.args.is_dflash else 'dspark'}, bf16)")
     return 0

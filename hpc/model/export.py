@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
+from hpc.fsio import replace_dir
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.vocab import check_d2t
 
@@ -98,10 +99,33 @@ def export_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
+EXPORT_FILES = {"config.json", WEIGHTS}
+
+
+def is_export(path: Path) -> bool:
+    """A directory holding exactly a draft export, which `dspark export` may replace."""
+    try:
+        names = {p.name for p in path.iterdir()}
+        return names == EXPORT_FILES and "speculators_model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def check_export_target(out: Path) -> None:
+    """OUT is replaced whole, so it must be new, empty, or an earlier export: anything else
+    (a training run, a checkpoint directory, a home directory) is refused before any work."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"{out} exists and is not a directory; choose a new OUT directory")
+    if out.is_dir() and any(out.iterdir()) and not is_export(out):
+        raise UserError(f"{out} is not empty and not a draft export (only config.json + {WEIGHTS}); "
+                        "export into a new directory, e.g. runs/train/export")
+
+
 def atomic_dir(out: Path):
-    """Context manager: a temp dir next to `out`, renamed over it on success."""
+    """Context manager: a temp dir next to `out`, fsynced and renamed over it on success."""
     class _Atomic:
         def __enter__(self_inner) -> Path:
+            check_export_target(out)
             out.parent.mkdir(parents=True, exist_ok=True)
             self_inner.tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
             return self_inner.tmp
@@ -110,11 +134,9 @@ def atomic_dir(out: Path):
             if exc_type is not None:
                 shutil.rmtree(self_inner.tmp, ignore_errors=True)
                 return False
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            if out.exists():
-                out.rename(old)
-            self_inner.tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            check_export_target(out)  # it may have changed while the weights were written
+            os.chmod(self_inner.tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared
+            replace_dir(self_inner.tmp, out)
             return False
     return _Atomic()
 
@@ -133,14 +155,34 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
     return out
 
 
+def read_export_config(path: Path) -> dict:
+    """config.json of an export or checkpoint; one line when it is missing, cut short or foreign."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file() or not (path / WEIGHTS).is_file():
+        raise UserError(f"{path} is not a draft export: it needs config.json and {WEIGHTS}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{cfg_file}: not valid JSON ({err}); the file is damaged or truncated, "
+                        "re-export it or pick an earlier checkpoint")
+    if not isinstance(cfg, dict) or "transformer_layer_config" not in cfg:
+        raise UserError(f"{cfg_file}: not a speculators draft config (no transformer_layer_config)")
+    return cfg
+
+
 def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> DSparkDraft:
     """An export (or a checkpoint in the same layout) back into a model, shapes checked by name."""
     path = Path(path)
-    cfg_file, weights = path / "config.json", path / WEIGHTS
-    if not cfg_file.is_file() or not weights.is_file():
-        raise UserError(f"{path} is not a draft export: it needs config.json and {WEIGHTS}")
-    model = DSparkDraft(args_from_export_config(json.loads(cfg_file.read_text())))
-    tensors = load_file(str(weights))
+    weights = path / WEIGHTS
+    try:
+        model = DSparkDraft(args_from_export_config(read_export_config(path)))
+    except KeyError as err:
+        raise UserError(f"{path / 'config.json'}: missing key {err}; the file is damaged, re-export the draft")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as err:  # safetensors raises its own error type for a cut-short file
+        raise UserError(f"{weights}: unreadable ({str(err).splitlines()[0]}); the file is damaged or truncated, "
+                        "re-export it or pick an earlier checkpoint")
     expected = model.state_dict()
     problems = [f"{k}: missing from {weights.name}" for k in expected if k not in tensors]
     problems += [f"{k}: unexpected tensor (not in the config's model)" for k in tensors if k not in expected]

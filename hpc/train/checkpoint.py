@@ -5,7 +5,12 @@ Layout of `step_00001234/` (written as a hidden temp dir, renamed when complete)
   `dspark export` reads a checkpoint directly;
 - `optimizer.safetensors` + `optimizer.json`: optimizer tensors and hyper-parameters;
 - `state.json`: step, epoch, data ledger, python RNG state;
-- `rank{r}.safetensors`: each rank's torch RNG states (CPU, CUDA, the anchor generator).
+- `rank{r}.safetensors`: each rank's torch RNG states (CPU, CUDA, the anchor generator);
+- `manifest.json`: every file's size, written last.
+
+The directory is fsynced before the rename, and a resume checks the newest checkpoint
+(manifest sizes, JSON, safetensors headers) and falls back to the previous good one, saying
+so: a node that died mid-write must not cost the run.
 """
 
 from __future__ import annotations
@@ -14,12 +19,20 @@ import json
 import random
 import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from hpc.fsio import replace_dir
+
+MANIFEST = "manifest.json"
+REQUIRED = ("model.safetensors", "config.json", "optimizer.safetensors", "optimizer.json", "state.json")
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -101,9 +114,39 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=lambda p: p.name)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` cannot be resumed from, or None when it is whole."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
+        for name in REQUIRED:
+            if not (path / name).is_file():
+                return f"{name} is missing"
+        for name, size in manifest.items():
+            if not (path / name).is_file() or (path / name).stat().st_size != size:
+                return f"{name} is not the size the manifest records"
+        for name in path.iterdir():
+            if name.suffix == ".json":
+                json.loads(name.read_text())
+            elif name.suffix == ".safetensors":
+                with safe_open(str(name), framework="pt") as f:
+                    f.keys()
+    except Exception as err:  # a damaged file raises whatever its parser raises
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def latest_checkpoint(root: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that is whole; damaged newer ones are skipped, and `say` is told."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     found = list_checkpoints(Path(root))
-    return found[-1] if found else None
+    for i, path in enumerate(reversed(found)):
+        why = checkpoint_problem(path)
+        if why is None:
+            return path
+        earlier = found[-2 - i].name if i + 1 < len(found) else None
+        say(f"checkpoint {path} is damaged ({why}); "
+            + (f"falling back to {earlier}" if earlier else "no earlier checkpoint, starting from scratch"))
+    return None
 
 
 def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dict, opt: torch.optim.Optimizer,
@@ -111,10 +154,11 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
     """Collective: every rank writes its RNG file; rank 0 writes the rest and renames."""
     root = Path(root)
     final = root / f"step_{state.step:08d}"
+    # Every rank writes into it, so its name is one they all know; one job owns output_dir.
     tmp = root / f".step_{state.step:08d}.tmp"
     rank = _rank(group)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a job that died mid-save
         tmp.mkdir(parents=True)
     _barrier(group)
     save_file(rng_tensors(generator), str(tmp / f"rank{rank}.safetensors"))
@@ -130,9 +174,9 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
         (tmp / "state.json").write_text(json.dumps({**asdict(state), "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}))
     _barrier(group)
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
+        replace_dir(tmp, final)
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)

@@ -112,3 +112,49 @@ def test_mask_token_outside_vocab_is_rejected(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="mask_token_id 64 is outside the target vocab"):
         load_draft(out)
+
+
+def _export_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc", "export", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
+    ckpt = export_draft(tiny_model(), tmp_path / "run" / "checkpoints" / "step_00000001")
+    precious = tmp_path / "run" / "notes.txt"
+    precious.write_text("keep me")
+    res = _export_cli(str(ckpt), str(tmp_path / "run"))  # the training run itself as OUT
+    assert res.returncode == 2 and "not a draft export" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert precious.read_text() == "keep me" and (ckpt / "model.safetensors").is_file()
+    same = _export_cli(str(ckpt), str(ckpt))
+    assert same.returncode == 2 and "Traceback" not in same.stderr
+    # An earlier export is replaced whole, and no temp or aside directory is left behind.
+    assert _export_cli(str(ckpt), str(tmp_path / "out")).returncode == 0
+    assert _export_cli(str(ckpt), str(tmp_path / "out")).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+@pytest.mark.parametrize("n", ["0", "9", "-1"])
+def test_export_n_outside_the_block_is_refused_before_writing(tmp_path, n):
+    ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
+    block = json.loads((ckpt / "config.json").read_text())["block_size"]
+    res = _export_cli(str(ckpt), str(tmp_path / "out"), "--n", n)
+    assert res.returncode == 2 and f"1..{block}" in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate weights", "truncate config", "drop a key"])
+def test_a_damaged_draft_gives_one_line(tmp_path, damage):
+    out = export_draft(tiny_model(), tmp_path / "draft")
+    if damage == "truncate weights":
+        data = (out / "model.safetensors").read_bytes()
+        (out / "model.safetensors").write_bytes(data[: len(data) // 3])
+    elif damage == "truncate config":
+        text = (out / "config.json").read_text()
+        (out / "config.json").write_text(text[: len(text) // 2])
+    else:
+        cfg = json.loads((out / "config.json").read_text())
+        del cfg["block_size"]
+        (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="damaged") as info:
+        load_draft(out)
+    assert "\n" not in str(info.value)

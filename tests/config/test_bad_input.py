@@ -1,0 +1,116 @@
+"""Bad input a new user types: each case fails at `validate`, in one line naming the key, and
+nothing downstream ever sees it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.config import ConfigError, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
+
+
+def problems_for(overrides: list[str], path: Path = KIMI) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        resolve(path, overrides, check_tracking=False)
+    assert all("\n" not in p for p in info.value.problems)  # one line each, even for a value with newlines
+    return info.value.problems
+
+
+BAD = {
+    # Strings that reach generated job scripts.
+    "newline in name": (["name='x\nsrun rm -rf ~'"], "name"),
+    "path in name": (["name=../../etc"], "name = '../../etc'"),
+    "newline in qos": (["cluster.qos='high\n#SBATCH --qos=root'"], "cluster.qos"),
+    "qos with a space": (["cluster.qos='a b'"], "not a Slurm name"),
+    "account with shell": (["cluster.account='$(id)'"], "cluster.account"),
+    "mem not a size": (["cluster.mem=lots"], "cluster.mem"),
+    "sbatch_extra with shell": (["cluster.sbatch_extra=['--constraint=h200; rm -rf /']"], "cluster.sbatch_extra[0]"),
+    "sbatch_extra short flag": (["cluster.sbatch_extra=['-x']"], "cluster.sbatch_extra[0]"),
+    "newline in cron": (["schedule.cron='0 3 * * *\n* * * * * curl evil'"], "schedule.cron"),
+    "tab in a data path": (["data.sources=[{path: \"a\tb\"}]"], "control character"),
+    "slash in compare name": (["eval.compare=[{name: a/b, method: ngram}]"], "eval.compare[0].name"),
+    # Numbers that pass range checks and fail later.
+    "nan lr": (["train.lr=.nan"], "train.lr = nan: must be a finite number"),
+    "infinite loss weight": (["train.loss.tv_weight=.inf"], "train.loss.tv_weight"),
+    "nan heartbeat": (["stream.heartbeat_s=.nan"], "stream.heartbeat_s"),
+    "absurd step count": (["train.steps=1000000000000"], "implausibly large"),
+    "absurd node count": (["cluster.trainer_nodes=100000"], "cluster.trainer_nodes"),
+    "zero prefetch": (["stream.prefetch=0"], "stream.prefetch"),
+    "zero gpu tflops": (["plan.gpu_tflops=0"], "plan.gpu_tflops"),
+    "mfu over one": (["plan.mfu=2"], "plan.mfu"),
+    # Repeats where each value names a job.
+    "repeated n": (["eval.num_speculative_tokens=[3,3]"], "appears twice"),
+    "repeated benchmark": (["eval.benchmarks=[gsm8k,gsm8k]"], "eval.benchmarks"),
+    # Sweeps.
+    "sweep over allocation": (["sweep={cluster.trainer_nodes: [1, 2]}"], "share one allocation"),
+    "sweep value out of range": (["sweep={train.lr: [1e-4, -1]}"], "sweep variant 1 (train.lr=-1): train.lr"),
+    # Paths taken for hub ids.
+    "relative data file": (["data.sources=[{path: data/missing.jsonl}]"], "data file does not exist"),
+    "relative model dir": (["verifier.model=models/a/b"], "target model directory does not exist"),
+    # Combinations a late stage would reject.
+    "dflash layout with anchor": (["draft.markov_rank=0", "draft.enable_confidence_head=false",
+                                   "draft.sample_from_anchor=true"], "draft.sample_from_anchor"),
+    # OmegaConf's own words never reach the user.
+    "string for int": (["train.steps=abc"], "train.steps = 'abc': must be an integer"),
+    "word for enum": (["train.schedule=cosin"], "must be one of cosine, linear, constant"),
+    "scalar for list": (["verifier.aux_layer_ids=3"], "must be a list"),
+}
+
+
+@pytest.mark.parametrize("overrides,needle", list(BAD.values()), ids=list(BAD))
+def test_bad_value_is_refused_naming_the_key(overrides, needle):
+    problems = problems_for(overrides)
+    assert any(needle in p for p in problems), problems
+    assert not any("could not be converted" in p or "full_key" in p for p in problems), problems
+
+
+def test_a_good_sweep_over_training_keys_passes():
+    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"], check_tracking=False)
+    assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}
+
+
+def test_ranks_per_node_null_resolves_to_one_number_everywhere():
+    from hpc.launch.stages import node_ranks
+
+    cfg = resolve(KIMI, ["cluster.trainer_nodes=2", "train.ranks_per_node=null", "train.global_batch_size=32"], check_tracking=False)
+    assert cfg.train.ranks_per_node == 8  # null in the recipe: one rank per GPU
+    assert node_ranks(cfg, 2) == (list(range(8, 16)), 16, 1)
+    cfg.train.ranks_per_node = None  # a config object built without resolve() still works
+    assert node_ranks(cfg, 0) == ([16], 16, 1)
+
+
+FILES = {
+    "empty": (b"", "is empty"),
+    "only comments": (b"# nothing here\n\n", "is empty"),
+    "binary": (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary file"),
+    "not utf-8": (b"name: caf\xe9\n", "not UTF-8"),
+    "section twice": (b"train:\n  lr: 1.0e-4\neval:\n  rows: 2\ntrain:\n  steps: 5\n", "`train` is given twice"),
+    "key twice": (b"train:\n  lr: 1.0e-4\n  lr: 3.0e-4\n", "`lr` is given twice (lines 2 and 3)"),
+    "a list, not a mapping": (b"- a\n- b\n", "top level must be a mapping"),
+}
+
+
+@pytest.mark.parametrize("content,needle", list(FILES.values()), ids=list(FILES))
+def test_a_config_file_that_is_not_a_config_gives_one_line(tmp_path, content, needle):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(path), "--offline"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2, res.stderr
+    assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_overrides_may_follow_flags():
+    res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "train.lr=-1"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "train.lr = -1" in res.stderr, res.stderr
+    stray = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "oops"],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert stray.returncode == 2 and "unrecognized arguments: oops" in stray.stderr, stray.stderr

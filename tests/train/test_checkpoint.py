@@ -1,0 +1,53 @@
+"""Checkpoints are whole or skipped: a damaged newest one falls back to the previous good one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc.train.checkpoint import TrainState, checkpoint_problem, latest_checkpoint, list_checkpoints, save_checkpoint
+
+
+def _save(root, step: int, keep: int = 5):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    return save_checkpoint(root, model, {"step": step}, opt, TrainState(step=step), None, keep)
+
+
+def test_saves_are_whole_and_leave_no_temp(tmp_path):
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=2)
+    assert [p.name for p in tmp_path.iterdir()] and all(not p.name.startswith(".") for p in tmp_path.iterdir())
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020", "step_00000030"]
+    assert checkpoint_problem(list_checkpoints(tmp_path)[-1]) is None
+    _save(tmp_path, 30, keep=2)  # the same step again (a resumed run) replaces it whole
+    assert checkpoint_problem(tmp_path / "step_00000030") is None
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "missing state", "bad json", "size mismatch"])
+def test_a_damaged_latest_checkpoint_falls_back_and_says_so(tmp_path, damage):
+    _save(tmp_path, 10)
+    last = _save(tmp_path, 20)
+    if damage == "truncated weights":
+        data = (last / "model.safetensors").read_bytes()
+        (last / "model.safetensors").write_bytes(data[:40])
+    elif damage == "missing state":
+        (last / "state.json").unlink()
+    elif damage == "bad json":
+        (last / "optimizer.json").write_text("{")
+    else:
+        with open(last / "rank0.safetensors", "ab") as f:
+            f.write(b" ")
+    said: list[str] = []
+    assert latest_checkpoint(tmp_path, said.append) == tmp_path / "step_00000010"
+    assert len(said) == 1 and "step_00000020 is damaged" in said[0] and "falling back to step_00000010" in said[0]
+
+
+def test_no_good_checkpoint_means_a_fresh_start_said_out_loud(tmp_path):
+    last = _save(tmp_path, 10)
+    (last / "config.json").unlink()
+    said: list[str] = []
+    assert latest_checkpoint(tmp_path, said.append) is None
+    assert "starting from scratch" in said[0]
