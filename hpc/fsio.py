@@ -9,14 +9,54 @@ one path (two jobs, two threads) never share or delete each other's temp file.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
+import socket
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
 def temp_name(path: Path, kind: str = "tmp") -> Path:
-    """A hidden sibling of `path` that no other writer picks."""
-    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+    """A hidden sibling of `path` that no other writer picks. It names its writer (host, pid),
+    so a cleanup can tell a dead writer's leftovers from a live writer's file in progress."""
+    return path.with_name(f".{path.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(root: Path, max_age_s: float = 86400.0) -> list[Path]:
+    """Delete the temp files in `root` whose writer is gone: a dead pid on this host, or (for
+    another host, which we cannot ask) older than `max_age_s`. Live writers' files stay."""
+    removed = []
+    here = socket.gethostname()
+    for path in root.glob(".*"):
+        m = _TEMP.match(path.name)
+        if m is None:
+            continue
+        if m["host"] == here:
+            stale = not _alive(int(m["pid"]))
+        else:
+            stale = time.time() - path.lstat().st_mtime > max_age_s
+        if stale:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def fsync_dir(path: Path) -> None:
@@ -42,21 +82,33 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(d)
 
 
-def write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `path` so that a reader sees the old content or the new, never a mix or a gap."""
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temp path to write `path` through (for writers that take a file name: safetensors,
+    matplotlib); on success it is fsynced and renamed over `path`, on failure removed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `path` so that a reader sees the old content or the new, never a mix or a gap."""
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
 
 
 def write_text(path: str | Path, text: str, mode: int = 0o644) -> None:

@@ -86,14 +86,18 @@ class VerifierConfig:
     python: str = "python3"  # interpreter of the venv vLLM lives in
     entrypoint: str = "vllm.entrypoints.openai.api_server"
     host: str = "127.0.0.1"
-    port: int = 8000
+    # Our vLLM servers serve only this node's own clients; another address is refused unless
+    # this is true (the servers still require their per-server API key).
+    allow_remote_host: bool = False
+    port: int = 0  # 0: a free port per server (a fixed one can be taken by another user first)
     extra_args: list[str] = field(default_factory=list)
     # fuse_allreduce_rms breaks CUDA-graph capture under spec-decode token expansion.
     compilation_config: dict[str, Any] = field(
         default_factory=lambda: {"pass_config": {"fuse_allreduce_rms": False}}
     )
     env: dict[str, str] = field(default_factory=dict)
-    capture_dir: str = "/dev/shm/dspark-captures"
+    # Node-local directory (RAM) under which each capture server makes its own 0700 directory.
+    capture_dir: str = "/dev/shm"
     # Capture requests in flight per verifier node, so vLLM batches prefills; None: what
     # `dspark plan` recommends for the data's sample length.
     capture_concurrency: Optional[int] = None

@@ -142,6 +142,9 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
     c.positive("verifier.max_model_len", v.max_model_len)
     if not 0 < v.gpu_memory_utilization <= 1:
         c.fail("verifier.gpu_memory_utilization", v.gpu_memory_utilization, "must be in (0, 1]")
+    if v.host not in ("127.0.0.1", "localhost", "::1") and not v.allow_remote_host:
+        c.fail("verifier.host", v.host, "our vLLM servers listen for this node's clients only; use 127.0.0.1, "
+               "or set verifier.allow_remote_host=true to expose them (API key still required)")
     if not 0 <= v.port <= 65535:
         c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
     if v.backend.value == "vllm":

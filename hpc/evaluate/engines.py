@@ -74,6 +74,7 @@ class VLLMEngine:
     def __init__(self, server, request_timeout_s: float = 600.0):
         self.server = server
         self.session = requests.Session()
+        self.session.headers.update(getattr(server, "headers", {}))
         self.timeout = request_timeout_s
 
     def counters(self) -> Counters:

@@ -7,7 +7,6 @@ done; a requeued job finds it (same manifest sha256) and does not run it again.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,10 +50,10 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    from hpc.fsio import write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def finished(out_dir: Path, bench) -> BenchResult | None:

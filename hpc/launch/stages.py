@@ -56,9 +56,9 @@ def localize_in_job(cfg, env: SlurmEnv):
         except UserError as err:  # the other nodes stop waiting and say why
             failed.write_text(str(err))
             raise
-        tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
-        tmp.write_text(cfg.verifier.model)
-        tmp.replace(marker)
+        from hpc.fsio import write_text
+
+        write_text(marker, cfg.verifier.model)
         print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
         return cfg
     # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
@@ -236,7 +236,8 @@ def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False)
     else:
         server = start_regen_server(cfg, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
         try:
-            stats = regenerate(cfg, server.url, concurrency=cfg.data.regen_concurrency, log=say)
+            stats = regenerate(cfg, server.url, concurrency=cfg.data.regen_concurrency, log=say,
+                               api_key=server.api_key)
         finally:
             server.stop()
         servers, served = 1, []

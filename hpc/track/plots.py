@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -16,10 +15,10 @@ def _figure():
 
 
 def _save(fig, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(out)
+    from hpc.fsio import atomic_path
+
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix.lstrip(".") or "png")
     return out
 
 

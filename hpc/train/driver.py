@@ -91,9 +91,9 @@ def write_progress(path: Path, step: int, total: int, m: dict) -> None:
     _last_progress[0] = now
     data = {"step": step, "total": total, "loss": m.get("loss"), "samples_per_s": m.get("samples_per_s"),
             "eta_s": m.get("eta_s"), "updated": time.time()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    from hpc.fsio import write_text
+
+    write_text(path, json.dumps(data))
 
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,

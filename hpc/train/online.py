@@ -8,7 +8,6 @@ trainers' own pair of them) are described in `hpc.dist.planes`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,11 +18,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hpc.dist.planes import Planes, init_planes, open_pairs
+from hpc.fsio import atomic_path
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.loss import VerifierHead
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
-from hpc.stream.streamer import run_streamer
 from hpc.train.loop import EXIT_REQUEUE, RequeueRequested, Trainer
 from hpc.train.sources import epoch_sequence
 from hpc.train.target_weights import load_target_tensors
@@ -67,11 +66,9 @@ def write_rows(path: str | Path, rows: Iterable) -> Path:
     """Tokenised rows as JSONL (`{id, input_ids, loss_mask}`), written atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         for r in rows:
             f.write(json.dumps({"id": r.sample_id, "input_ids": r.input_ids, "loss_mask": r.loss_mask}) + "\n")
-    tmp.replace(path)
     return path
 
 
@@ -113,9 +110,8 @@ def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm:
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
     return path
 
 

@@ -34,10 +34,14 @@ class Reply:
     truncated: bool  # stopped by max_tokens rather than by the model
 
 
-def served_model(url: str, timeout: float = 30.0) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_model(url: str, timeout: float = 30.0, api_key: str | None = None) -> str:
     """The id the server serves under; with --server-url it need not equal verifier.model."""
     try:
-        resp = requests.get(f"{url.rstrip('/')}/v1/models", timeout=timeout)
+        resp = requests.get(f"{url.rstrip('/')}/v1/models", timeout=timeout, headers=auth_headers(api_key))
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (requests.RequestException, KeyError, IndexError, ValueError) as err:
@@ -54,12 +58,14 @@ class ChatClient:
     timeout: float = 600.0  # one long generation on a busy server may take minutes
     retries: int = 3
     backoff: float = 1.0  # seconds before the first retry; doubles each time
+    api_key: str | None = field(default=None, repr=False)  # the server's key, sent with every request
     # requests.Session is not documented as thread-safe: one per worker thread.
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._local.session.headers.update(auth_headers(self.api_key))
         return self._local.session
 
     def complete(self, messages: list[dict], seed: int | None = None) -> Reply:

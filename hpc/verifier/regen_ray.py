@@ -37,13 +37,15 @@ class RegenServer:
         # On a Slurm node the task's environment reaches Ray's workers: name the node as Slurm does.
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.server = None
+        key = os.environ.get("VLLM_API_KEY") if url is not None else None
         if url is None:
             import ray
 
             node = ray.get_runtime_context().get_node_id()[:8]
             self.server = start_regen_server(cfg, log_path=Path(log_dir) / f"regenerate-vllm-{self.host}-{node}.log")
-            url = self.server.url
-        self.client = ChatClient(url, served_model(url), cfg.data.regen_max_tokens, cfg.data.regen_temperature)
+            url, key = self.server.url, self.server.api_key
+        self.client = ChatClient(url, served_model(url, api_key=key), cfg.data.regen_max_tokens,
+                                 cfg.data.regen_temperature, api_key=key)
 
     def info(self) -> tuple[str, str]:
         """(host, served model): also the readiness probe, as the constructor waited for health."""

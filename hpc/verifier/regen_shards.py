@@ -15,12 +15,13 @@ progress and no row is ever written twice.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
+# Temp names do not end in .jsonl: readers globbing *.jsonl never see a partial shard.
+from hpc.fsio import remove_stale_temps, write_text
 
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"shard-(\d{5,})\.jsonl")
@@ -39,16 +40,6 @@ class ShardInfo:
     skipped: dict[str, int] = field(default_factory=dict)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    # tmp name does not end in .jsonl, so readers globbing *.jsonl never see a partial shard.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 class ShardStore:
     def __init__(self, root: str | Path, shard_size: int, settings: dict):
         if shard_size < 1:
@@ -62,8 +53,7 @@ class ShardStore:
     def open(self) -> int:
         """Check the settings, drop incomplete leftovers; return the input row to restart at."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for tmp in self.root.glob(".*.tmp-*"):  # from a killed writer
-            tmp.unlink(missing_ok=True)
+        remove_stale_temps(self.root)  # a killed writer's; never a live writer's file in progress
         manifest = self.root / MANIFEST
         old = json.loads(manifest.read_text()) if manifest.exists() else None
         if old is None and any(self.root.glob("shard-*.jsonl")):
@@ -98,7 +88,7 @@ class ShardStore:
         k = start // self.shard_size
         assert start == k * self.shard_size and k == len(self.shards), "shards are written in order"
         info = ShardInfo(shard_name(k), start, end, len(records), dict(skipped))
-        _atomic_write(self.root / info.name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_text(self.root / info.name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self.shards.append(info)
         self._write_manifest()
         return info
@@ -110,7 +100,7 @@ class ShardStore:
 
     def _write_manifest(self) -> None:
         body = {"settings": self.settings, "finished": self.finished, "shards": [asdict(s) for s in self.shards]}
-        _atomic_write(self.root / MANIFEST, json.dumps(body, indent=1) + "\n")
+        write_text(self.root / MANIFEST, json.dumps(body, indent=1) + "\n")
 
 
 def read_shards(root: str | Path) -> list[dict]:

@@ -168,7 +168,8 @@ def regeneration_complete(cfg: DSparkConfig) -> bool:
 
 def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, concurrency: int = 4,
                progress: bool = False, max_rows: int | None = None, max_consecutive_failures: int = 32,
-               client: ChatClient | None = None, log: Callable[[str], None] = print) -> RegenStats:
+               client: ChatClient | None = None, log: Callable[[str], None] = print,
+               api_key: str | None = None) -> RegenStats:
     """Regenerate every row of cfg.data.sources into {data.output_dir}/regenerated; resumes.
 
     ``max_rows`` stops after that many input rows (a later run without it continues). After
@@ -178,7 +179,8 @@ def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, co
     t0 = time.monotonic()
     data = cfg.data
     if client is None:
-        client = ChatClient(server_url, served_model(server_url), data.regen_max_tokens, data.regen_temperature)
+        client = ChatClient(server_url, served_model(server_url, api_key=api_key), data.regen_max_tokens,
+                            data.regen_temperature, api_key=api_key)
     store = ShardStore(regenerated_dir(cfg), shard_size, {
         "sources": _source_settings(cfg), "model": client.model,
         "temperature": client.temperature, "max_tokens": client.max_tokens, "seed": data.seed})

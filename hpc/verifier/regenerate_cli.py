@@ -8,6 +8,7 @@ verifier section (verifier.python / model / extra_args / env; port 0 = a free po
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -23,15 +24,16 @@ def run(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     server = None
     url = args.server_url
+    key = os.environ.get("VLLM_API_KEY")  # an existing server's key, under vLLM's own variable
     if url is None:
         log = Path(cfg.data.output_dir) / "logs" / "regenerate-vllm.log"
         print(f"starting vLLM for {cfg.verifier.model} (log: {log})", flush=True)
         server = start_regen_server(cfg, log_path=log)
-        url = server.url
+        url, key = server.url, server.api_key
     try:
         stats = regenerate(cfg, url, shard_size=args.shard_size, concurrency=args.concurrency or cfg.data.regen_concurrency,
                            progress=progress, max_rows=args.max_rows,
-                           log=lambda line: print(line, flush=True))
+                           log=lambda line: print(line, flush=True), api_key=key)
     finally:
         if server is not None:
             server.stop()

@@ -5,12 +5,14 @@ Server side (flags built from VerifierConfig in `server_args`):
   ids plus `num_hidden_layers` (the last layer's output, which the last hidden state needs),
   sorted and without repeats, since vLLM collects them in layer order;
 - our KV connector (capture_connector.py, loaded via `kv_connector_module_path`) writes one
-  safetensors file per request into `<capture_dir>/port-<port>/` (node-local: /dev/shm).
+  safetensors file per request into a private 0700 directory of this server under
+  `<capture_dir>` (node-local RAM, /dev/shm, which every user of the node shares).
 
 Client side, `VLLMVerifier.capture(sample_id, ids, mask)`: POST /v1/completions with the ids as
 the prompt and max_tokens=1 (only prompt tokens are saved), wait for the file named in
 `kv_transfer_params`, read it, delete it, and build aux [T, n_aux, H] and the last hidden state.
-Problems with one sample's file raise CaptureError, so the streamer skips that sample only.
+Problems with one sample's file raise CaptureError, so the streamer skips that sample only; a
+path outside our directory is refused (we delete what we read). Requests carry the key.
 The client must run on the server's node (the streamer does): the path is node-local.
 """
 
@@ -97,16 +99,25 @@ class CaptureServer:
         self.stop()
 
 
+def private_capture_dir(base: str | Path, port: int) -> Path:
+    """A fresh 0700 directory of ours under `base` (node-local RAM, shared by every user of the
+    node): nobody else can read, swap or plant capture files in it, and removing it at the end
+    touches no other job's captures."""
+    base = Path(base)
+    if not base.is_dir():
+        raise UserError(f"verifier.capture_dir = {str(base)!r}: no such directory on this node; "
+                        "use /dev/shm or another node-local directory")
+    job = os.environ.get("SLURM_JOB_ID", "local")
+    return Path(tempfile.mkdtemp(prefix=f"dspark-{os.getuid()}-{job}-port{port}-", dir=base))
+
+
 def start_capture_server(cfg: VerifierConfig, *, log_path: str | Path | None = None,
                          num_hidden_layers: int | None = None) -> CaptureServer:
     """Start vLLM from `cfg.python` with hidden-state capture; raises UserError if it never gets healthy."""
     n_layers = num_hidden_layers or _num_layers(cfg)
     layer_ids = capture_layer_ids(list(cfg.aux_layer_ids), n_layers)
-    # One folder per server: files a crashed server left behind (RAM, in /dev/shm) go at the next start.
     port = cfg.port or free_port(cfg.host)
-    capture_dir = Path(cfg.capture_dir) / f"port-{port}"
-    shutil.rmtree(capture_dir, ignore_errors=True)
-    capture_dir.mkdir(parents=True)
+    capture_dir = private_capture_dir(cfg.capture_dir, port)
     # The connector runs in vLLM's venv: put a copy of just that file on its PYTHONPATH.
     connector_dir = Path(tempfile.mkdtemp(prefix="dspark-connector-"))
     shutil.copy2(CONNECTOR_FILE, connector_dir / f"{CONNECTOR_MODULE}.py")
@@ -200,6 +211,7 @@ class VLLMVerifier:
     def session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._local.session.headers.update(self.server.server.headers)
             self._sessions.append(self._local.session)
         return self._local.session
 
@@ -221,7 +233,16 @@ class VLLMVerifier:
         if PATH_KEY not in params:
             raise CaptureError(f"sample {sample_id}: no capture path in vLLM's answer (is the server running "
                                f"with the {CONNECTOR_CLASS}?): {str(resp.json())[:300]}")
-        return Path(params[PATH_KEY])
+        return self._own_capture_path(sample_id, params[PATH_KEY])
+
+    def _own_capture_path(self, sample_id: int, reported: str) -> Path:
+        """We read and then delete this file: only a file directly in our own capture dir."""
+        path = Path(str(reported))
+        root = self.server.capture_dir.resolve()
+        if path.parent.resolve() != root or path.name.startswith(".") or path.is_symlink():
+            raise CaptureError(f"sample {sample_id}: the server named a capture file outside this job's "
+                               f"capture directory ({path}); refusing to read or delete it")
+        return path
 
     def capture(self, sample_id: int, input_ids: list[int] | torch.Tensor, loss_mask) -> Capture:
         ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]

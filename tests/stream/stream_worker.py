@@ -13,7 +13,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
          n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.config.schema import StreamConfig
-    from hpc.train.online import World, init_world, read_token_rows, run_trainer, streamer_rows
+    from hpc.train.online import World, init_world, run_trainer, streamer_rows
     from tests.train.test_resume import make_parts, rows
 
     w = World(rank, n_trainers, n_streamers)

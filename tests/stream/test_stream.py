@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import pytest
 
 from hpc.track.server import free_port
 from hpc.train.online import EXIT_PEER_DIED

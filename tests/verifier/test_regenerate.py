@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,13 +70,14 @@ def target(vllm_python, toy_target, tmp_path_factory):
         server = start_regen_server(cfg, log_path=tmp / "server.log")
     except UserError as err:
         infra_unavailable(f"vLLM server for regeneration did not start: {err}")
-    yield server.url, over
+    yield server.url, over, server.api_key
     server.stop()
 
 
-def greedy(url: str, messages: list[dict]) -> str:
-    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    resp = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+def greedy(url: str, key: str, messages: list[dict]) -> str:
+    auth = {"Authorization": f"Bearer {key}"}
+    model = requests.get(f"{url}/v1/models", timeout=30, headers=auth).json()["data"][0]["id"]
+    resp = requests.post(f"{url}/v1/chat/completions", timeout=120, headers=auth, json={
         "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
     resp.raise_for_status()
     return resp.json()["choices"][0]["message"]["content"] or ""
@@ -104,9 +106,14 @@ def test_store_refuses_shards_without_manifest_and_drops_partial_writes(tmp_path
     store = ShardStore(tmp_path, 2, {"model": "m"})
     assert store.open() == 0
     store.write(0, 2, [{"row": 0}, {"row": 1}], {})
-    (tmp_path / ".shard-00001.jsonl.tmp-123").write_text("{half")  # a writer killed mid-file
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    (tmp_path / f".shard-00001.jsonl.tmp-{host}-{int(dead.stdout)}-0123abcd").write_text("{half")  # killed mid-file
+    live = tmp_path / f".shard-00001.jsonl.tmp-{host}-{os.getpid()}-0123abcd"  # another writer, still at work
+    live.write_text("{half")
     again = ShardStore(tmp_path, 2, {"model": "m"})
-    assert again.open() == 2 and not list(tmp_path.glob(".*tmp*"))
+    assert again.open() == 2 and list(tmp_path.glob(".*tmp*")) == [live]
+    live.unlink()
     (tmp_path / MANIFEST).unlink()
     with pytest.raises(UserError, match="no manifest.json"):
         ShardStore(tmp_path, 2, {"model": "m"}).open()
@@ -116,9 +123,9 @@ def test_store_refuses_shards_without_manifest_and_drops_partial_writes(tmp_path
 
 @pytest.mark.slow
 def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target, tmp_path):
-    url, over = target
+    url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    stats = regenerate(cfg, url, shard_size=4, concurrency=1)
+    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=1)
     assert (stats.written, dict(stats.skipped), stats.shards) == (10, {"no_user_turn": 1, "malformed": 1}, 3)
     rows = read_shards(regenerated_dir(cfg))
     assert [r["row"] for r in rows] == WRITTEN
@@ -128,28 +135,28 @@ def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target,
     assert [msgs[0]["content"], msgs[1]["content"], msgs[3]["content"]] == [
         "You write Python.", "def parse(text):", "Now add a docstring."]
     assert "ORIGINAL" not in msgs[2]["content"] + msgs[4]["content"]
-    assert msgs[2]["content"] == greedy(url, msgs[:2])
+    assert msgs[2]["content"] == greedy(url, key, msgs[:2])
     # The second turn answers the regenerated first turn: re-asking with it gives the same text.
-    assert msgs[4]["content"] == greedy(url, msgs[:4])
+    assert msgs[4]["content"] == greedy(url, key, msgs[:4])
     three = next(r for r in rows if r["id"] == "multi-3")["messages"]
     assert [m["role"] for m in three] == ["user", "assistant"] * 3
-    assert three[5]["content"] == greedy(url, three[:5])
+    assert three[5]["content"] == greedy(url, key, three[:5])
     assert next(r for r in rows if r["id"] == "prompt-only")["messages"][1]["role"] == "assistant"
     print(f"\nconcurrency 1: {stats.summary()}")
 
 
 @pytest.mark.slow
 def test_concurrency_does_not_change_shard_contents_order(target, tmp_path):
-    url, over = target
+    url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    stats = regenerate(cfg, url, shard_size=4, concurrency=4)
+    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
     shards = sorted(p.name for p in regenerated_dir(cfg).glob("shard-*.jsonl"))
     assert shards == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
     by_shard = [[r["row"] for r in read_shards_of(regenerated_dir(cfg) / s)] for s in shards]
     assert by_shard == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 11]]
     # Batched requests give the solo greedy reply (fp32 on CPU; on GPUs batching may flip near-ties).
     last = read_shards(regenerated_dir(cfg))[-1]["messages"]
-    assert last[-1]["content"] == greedy(url, last[:-1])
+    assert last[-1]["content"] == greedy(url, key, last[:-1])
     print(f"\nconcurrency 4: {stats.summary()}")
 
 
@@ -159,7 +166,7 @@ def read_shards_of(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
-    url, over = target
+    url, over, key = target
     data = write_rows(tmp_path / "rows.jsonl")
     cfg = make_cfg(tmp_path, data, *over)
     out = regenerated_dir(cfg)
@@ -167,7 +174,8 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
            f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
            f"data.regen_max_tokens={MAX_TOKENS}", *over, "--server-url", url, "--shard-size", "4",
            "--concurrency", "1", "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_API_KEY": key})  # an existing server's key
     deadline = time.monotonic() + 120
     while not (out / "shard-00000.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -176,7 +184,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
     log = proc.communicate()[0].decode(errors="replace")
     done = sorted(p.name for p in out.glob("shard-*.jsonl"))
     assert done and done[0] == "shard-00000.jsonl" and len(done) < 3, log
-    stats = regenerate(cfg, url, shard_size=4, concurrency=2)
+    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=2)
     assert stats.resumed_shards >= 1 and stats.resumed_rows == 4 * stats.resumed_shards
     rows = read_shards(out)
     assert [r["row"] for r in rows] == WRITTEN  # each row once, in order
@@ -187,17 +195,17 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
 
 @pytest.mark.slow
 def test_row_limit_then_full_run_redoes_only_the_short_shard(target, tmp_path):
-    url, over = target
+    url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    first = regenerate(cfg, url, shard_size=4, concurrency=4, max_rows=6)
+    first = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4, max_rows=6)
     assert (first.written, first.shards) == (6, 2)  # shard 1 is short: rows 4..5
-    second = regenerate(cfg, url, shard_size=4, concurrency=4)
+    second = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
     assert (second.resumed_shards, second.resumed_rows, second.shards) == (1, 4, 2)
     assert [r["row"] for r in read_shards(regenerated_dir(cfg))] == WRITTEN
-    third = regenerate(cfg, url, shard_size=4, concurrency=4)
+    third = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
     assert (third.written, third.shards, third.resumed_rows) == (0, 0, 12)
     with pytest.raises(UserError, match="shard_size"):
-        regenerate(cfg, url, shard_size=5)
+        regenerate(cfg, url, api_key=key, shard_size=5)
 
 
 # --- error paths: a fake OpenAI-compatible server ----------------------------------------------

@@ -7,6 +7,7 @@ the server ones need no vLLM.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from pathlib import Path
 
@@ -195,6 +196,25 @@ def test_truncated_capture_file_fails_that_sample_only(capture_server, capture_c
 
 
 @pytest.mark.slow
+def test_capture_paths_outside_our_directory_are_neither_read_nor_deleted(capture_server, capture_cfg, tmp_path):
+    vllm = VLLMVerifier(capture_cfg, server=capture_server)
+    victim = tmp_path / "someone-elses.safetensors"
+    victim.write_bytes(b"x")
+    for reported in (str(victim), str(capture_server.capture_dir / ".." / victim.name),
+                     str(capture_server.capture_dir / "sub" / "a.safetensors")):
+        with pytest.raises(CaptureError, match="outside this job's capture directory"):
+            vllm._own_capture_path(1, reported)
+    assert victim.exists()
+    (capture_server.capture_dir / "link.safetensors").symlink_to(victim)
+    with pytest.raises(CaptureError):
+        vllm._own_capture_path(1, str(capture_server.capture_dir / "link.safetensors"))
+    (capture_server.capture_dir / "link.safetensors").unlink()
+    assert capture_server.capture_dir.stat().st_mode & 0o777 == 0o700
+    assert capture_server.capture_dir.parent == Path(capture_cfg.capture_dir)
+    vllm.close()
+
+
+@pytest.mark.slow
 def test_overlong_sample_is_refused_before_vllm(capture_server, capture_cfg):
     vllm = VLLMVerifier(capture_cfg, server=capture_server)
     with pytest.raises(CaptureError, match="at most 511"):
@@ -225,3 +245,13 @@ def _listening_addresses(port: int) -> set[str]:
 def test_capture_server_binds_loopback_only(capture_server):
     assert "--host" in capture_server.server.proc.args
     assert _listening_addresses(capture_server.server.port) == {"127.0.0.1"}
+
+
+def test_each_capture_server_gets_its_own_private_directory(tmp_path):
+    from hpc.verifier.vllm_backend import private_capture_dir
+
+    a, b = private_capture_dir(tmp_path, 8000), private_capture_dir(tmp_path, 8000)  # same port, two jobs
+    assert a != b and a.parent == b.parent == tmp_path
+    assert a.stat().st_mode & 0o777 == 0o700 and a.stat().st_uid == os.getuid()
+    with pytest.raises(UserError, match="verifier.capture_dir"):
+        private_capture_dir(tmp_path / "missing", 8000)

@@ -49,7 +49,7 @@ def test_vllm_greedy_matches_hf(vllm_server, toy_target):
     model = AutoModelForCausalLM.from_pretrained(toy_target).eval()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     resp = requests.post(
-        f"{vllm_server.url}/v1/completions",
+        f"{vllm_server.url}/v1/completions", headers=vllm_server.headers,
         json={
             "model": str(toy_target), "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True,
@@ -61,6 +61,48 @@ def test_vllm_greedy_matches_hf(vllm_server, toy_target):
     for prompt, ids, choice in zip(PROMPTS, prompts, choices):
         expected = greedy_ids(model, ids, NEW_TOKENS)
         assert choice["token_ids"] == expected, f"prompt {prompt!r}: vLLM {choice['text']!r}"
+
+
+@pytest.mark.slow
+def test_server_refuses_requests_without_its_key(vllm_server, toy_target):
+    body = {"model": str(toy_target), "prompt": [1, 2, 3], "max_tokens": 1}
+    assert requests.post(f"{vllm_server.url}/v1/completions", json=body, timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer guess"}
+    assert requests.post(f"{vllm_server.url}/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
+    ok = requests.post(f"{vllm_server.url}/v1/completions", json=body, headers=vllm_server.headers, timeout=60)
+    assert ok.status_code == 200
+    # The key reaches vLLM through its environment: argv is readable by every user in `ps`.
+    assert vllm_server.api_key not in " ".join(map(str, vllm_server.proc.args))
+
+
+def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
+    # vLLM binds its port only after loading the model; whoever binds it first must not be trusted.
+    import http.server
+    import sys
+    import threading
+
+    from hpc.verifier.vllm_server import VLLMServer
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    server = VLLMServer(proc=ours, host="127.0.0.1", port=squatter.server_address[1], model="m",
+                        log_path=tmp_path / "log", api_key="k")
+    try:
+        with pytest.raises(UserError, match="another process answers on 127.0.0.1"):
+            server.wait_healthy(timeout=30)
+        assert ours.poll() is not None, "our half-started server is stopped"
+    finally:
+        squatter.shutdown()
+        ours.kill()
 
 
 @pytest.mark.slow
