@@ -14,7 +14,9 @@ STAGES = ("train", "eval", "report", "regenerate")
 def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
     from hpc.launch import stages
+    from hpc.launch.variants import check_variant_file
 
+    check_variant_file(args.config)
     cfg = resolve(args.config, list(args.overrides), check_tracking=False, runs_here=True)
     if args.stage != "report":  # the report reads MLflow only
         cfg = stages.localize_stage(cfg)

@@ -319,7 +319,9 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
     A failing stage raises, so the task exits non-zero and Slurm's dependencies see it.
     """
     from hpc.config import resolve
+    from hpc.launch.variants import check_variant_file
 
+    check_variant_file(config_file)
     cfg = resolve(config_file, [], check_tracking=False, runs_here=True)
     if stage != "report":  # the report reads MLflow only
         cfg = localize_stage(cfg)

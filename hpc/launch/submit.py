@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.fsio import write_text
 
 
 @dataclass
@@ -68,25 +69,40 @@ def _base_params(cfg, name: str, nodes: int, gpus: bool) -> dict:
     return params
 
 
+def _new_pipeline_dir(parent: Path, name: str) -> tuple[Path, str]:
+    """A pipeline id no other submit has, and its directory, created 0700 and exclusively: two
+    submits in the same second (a script, a scheduled tick) never share one."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parent.mkdir(parents=True, exist_ok=True)  # may be shared by a group: only our own dir is 0700
+    for _ in range(100):
+        pid = f"{name}-{stamp}-{secrets.token_hex(2)}"
+        try:
+            (parent / pid).mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        return parent / pid, pid
+    raise UserError(f"could not create a new pipeline directory under {parent}; check that it is writable")
+
+
 def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[object, Pipeline]:
     """Validate and lay out the jobs; writes only the frozen variant configs."""
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, sweep_overrides, to_yaml
 
+    from hpc.launch.variants import private_dir, variant_path
+
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    pid = pipeline_id or f"{cfg.name}-{stamp}"
-    root = Path(cfg.cluster.log_dir) / "pipelines" / pid
+    root, pid = _new_pipeline_dir(Path(cfg.cluster.log_dir) / "pipelines", pipeline_id or cfg.name)
     variants = sweep_overrides(OmegaConf.structured(cfg))
     files = []
     for i, extra in enumerate(variants):
-        out = Path(cfg.train.output_dir) / pid / f"v{i}"
+        out = private_dir(Path(cfg.train.output_dir) / pid) / f"v{i}"
         vcfg = resolve(config, [*overrides, *extra, f"train.output_dir={out / 'train'}",
                                 f"eval.output_dir={out / 'eval'}", "sweep={}"], check_tracking=False)
-        path = root / f"variant-{i}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_yaml(OmegaConf.structured(vcfg)))
+        text = to_yaml(OmegaConf.structured(vcfg))
+        path = variant_path(root, i, text)
+        write_text(path, text, mode=0o600)
         files.append(path)
     c = cfg.cluster
     stages = []
@@ -192,9 +208,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
              "train_dirs": [str(Path(cfg.train.output_dir) / p.id / f"v{i}" / "train") for i in range(len(p.variant_files))],
              "submitted": datetime.datetime.now().isoformat(timespec="seconds")}
     state_file = p.root / "pipeline.json"
-    tmp = state_file.with_name(f".pipeline.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
-    tmp.replace(state_file)
+    write_text(state_file, json.dumps(state, indent=1) + "\n", mode=0o600)
     print(f"pipeline {p.id}: submitted " + ", ".join(f"{k} {v}" for k, v in ids.items()))
     print(f"mlflow: {cfg.tracking.uri} experiment {cfg.tracking.experiment}, parent run {parent}")
     print(f"watch:  dspark status {state_file}    (or squeue --me, sacct -j {','.join(ids.values())})")

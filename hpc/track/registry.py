@@ -3,6 +3,13 @@
 A retrain replaces the champion only if it is measurably better: a strictly higher mean
 acceptance length at n=7, measured on the same benchmark manifests (same prompts, byte for
 byte). Scores on different manifests are not comparable, so they never move the alias.
+
+MLflow has no compare-and-set for aliases, and two sweep evals may promote at once, each from
+its own read of the champion. So a promoter does not write "my version"; it writes the best of
+every comparable version registered so far, then reads the alias back and repeats until the
+alias names that best. Whichever write lands last was checked against a view that includes
+every version registered before it, so the alias settles on the best one, not on the last
+writer's.
 """
 
 from __future__ import annotations
@@ -63,13 +70,45 @@ def _manifests(mv) -> dict | None:
         return None
 
 
+def _best(client, model_name: str, manifests: dict, incumbent: str) -> tuple[str, float]:
+    """The best version measured on `manifests`: highest score; a tie keeps the incumbent,
+    then the earliest version, so equal drafts never flap."""
+    found = []
+    for mv in client.search_model_versions(f"name='{model_name}'"):
+        score = _score(mv)
+        if score is not None and _manifests(mv) == manifests:
+            found.append((score, str(mv.version) == incumbent, -int(mv.version), str(mv.version)))
+    score, _, _, version = max(found)
+    return version, score
+
+
+def _champion(client, model_name: str):
+    if CHAMPION not in (client.get_registered_model(model_name).aliases or {}):
+        return None
+    return client.get_model_version_by_alias(model_name, CHAMPION)
+
+
+def _settle(client, model_name: str, manifests: dict, rounds: int = 10) -> str:
+    """Point the alias at the best comparable version until a read-back agrees."""
+    for _ in range(rounds):
+        champ = _champion(client, model_name)
+        if champ is not None and _manifests(champ) != manifests and _score(champ) is not None:
+            return str(champ.version)  # another manifest set took over meanwhile: not ours to judge
+        incumbent = str(champ.version) if champ is not None else ""
+        best, _ = _best(client, model_name, manifests, incumbent)
+        if best == incumbent:
+            return best
+        client.set_registered_model_alias(model_name, CHAMPION, best)
+    return best
+
+
 def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]:
     """Point `champion` at `version` if it beats the champion; (moved?, why) either way."""
     from mlflow.exceptions import MlflowException
 
     version = str(version)
     try:
-        model = client.get_registered_model(model_name)
+        client.get_registered_model(model_name)
         new = client.get_model_version(model_name, version)
     except MlflowException as err:
         if _is_missing(err):
@@ -78,22 +117,26 @@ def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]
     new_score = _score(new)
     if new_score is None:
         raise UserError(f"{model_name} v{version} has no numeric {SCORE_TAG} tag; register it with register_draft")
-    if CHAMPION not in (model.aliases or {}):
-        client.set_registered_model_alias(model_name, CHAMPION, version)
-        return True, f"v{version} is champion: there was none ({new_score:.2f} at n=7)"
-
-    champ = client.get_model_version_by_alias(model_name, CHAMPION)
+    new_manifests = _manifests(new)
+    champ = _champion(client, model_name)
+    if champ is None:
+        now = _settle(client, model_name, new_manifests)
+        if now == version:
+            return True, f"v{version} is champion: there was none ({new_score:.2f} at n=7)"
+        return False, f"champion is v{now}, registered meanwhile with a better score than v{version}"
     old, old_score = str(champ.version), _score(champ)
     if old == version:
         return False, f"v{version} is already champion"
     if old_score is None:
         # Refuse rather than guess: an untagged champion was set by hand and stays until a person moves it.
         return False, f"champion stays v{old}: it has no {SCORE_TAG} tag to compare v{version} against"
-    new_manifests = _manifests(new)
     if new_manifests is None or new_manifests != _manifests(champ):
         return False, (f"champion stays v{old}: v{version} ({new_score:.2f} at n=7) was measured on different "
                        f"manifests than v{old} ({old_score:.2f})")
-    if new_score > old_score:
-        client.set_registered_model_alias(model_name, CHAMPION, version)
+    now = _settle(client, model_name, new_manifests)
+    if now == version:
         return True, f"champion moves v{old} -> v{version}: {new_score:.2f} > {old_score:.2f} at n=7"
-    return False, f"champion stays v{old}: {old_score:.2f} >= {new_score:.2f} at n=7"
+    if now == old:
+        return False, f"champion stays v{old}: {old_score:.2f} >= {new_score:.2f} at n=7"
+    best = _score(client.get_model_version(model_name, now))
+    return False, f"champion is v{now} ({best:.2f} at n=7), better than v{version} ({new_score:.2f})"

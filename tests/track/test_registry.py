@@ -70,3 +70,31 @@ def test_unknown_version_is_a_user_error(setup):
     register(3.0)
     with pytest.raises(UserError, match="no version 9"):
         promote_if_better(client, name, "9")
+
+
+class StaleChampion:
+    """A client whose first champion read is from before another eval promoted: the race of
+    two sweep evals that finish together."""
+
+    def __init__(self, client, stale_version: str):
+        self.client, self.stale, self.served = client, stale_version, False
+
+    def get_model_version_by_alias(self, name, alias):
+        if not self.served:
+            self.served = True
+            return self.client.get_model_version(name, self.stale)
+        return self.client.get_model_version_by_alias(name, alias)
+
+    def __getattr__(self, attr):
+        return getattr(self.client, attr)
+
+
+def test_two_evals_finishing_together_leave_the_better_draft_champion(setup):
+    client, name, register = setup
+    promote_if_better(client, name, register(3.00))
+    good, worse = register(3.50), register(3.20)
+    assert promote_if_better(client, name, good)[0]  # eval A promotes first
+    # Eval B read the champion (v1) before A's write landed, and its draft beats v1.
+    moved, why = promote_if_better(StaleChampion(client, "1"), name, worse)
+    assert not moved and champion(client, name) == good, why
+    assert "better than v3" in why

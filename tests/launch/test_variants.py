@@ -1,0 +1,47 @@
+"""A submitted pipeline's files are private, uniquely named, and checked by every job."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from hpc.errors import UserError
+from hpc.launch.submit import plan_pipeline
+from hpc.launch.variants import check_variant_file
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = str(ROOT / "configs" / "kimi-k2.6-dspark.yaml")
+
+
+def _plan(tmp_path: Path, *extra: str):
+    return plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+                                "sweep={train.lr: [1e-4, 3e-4]}", *extra])[1]
+
+
+def test_two_submits_in_one_second_get_two_pipelines(tmp_path):
+    a, b = _plan(tmp_path), _plan(tmp_path)
+    assert a.id != b.id and a.root != b.root
+    assert a.variant_files[0] != b.variant_files[0]
+
+
+def test_pipeline_directories_and_variant_files_are_private(tmp_path):
+    p = _plan(tmp_path)
+    assert stat.S_IMODE(p.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "train" / p.id).stat().st_mode) == 0o700
+    for f in p.variant_files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+        check_variant_file(f)  # untouched: fine
+
+
+def test_a_job_refuses_a_variant_file_edited_after_submit(tmp_path):
+    from hpc.launch.stages import run_stage
+
+    p = _plan(tmp_path)
+    f = p.variant_files[1]
+    f.write_text(f.read_text().replace("lr: 0.0003", "lr: 0.3"))
+    with pytest.raises(UserError, match="changed after it was submitted"):
+        check_variant_file(f)
+    with pytest.raises(UserError, match="changed after it was submitted"):
+        run_stage("report", str(f))  # before it reads a single key
