@@ -33,6 +33,21 @@ class DraftSpec:
             spec.update(prompt_lookup_max=4, prompt_lookup_min=1)
         return spec
 
+    def fingerprint(self) -> str:
+        """The draft's identity for resuming: the sha256 of its files when it is a local directory
+        (a retrain into the same path is another draft), else its method and name."""
+        import hashlib
+
+        path = Path(self.model) if self.model else None
+        if path is None or not path.is_dir():
+            return hashlib.sha256(f"{self.method}:{self.model}".encode()).hexdigest()
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")):
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+        return h.hexdigest()
+
     def max_n(self) -> int | None:
         if self.block_size is None:
             return None

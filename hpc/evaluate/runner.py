@@ -165,14 +165,18 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
         results[job.name] = res
         ran.append(run_dir.name)
 
+    prints = {d.label: d.fingerprint() for d in drafts}
     for job in jobs:
         version = vllm_version if job.engine == "vllm" else _torch_version()
-        run_dir = out / job.name
+        # Results are keyed by the draft's content: a re-run with a retrained draft at the same
+        # path measures it, instead of returning the previous draft's numbers.
+        run_dir = out / f"{job.name}-{prints[job.draft.label][:8]}"
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
         attach_baseline(res, baselines[job.engine])
         for r in res:  # the baseline is known now: the files carry the speedup too
             write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
         job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
+                    "dspark.draft_sha256": prints[job.draft.label],
                     "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,
                     "dspark.hardware": hardware, "dspark.vllm_version": vllm_version}
         artifacts = [(job.draft.model, "draft")] if job.draft.ours else []

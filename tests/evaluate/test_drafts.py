@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpc.errors import UserError
 from hpc.evaluate.cli import parse_ns
@@ -72,3 +73,21 @@ def test_cli_rejects_a_bad_draft_before_anything_starts(tmp_path):
     assert parse_ns("7,3,3") == [3, 7]
     with pytest.raises(UserError, match="comma-separated"):
         parse_ns("3;7")
+
+
+def test_a_retrained_draft_at_the_same_path_is_another_draft(tmp_path):
+    # The eval resume key: a re-run with new weights must measure them, not return old numbers.
+    from hpc.model.export import export_draft
+    from tests.model.test_dspark import tiny_model
+
+    path = tmp_path / "export"
+    export_draft(tiny_model(), path)
+    before = our_draft(path).fingerprint()
+    assert our_draft(path).fingerprint() == before  # stable
+    model = tiny_model()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    export_draft(model, path)
+    assert our_draft(path).fingerprint() != before
+    ngram = DraftSpec("ngram", "ngram", None)
+    assert ngram.fingerprint() == DraftSpec("ngram", "ngram", None).fingerprint() != before

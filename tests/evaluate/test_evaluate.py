@@ -109,7 +109,12 @@ def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
     assert client.get_model_version_by_alias("eval-reference-draft", "champion").version == "1"
 
     # Requeued: one benchmark was not finished. Only it runs again; no second baseline.
-    n3 = out / "eval-n3-DSpark"
+    # Results are keyed by the draft's content: its directory and its MLflow tag name the hash.
+    from hpc.evaluate.drafts import our_draft
+
+    sha = our_draft(drafts["dspark"]).fingerprint()
+    assert runs["eval-n3-DSpark"].data.tags["dspark.draft_sha256"] == sha
+    n3 = out / f"eval-n3-DSpark-{sha[:8]}"
     (n3 / "gsm8k.json").unlink()
     meta = json.loads((n3 / "run.json").read_text())
     meta["mlflow_run_id"] = None
