@@ -21,3 +21,12 @@ class ConfigError(UserError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class VerifierDown(RuntimeError):
+    """The verifier itself is gone (process exited, or it stopped answering), as opposed to one
+    sample failing on a live, healthy server. The stream ends; it is not a bad sample."""
+
+    def __init__(self, message: str, hung: bool = False):
+        super().__init__(message)
+        self.hung = hung

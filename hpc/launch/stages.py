@@ -336,5 +336,11 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
     else:
         raise UserError(f"unknown stage {stage!r}")
     if code not in (0, EXIT_REQUEUE):
-        raise RuntimeError(f"stage {stage} failed with exit code {code}; see the ranks' lines above")
+        cause = None
+        if stage == "train":
+            from hpc.train.online import stop_summary
+
+            cause = stop_summary(cfg.train.output_dir)
+        raise RuntimeError(f"stage {stage} failed with exit code {code}: "
+                           f"{cause or 'see the ranks' lines above'}")
     return code

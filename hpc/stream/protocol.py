@@ -33,6 +33,20 @@ class Kind(IntEnum):
     STOP = 3  # this streamer has no more samples
     CREDIT = 4  # trainer -> streamer: n more samples may be sent to me
     LEDGER = 5  # trainer 0 -> streamer: n sample ids already trained this epoch follow
+    FAILED = 6  # streamer -> trainer: my verifier is gone (`length` is a Failure); stop, do not finish
+
+
+class Failure(IntEnum):
+    """Why a streamer ended its stream early; its own log has the details."""
+
+    DIED = 1  # the verifier process exited
+    HUNG = 2  # it stopped answering within stream.peer_timeout_s
+    NOT_STARTED = 3  # it never got healthy
+    BAD_SAMPLES = 4  # every capture failed on a live server
+
+    def describe(self) -> str:
+        return {1: "its verifier died", 2: "its verifier stopped answering (hung)",
+                3: "its verifier failed to start", 4: "every capture failed on its live verifier"}[int(self)]
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.dist.planes import Planes, bind_thread
-from hpc.stream.protocol import BufferPool, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
+from hpc.stream.protocol import BufferPool, Failure, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
 from hpc.train.loop import MicroBatch
 
 
@@ -88,6 +88,10 @@ class StreamReceiver:
                     self._last_seen[s] = time.monotonic()
                 elif h.kind == Kind.STOP:
                     self._events.put(("stop", s, ""))
+                    return
+                elif h.kind == Kind.FAILED:
+                    why = Failure(h.length).describe() if h.length in {f.value for f in Failure} else "it failed"
+                    self._events.put(("error", s, f"{self._name(s)}: {why}; see that node's log"))
                     return
         except Exception as err:  # noqa: BLE001 - a closed socket is how gloo reports a dead peer
             self._events.put(("error", s, f"{self._name(s)} failed: {str(err).splitlines()[0][:160]}"))

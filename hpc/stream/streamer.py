@@ -6,6 +6,13 @@ credits, i.e. the least-loaded one from this streamer's view. Trainers grant cre
 free buffer slots, which bounds what is in flight (backpressure). The trainer's ledger,
 received at start, lists sample ids already trained this epoch: they are skipped, so a
 restart neither repeats nor drops a sample.
+
+The verifier starts inside the stream (`start_capture`), after the world has formed: while it
+loads, heartbeats keep the trainers waiting, and if it never gets healthy the trainers hear
+FAILED within seconds instead of waiting out a rendezvous timeout. A capture that fails
+because the verifier is gone or hung (VerifierDown) is not a bad sample: the streamer ends
+the stream with FAILED, so the trainers checkpoint and exit with the peer-died code rather
+than finish a short run and export it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hpc.dist.planes import Planes
-from hpc.stream.protocol import Header, Kind, recv_header, recv_ledger, send_header, send_sample
+from hpc.errors import VerifierDown
+from hpc.stream.protocol import Failure, Header, Kind, recv_header, recv_ledger, send_header, send_sample
 from hpc.verifier.hf_backend import Capture
 
 CaptureFn = Callable[[int, list[int], list[int]], Capture]
@@ -35,15 +43,24 @@ class StreamerStats:
     bytes: int = 0
     per_trainer: dict[int, int] = field(default_factory=dict)
     wait_credit_s: float = 0.0
-    fatal: str | None = None  # the verifier stopped answering: the stream ends early
+    fatal: str | None = None  # the verifier is gone: the stream ends early, with FAILED
+    failure: Failure | None = None
 
 
 MAX_CONSECUTIVE_FAILURES = 20  # more in a row means the verifier itself is gone, not one bad file
 
 
-def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], capture: CaptureFn, out: queue.Queue,
-              stats: StreamerStats, stop: threading.Event, concurrency: int = 1) -> None:
-    """Captures with `concurrency` requests in flight (so vLLM batches prefills), handed on in row order."""
+def _producer(rows: Iterable[tuple[int, int, list[int], list[int]]], start: Callable[[], CaptureFn],
+              out: queue.Queue, stats: StreamerStats, stop: threading.Event, concurrency: int = 1) -> None:
+    """Start the verifier, then capture with `concurrency` requests in flight (so vLLM batches
+    prefills), handed on in row order."""
+    try:
+        capture = start()
+    except Exception as err:  # noqa: BLE001 - any start failure ends the stream, named
+        stats.fatal, stats.failure = f"the verifier did not start: {str(err).splitlines()[0]}", Failure.NOT_STARTED
+        print(f"streamer: {stats.fatal}", flush=True)
+        _put(out, None, stop)
+        return
     if concurrency > 1:
         with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="capture") as pool:
             _produce(rows, lambda *a: pool.submit(capture, *a), out, stats, stop, concurrency)
@@ -76,6 +93,12 @@ def _produce(rows, submit, out: queue.Queue, stats: StreamerStats, stop: threadi
         epoch, sample_id, future = pending.popleft()
         try:
             cap = future.result()
+        except VerifierDown as err:
+            if not stop.is_set():
+                stats.fatal = str(err)
+                stats.failure = Failure.HUNG if err.hung else Failure.DIED
+                print(f"streamer: sample {sample_id}: {err}", flush=True)
+            break
         except Exception as err:  # noqa: BLE001 - one bad sample must not stop the stream
             if stop.is_set():  # the stream is over and the verifier is shutting down
                 break
@@ -84,6 +107,7 @@ def _produce(rows, submit, out: queue.Queue, stats: StreamerStats, stop: threadi
             print(f"streamer: sample {sample_id} skipped: {err}", flush=True)
             if streak >= MAX_CONSECUTIVE_FAILURES:
                 stats.fatal = f"{streak} captures failed in a row, last: {err}"
+                stats.failure = Failure.BAD_SAMPLES
                 break
             continue
         streak = 0
@@ -105,14 +129,17 @@ def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]], capture: CaptureFn,
-                 planes: Planes, dtype: torch.dtype, prefetch: int = 2, heartbeat_s: float = 2.0,
-                 capture_concurrency: int = 1) -> StreamerStats:
-    """Stream every row not yet trained.
+def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]],
+                 capture: CaptureFn | None, planes: Planes, dtype: torch.dtype, prefetch: int = 2,
+                 heartbeat_s: float = 2.0, capture_concurrency: int = 1,
+                 start_capture: Callable[[], CaptureFn] | None = None) -> StreamerStats:
+    """Stream every row not yet trained; `stats.fatal` says why when the verifier failed.
 
     `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
-    ledger's (epoch, id) pairs.
+    ledger's (epoch, id) pairs. `start_capture` (instead of `capture`) starts the verifier once
+    the trainers are listening.
     """
+    start = start_capture if start_capture is not None else (lambda: capture)
     trainers = planes.trainers
     stats = StreamerStats(per_trainer={t: 0 for t in trainers})
     header = recv_header(trainers[0], planes)
@@ -149,7 +176,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
 
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
     stop = threading.Event()
-    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), capture, ready, stats, stop,
+    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), start, ready, stats, stop,
                                                         capture_concurrency), daemon=True)
     producer.start()
     try:
@@ -182,6 +209,11 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
             stats.sent += 1
             stats.per_trainer[best] += 1
             last_beat = time.monotonic()
+        if stats.fatal is not None:  # not the end of the data: the trainers must not finish
+            for t in trainers:
+                if t not in acked:
+                    send_header(Header(Kind.FAILED, length=int(stats.failure or Failure.DIED)), t, planes)
+            return stats
         for t in trainers:
             send_header(Header(Kind.STOP), t, planes)
         with changed:  # late credits are harmless; wait until every trainer has acknowledged

@@ -147,8 +147,9 @@ class RunLogger:
             if not self.buffered:
                 self.flush()  # params/tags/artifacts without metrics
 
-    def close(self, timeout_s: float = 30.0) -> bool:
-        """Stop the thread after a last flush; True if nothing is left unsent."""
+    def close(self, timeout_s: float = 30.0, status: str | None = None) -> bool:
+        """Stop the thread after a last flush, then end the run as `status` (FINISHED, FAILED or
+        KILLED), so no run stays RUNNING; True if nothing is left unsent."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
@@ -156,4 +157,11 @@ class RunLogger:
         while (self.buffered or self.pending.params or self.pending.artifacts) and time.monotonic() < deadline:
             if not self.flush():
                 break
-        return not (self.buffered or self.pending.params or self.pending.artifacts)
+        done = not (self.buffered or self.pending.params or self.pending.artifacts)
+        if status is not None and self.run_id is not None:
+            try:
+                self.client.set_terminated(self.run_id, status)
+            except Exception as err:  # noqa: BLE001 - the server went away: the metrics matter more
+                self.last_error = str(err).splitlines()[0][:200]
+                return False
+        return done

@@ -55,7 +55,13 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
         p.join()
     codes = [p.exitcode for p in procs]
     if any(codes):
+        import sys
+
+        from hpc.train.online import stop_summary
+
         print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
+        cause = stop_summary(cfg.train.output_dir) or "a rank failed; its error is in the lines above"
+        print(f"error: {cause}", file=sys.stderr, flush=True)
     return max(codes, key=abs) if any(codes) else 0
 
 

@@ -45,7 +45,11 @@ def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
         return verifier.capture, None
     from hpc.verifier.vllm_backend import VLLMVerifier
 
-    verifier = VLLMVerifier(cfg.verifier, log_path=log_dir / f"vllm-verifier-{os.getpid()}.log")
+    # A capture that takes longer than the peer timeout means a hung server, unless /health says
+    # otherwise (then it is that sample's failure): stream.peer_timeout_s bounds both.
+    timeout = cfg.stream.peer_timeout_s
+    verifier = VLLMVerifier(cfg.verifier, log_path=log_dir / f"vllm-verifier-{os.getpid()}.log",
+                            request_timeout_s=timeout, file_timeout_s=timeout)
     return verifier.capture, verifier
 
 
@@ -100,8 +104,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
               parent_run_id: str | None = None) -> int:
     from hpc.dist.planes import rank_device
     from hpc.model.dspark import DSparkArgs
-    from hpc.stream.streamer import run_streamer
-    from hpc.train.online import World, build_draft, init_world, run_trainer, streamer_rows
+    from hpc.train.online import World, build_draft, init_world, run_trainer
     from hpc.train.prepare import load_prepared
 
     w = World(rank, n_trainers, n_streamers)
@@ -113,35 +116,19 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     else:
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
         torch.backends.cudnn.allow_tf32 = True
-    # Readiness is gated on the verifier: a streamer joins the world only once its vLLM answers
-    # /health, so trainers wait in the rendezvous (not on a watchdog that would call the
-    # still-loading verifier dead). The rendezvous timeout therefore covers vLLM's start.
-    rendezvous_s = cfg.verifier.health_timeout_s + 600
-    capture = closer = None
+    # Every rank joins the world first; a streamer then starts its verifier inside the stream,
+    # heartbeating while vLLM loads, so a verifier that never starts stops every rank within
+    # seconds of its error. The group timeout still covers a collective that waits on a vLLM start.
+    group_timeout_s = cfg.verifier.health_timeout_s + 600
     if not w.is_trainer:
         # Preemption (USR2) and cancel (TERM) are the trainers' business: they checkpoint and then
         # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        capture, closer = make_capture(cfg, str(device), out)  # cuda:N: capture threads have no current device
-    try:
-        planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, timeout_s=rendezvous_s)
-    except BaseException:
-        if closer is not None:
-            closer.close()
-        raise
+    planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, timeout_s=group_timeout_s)
     rows, vocab_file = load_prepared(out)
     if not w.is_trainer:
-        try:
-            stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), capture, planes,
-                                 stream_dtype(cfg), cfg.stream.prefetch, cfg.stream.heartbeat_s,
-                                 capture_concurrency(cfg))
-            print(f"streamer {rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
-                  f"skipped {stats.failed} bad captures", flush=True)
-        finally:
-            if closer is not None:
-                closer.close()
-        return 0
+        return _stream(cfg, w, rows, planes, device, out)
     args = DSparkArgs.from_config(cfg)
     torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights, run after run
     model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
@@ -184,12 +171,48 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     # the node's task with 244 and fail a job whose training was complete.
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    from hpc.verifier.target_files import architectures
+
     code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
-                       epoch_size=len(rows), device=device)
+                       epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
     if w.rank == 0:
         progress.close()
-        _finish(cfg, out, logger, export=code == 0)
+        from hpc.train.loop import EXIT_REQUEUE
+
+        # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
+        _finish(cfg, out, logger, export=code == 0,
+                status="FINISHED" if code == 0 else "KILLED" if code == EXIT_REQUEUE else "FAILED")
     return code
+
+
+def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
+    """A streamer rank: start the verifier, stream, stop the verifier; non-zero if it failed."""
+    import sys
+
+    from hpc.stream.streamer import run_streamer
+    from hpc.train.online import EXIT_VERIFIER_FAILED, streamer_rows
+
+    closers = []
+
+    def start_capture():
+        capture, closer = make_capture(cfg, str(device), out)  # cuda:N: capture threads have no current device
+        closers.append(closer)
+        return capture
+    try:
+        stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), None, planes, stream_dtype(cfg),
+                             cfg.stream.prefetch, cfg.stream.heartbeat_s, capture_concurrency(cfg),
+                             start_capture=start_capture)
+    finally:
+        for closer in closers:
+            if closer is not None:
+                closer.close()
+    print(f"streamer {w.rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
+          f"skipped {stats.failed} bad captures", flush=True)
+    if stats.fatal:
+        print(f"error: streamer {w.rank} (verifier node {w.rank - w.n_trainers}): {stats.fatal}",
+              file=sys.stderr, flush=True)
+        return EXIT_VERIFIER_FAILED
+    return 0
 
 
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
@@ -219,7 +242,7 @@ def _as_dictconfig(cfg: DSparkConfig):
     return OmegaConf.structured(cfg)
 
 
-def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True) -> None:
+def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True, status: str = "FINISHED") -> None:
     """Export the last checkpoint for vLLM, plot the loss curve, hand both to MLflow.
 
     Not after a preemption or a failure: an eval must never pick up a half-trained draft.
@@ -241,5 +264,5 @@ def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True) -> None:
         logger.log_artifact(str(export / "config.json"), "export")
         logger.log_artifact(str(export / "model.safetensors"), "export")
         print(f"exported {ckpt.name} -> {export}", flush=True)
-    if not logger.close(timeout_s=30):
+    if not logger.close(timeout_s=30, status=status):
         print(f"tracking server unreachable ({logger.last_error}); metrics kept only in {out}", flush=True)

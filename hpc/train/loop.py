@@ -105,6 +105,9 @@ class Trainer:
         if path is None:
             return False
         self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.control_group)
+        if self.rank == 0:  # a re-run says where it picks up, so nobody wonders about a short run
+            print(f"resuming from {path.name}: step {self.state.step}, {self.state.samples_seen} samples "
+                  "already trained (each is trained once)", flush=True)
         return True
 
     def checkpoint(self) -> Path:

@@ -27,7 +27,8 @@ from hpc.train.loop import EXIT_REQUEUE, RequeueRequested, Trainer
 from hpc.train.sources import epoch_sequence
 from hpc.train.target_weights import load_target_tensors
 
-EXIT_PEER_DIED = 3
+EXIT_PEER_DIED = 3  # a trainer whose streamer (or another trainer) is gone: checkpointed, resumable
+EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never started
 
 
 @dataclass
@@ -124,14 +125,18 @@ def autocast_dtype(train_cfg, device: torch.device) -> torch.dtype | None:
 
 def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead,
                 out_dir: str | Path, verifier_name: str | None, on_step: Callable | None = None,
-                epoch_size: int | None = None, device: torch.device | str = "cpu") -> int:
+                epoch_size: int | None = None, device: torch.device | str = "cpu",
+                verifier_arch: list[str] | None = None) -> int:
     """Train on `device` from the stream until the data or the step budget ends; returns the exit code."""
     device = torch.device(device)
-    export_cfg = speculators_config(model.args, verifier_name, [], model.args.block_size)
+    export_cfg = speculators_config(model.args, verifier_name, list(verifier_arch or []), model.args.block_size)
     trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device,
                       autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)
     trainer.resume()
+    stopped = Path(out_dir) / STOPPED
+    if w.rank == 0:
+        stopped.unlink(missing_ok=True)  # a cause from an earlier run is not this run's
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
     receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names)
     receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.rank == 0)
@@ -147,6 +152,8 @@ def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDr
     except RequeueRequested as why:
         receiver.close()
         print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
+        if w.rank == 0:
+            _record_stop(stopped, trainer, train_cfg.steps, str(why))
         return EXIT_REQUEUE
     receiver.close()  # the streamers stop feeding us before anything else happens
     # Whatever stopped the loop, the progress so far is saved before anyone exits.
@@ -158,5 +165,31 @@ def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDr
         msg = receiver.error or "another trainer rank lost its streamer"
         print(f"trainer {w.rank}: stopping at step {trainer.state.step}, checkpoint saved: {msg}",
               file=sys.stderr, flush=True)
+        if w.rank == 0:
+            _record_stop(stopped, trainer, train_cfg.steps, msg)
         return EXIT_PEER_DIED
     return 0
+
+
+STOPPED = "stopped.json"  # why the last run ended early: read by the launcher's one-line summary
+
+
+def _record_stop(path: Path, trainer: Trainer, steps: int, cause: str) -> None:
+    from hpc.fsio import write_text
+    from hpc.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(trainer.ckpt_dir)
+    write_text(path, json.dumps({"step": trainer.state.step, "steps": steps, "cause": cause,
+                                 "checkpoint": ckpt.name if ckpt else None}))
+
+
+def stop_summary(out_dir: str | Path) -> str | None:
+    """One line: where training stopped, why, and what a re-run does; None if it did not stop early."""
+    path = Path(out_dir) / STOPPED
+    try:
+        s = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    resume = (f"checkpoint {s['checkpoint']} is saved and a re-run resumes from it" if s.get("checkpoint")
+              else "no checkpoint yet, a re-run starts over")
+    return f"training stopped at step {s['step']} of {s['steps']}: {s['cause']}; {resume}"

@@ -40,6 +40,12 @@ def text_config(model: str | Path) -> dict:
     return cfg.get("text_config") or cfg
 
 
+def architectures(model: str | Path) -> list[str]:
+    """The target's model classes (the outer config's, e.g. KimiK25ForConditionalGeneration):
+    recorded in the export so vLLM and readers know which verifier the draft belongs to."""
+    return list(json.loads(target_file(model, "config.json").read_text()).get("architectures") or [])
+
+
 def final_norm_weight(model: str | Path) -> torch.Tensor:
     """The decoder's final RMSNorm weight (`model.norm.weight`, maybe under a wrapper prefix)."""
     index = target_file(model, INDEX, required=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -32,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hpc.config.schema import FinalHidden, VerifierConfig
-from hpc.errors import UserError
+from hpc.errors import UserError, VerifierDown
 from hpc.verifier.hf_backend import Capture
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
 from hpc.verifier.vllm_server import VLLMServer, config_flags, free_port, log_tail, server_env, start_vllm_server
@@ -244,14 +245,39 @@ class VLLMVerifier:
                                f"capture directory ({path}); refusing to read or delete it")
         return path
 
+    def down(self) -> VerifierDown | None:
+        """Why the server is gone, or None when it is alive and answers /health."""
+        server = self.server.server
+        if server.proc.poll() is None:
+            try:
+                if server.healthy(timeout=5.0):
+                    return None
+            except UserError as err:  # the port is someone else's now
+                return VerifierDown(str(err))
+            try:  # a process being killed closes its sockets a moment before it can be reaped
+                server.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                return VerifierDown(f"vLLM at {server.url} does not answer /health (SIGSTOPped, deadlocked or "
+                                    f"overloaded); see {server.log_path}", hung=True)
+        return VerifierDown(f"vLLM exited with code {server.proc.returncode}; see {server.log_path}")
+
     def capture(self, sample_id: int, input_ids: list[int] | torch.Tensor, loss_mask) -> Capture:
+        """One sample's states. A failure with the server alive and healthy is this sample's
+        (CaptureError); with the server gone or hung it is VerifierDown, which ends the stream."""
         ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
-        path = self._prefill(sample_id, ids)
+        path = None
         try:
+            path = self._prefill(sample_id, ids)
             wait_for_file(path, self.file_timeout_s)
             states = read_capture(path, sample_id, ids, len(self.layer_ids), self.hidden)
+        except CaptureError as err:
+            gone = self.down()
+            if gone is not None:
+                raise gone from err
+            raise
         finally:
-            path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
+            if path is not None:
+                path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
         out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]].float()
         if self.norm_weight is not None:  # the last column becomes the post-norm hidden

@@ -112,9 +112,9 @@ class VLLMServer:
         """What every request to this server carries."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
                 ok = resp.status == 200
         except (urllib.error.URLError, OSError):
             return False

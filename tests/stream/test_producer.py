@@ -6,10 +6,15 @@ import queue
 import threading
 import time
 
-from hpc.stream.streamer import StreamerStats, _producer
+import pytest
+
+from hpc.errors import UserError, VerifierDown
+from hpc.stream.protocol import Failure
+from hpc.stream.streamer import MAX_CONSECUTIVE_FAILURES, StreamerStats, _producer
 
 
-def run(n_rows: int, concurrency: int, fail: set[int] = frozenset()):
+def run(n_rows: int, concurrency: int, fail: set[int] = frozenset(), down_at: int | None = None,
+        start_error: Exception | None = None):
     live, peak, lock = [0], [0], threading.Lock()
 
     def capture(sample_id, ids, mask):
@@ -21,11 +26,18 @@ def run(n_rows: int, concurrency: int, fail: set[int] = frozenset()):
             live[0] -= 1
         if sample_id in fail:
             raise ValueError("corrupt capture file")
+        if down_at is not None and sample_id >= down_at:
+            raise VerifierDown("vLLM exited with code -9")
         return sample_id
+
+    def start():
+        if start_error is not None:
+            raise start_error
+        return capture
 
     out: queue.Queue = queue.Queue()
     stats = StreamerStats()
-    _producer(((0, i, [i], [1]) for i in range(n_rows)), capture, out, stats, threading.Event(), concurrency)
+    _producer(((0, i, [i], [1]) for i in range(n_rows)), start, out, stats, threading.Event(), concurrency)
     items = []
     while (item := out.get()) is not None:
         items.append(item)
@@ -41,3 +53,20 @@ def test_requests_overlap_and_come_out_in_row_order():
 def test_one_in_flight_is_sequential():
     items, _, peak = run(5, concurrency=1)
     assert [cap for _, cap in items] == list(range(5)) and peak == 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_dead_verifier_ends_the_stream_and_is_not_a_bad_sample(concurrency):
+    items, stats, _ = run(50, concurrency, down_at=7)
+    assert [cap for _, cap in items] == list(range(7))  # everything before, nothing after
+    assert stats.failed == 0 and stats.failure == Failure.DIED and "exited with code -9" in stats.fatal
+
+
+def test_a_verifier_that_never_starts_ends_the_stream_at_once():
+    items, stats, _ = run(50, 1, start_error=UserError("vLLM exited with code 1 before it was healthy"))
+    assert items == [] and stats.failure == Failure.NOT_STARTED and "did not start" in stats.fatal
+
+
+def test_bad_samples_on_a_live_verifier_are_skipped_until_a_streak():
+    items, stats, _ = run(MAX_CONSECUTIVE_FAILURES + 5, 1, fail=set(range(MAX_CONSECUTIVE_FAILURES + 5)))
+    assert items == [] and stats.failed == MAX_CONSECUTIVE_FAILURES and stats.failure == Failure.BAD_SAMPLES

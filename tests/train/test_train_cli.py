@@ -69,6 +69,9 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"loss_curve.png", "export", "config.yaml"} <= names
     assert run.data.metrics["rows_kept"] == 160
+    assert run.info.status == "FINISHED"  # not left RUNNING
+    verifier = json.loads((out / "export" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["Qwen3ForCausalLM"]  # the target's classes, not []
 
 
 def test_dspark_train_rejects_an_indivisible_batch(tmp_path):
