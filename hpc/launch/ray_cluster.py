@@ -1,14 +1,15 @@
 """A Ray cluster over the nodes of one Slurm allocation (the regeneration job).
 
 Node 0 runs `ray start --head --block`, every other node `ray start --address=HEAD:PORT --block`,
-each as a child of the node's task. The GCS port derives from the job id (like the torch
-rendezvous port) and every other port is left to the OS, so two raylets can share a host: two
-jobs on one node, or the dev cluster, where all "nodes" are one machine. Each node offers one
+each as a child of the node's task. Node 0 picks the GCS port (a free one on its own address)
+and every other port is left to the OS, so two raylets can share a host: two jobs on one
+node, or the dev cluster, where all "nodes" are one machine. Each node offers one
 unit of REGEN_RESOURCE, which places one vLLM server per node.
 
 The GCS listens on the node's address (the other nodes must reach it), so the cluster runs with
-Ray's token authentication on: node 0 draws a token per job (and restart) and leaves it, mode
-0600, on the shared filesystem, where the other nodes read it. Ray does not own the GPUs here:
+Ray's token authentication on: node 0 draws a token per job (and restart) and publishes it with
+the port in one owner-only file on the shared filesystem (hpc.launch.job_files), where the
+other nodes read it. Ray does not own the GPUs here:
 RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps the devices Slurm gave the task, so the
 node's vLLM sees all of them.
 
@@ -24,71 +25,37 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
+from hpc.launch.job_files import attempt as job_attempt
+from hpc.launch.job_files import job_file, publish, wait_published
+from hpc.launch.slurm_env import SlurmEnv, advertised_ip, free_port, node_ip
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 
 TAG = "DSPARK_RAY_NODE"  # in the environment of everything a node's raylet starts, vLLM included
 
 
-def ray_port(job_id: int) -> int:
-    """The head's GCS port: below the torch rendezvous range (20000-39999), so one node may hold both."""
-    return rendezvous_port(job_id, base=10000, span=10000)
-
-
-def node_ip(hostname: str) -> str:
-    try:
-        return socket.gethostbyname(hostname)
-    except OSError as err:
-        raise UserError(f"cannot resolve node {hostname!r} ({err}); Ray needs every node's address") from err
-
-
-def _my_host(env: SlurmEnv) -> str:
-    return env.hostnames[env.node_index] if env.node_index < len(env.hostnames) else socket.gethostname()
-
-
-def advertised_ip(env: SlurmEnv) -> str:
-    """The address this node's raylet gives the others.
-
-    Usually its hostname's. But a Debian-style /etc/hosts maps a machine's own name to 127.0.1.1:
-    when another node of the job resolves to a real address, the job spans hosts, and the
-    interface that routes to that node is the one to advertise. (When every name is loopback,
-    as on the dev cluster, the "nodes" are one host and loopback is right.)
-    """
-    ip = node_ip(_my_host(env))
-    if not ip.startswith("127."):
-        return ip
-    others = [a for h in env.hostnames if not (a := node_ip(h)).startswith("127.")]
-    if not others:
-        return ip
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((others[0], 9))  # no packet is sent: this only asks the routing table
-        return probe.getsockname()[0]
-
-
-def ray_start_command(env: SlurmEnv, *, object_store_mb: int) -> list[str]:
+def ray_start_command(env: SlurmEnv, port: int, *, object_store_mb: int) -> list[str]:
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--block", "--disable-usage-stats", "--node-ip-address", advertised_ip(env),
            "--resources", json.dumps({REGEN_RESOURCE: 1}), "--object-store-memory", str(object_store_mb * 2**20),
            "--min-worker-port", "0", "--max-worker-port", "0", "--dashboard-agent-listen-port", "0"]
     if env.node_index == 0:
         # A short, job-owned temp dir: Ray's unix socket paths must stay under ~107 characters.
-        cmd += ["--head", "--port", str(ray_port(env.job_id)), "--include-dashboard", "false",
+        cmd += ["--head", "--port", str(port), "--include-dashboard", "false",
                 "--temp-dir", f"/tmp/dspark-ray-{env.job_id}"]
     else:
-        cmd += ["--address", f"{node_ip(env.hostnames[0])}:{ray_port(env.job_id)}"]
+        cmd += ["--address", f"{node_ip(env.hostnames[0])}:{port}"]
     return cmd
 
 
 def attempt(env: SlurmEnv) -> str:
     """This run of the job: a requeue is a new attempt, with its own marker, token and tag."""
-    return f"{env.job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return job_attempt(env.job_id)
 
 
 def done_marker(root: Path, env: SlurmEnv) -> Path:
@@ -104,41 +71,33 @@ class RayNode:
     def __init__(self, env: SlurmEnv, log_path: Path, *, object_store_mb: int = 512, token_timeout_s: float = 600):
         self.env, self.log_path = env, log_path
         self.marker = done_marker(log_path.parent, env)
-        self.token_file = log_path.parent / f".ray-token-{attempt(env)}"
+        self.token_file = job_file(log_path.parent, "ray-token", env.job_id)
         self.tag = f"{attempt(env)}-{env.node_index}-{os.getpid()}"
-        self.cmd = ray_start_command(env, object_store_mb=object_store_mb)
         self.proc: subprocess.Popen | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        token = self._token(token_timeout_s)
-        self.late = token is None
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or ""}
+        head = self._head(token_timeout_s)
+        self.late = head is None
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head["token"] if head else ""}
+        self.port = int(head["port"]) if head else 0
         if self.late:
             return
+        self.cmd = ray_start_command(env, self.port, object_store_mb=object_store_mb)
         child_env = dict(os.environ, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1", RAY_USAGE_STATS_ENABLED="0",
                          **{TAG: self.tag}, **self.auth)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                          start_new_session=True)
 
-    def _token(self, timeout_s: float) -> str | None:
+    def _head(self, timeout_s: float) -> dict | None:
+        """The head's GCS port and the job's Ray token: node 0 picks both (a free port on its own
+        address), every node reads them from one owner-only file; None if node 0 came and went."""
         if self.env.node_index == 0:
-            tmp = self.token_file.with_name(self.token_file.name + f".tmp-{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-            tmp.replace(self.token_file)
-        deadline = time.monotonic() + timeout_s
-        while not _visible(self.token_file):
-            if _visible(self.marker):
-                return None  # node 0 has come and gone
-            if time.monotonic() > deadline:
-                raise UserError(f"node 0 left no Ray token in {timeout_s:.0f}s ({self.token_file}); see node 0's log")
-            time.sleep(1)
-        return self.token_file.read_text().strip()
+            publish(self.token_file, {"port": free_port(advertised_ip(self.env)), "token": secrets.token_hex(32)})
+        return wait_published(self.token_file, timeout_s, "node 0", gone=self.marker)
 
     @property
     def address(self) -> str:
-        return f"{node_ip(self.env.hostnames[0])}:{ray_port(self.env.job_id)}"
+        return f"{node_ip(self.env.hostnames[0])}:{self.port}"
 
     def connect(self, n_nodes: int, timeout_s: float) -> None:
         """ray.init against the head, then wait until every node's raylet has joined."""

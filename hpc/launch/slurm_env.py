@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -35,6 +36,47 @@ class SlurmEnv:
                    hosts, requeue)
 
 
-def rendezvous_port(job_id: int, base: int = 20000, span: int = 20000) -> int:
-    """Derived from the job id: every rank computes it alone, and two jobs sharing a node differ."""
-    return base + job_id % span
+def node_ip(hostname: str) -> str:
+    try:
+        return socket.gethostbyname(hostname)
+    except OSError as err:
+        raise UserError(f"cannot resolve node {hostname!r} ({err}); the job needs every node's address") from err
+
+
+def my_host(env: SlurmEnv) -> str:
+    return env.hostnames[env.node_index] if env.node_index < len(env.hostnames) else socket.gethostname()
+
+
+def advertised_ip(env: SlurmEnv) -> str:
+    """The address this node gives the other nodes of its job: the job's own interface.
+
+    Usually its hostname's. But a Debian-style /etc/hosts maps a machine's own name to 127.0.1.1:
+    when another node of the job resolves to a real address, the job spans hosts, and the
+    interface that routes to that node is the one to advertise. (When every name is loopback,
+    as on the dev cluster, the "nodes" are one host and loopback is right.)
+    """
+    ip = node_ip(my_host(env))
+    if not ip.startswith("127."):
+        return ip
+    others = [a for h in env.hostnames if not (a := node_ip(h)).startswith("127.")]
+    if not others:
+        return ip
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((others[0], 9))  # no packet is sent: this only asks the routing table
+        return probe.getsockname()[0]
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds `ip` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]

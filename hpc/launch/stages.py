@@ -6,8 +6,10 @@ sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave
 - `train_allocation`: one task per node of a V + T node allocation. The node index decides
   the role: nodes [0, V) are verifier nodes (vLLM + one streamer, all the node's GPUs go to
   vLLM), nodes [V, V+T) run `train.ranks_per_node` trainer ranks each. The rendezvous host is
-  the first trainer node and the port derives from the job id, so concurrent allocations
-  never collide. A rank that dies takes its node's task down with it (non-zero exit), and
+  the first trainer node: it picks a free port on its own address and publishes address and
+  port in an owner-only file (hpc.launch.job_files), so concurrent allocations never collide
+  and nobody can compute the port in advance. Gloo and NCCL bind the interface that holds the
+  job's address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them). A rank that dies takes its node's task down with it (non-zero exit), and
   `srun --kill-on-bad-exit` takes the allocation down: nothing hangs.
 - Preemption: Slurm sends USR2 (`--signal=USR2@90`); every node forwards it to its ranks,
   which checkpoint at the next step boundary and exit with EXIT_REQUEUE; node 0 then asks
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
+from hpc.launch.slurm_env import SlurmEnv, advertised_ip, free_port, interface_of
 
 EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
 
@@ -101,6 +103,22 @@ def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
     return list(range(t * rpn, (t + 1) * rpn)), T, V
 
 
+def _rendezvous(cfg, env: SlurmEnv, master_node: int) -> tuple[str, int]:
+    """(address, port) of the torch rendezvous: chosen by the master node, read by the others."""
+    from hpc.launch.job_files import job_file, publish, wait_published
+
+    path = job_file(cfg.cluster.log_dir, "rendezvous", env.job_id)
+    mine = advertised_ip(env)
+    iface = interface_of(mine)
+    if iface and not mine.startswith("127."):
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, iface)
+    if env.node_index == master_node:
+        publish(path, {"addr": mine, "port": free_port(mine)})
+    info = wait_published(path, 600, f"node {master_node} (the rendezvous host)")
+    return str(info["addr"]), int(info["port"])
+
+
 def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     """One node's share of a training allocation; returns the node's exit code."""
     import torch.multiprocessing as mp
@@ -114,8 +132,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
                         f"cluster.trainer_nodes = {V + Tn}")
     prepare_once(cfg, env)
     ranks, T, V = node_ranks(cfg, env.node_index)
-    master = env.hostnames[V] if len(env.hostnames) > V else env.hostnames[0]
-    port = rendezvous_port(env.job_id)
+    master, port = _rendezvous(cfg, env, master_node=V if env.n_nodes > V else 0)
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
@@ -342,5 +359,5 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
 
             cause = stop_summary(cfg.train.output_dir)
         raise RuntimeError(f"stage {stage} failed with exit code {code}: "
-                           f"{cause or 'see the ranks' lines above'}")
+                           + (cause or "see the ranks' lines above"))
     return code

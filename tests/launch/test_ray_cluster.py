@@ -11,8 +11,9 @@ import psutil
 import pytest
 
 from hpc.errors import UserError
-from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_port, ray_start_command
-from hpc.launch.slurm_env import SlurmEnv, rendezvous_port
+from hpc.launch.job_files import job_file, publish, read_published
+from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_start_command
+from hpc.launch.slurm_env import SlurmEnv
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 
 
@@ -21,8 +22,8 @@ def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEn
 
 
 def test_head_and_worker_commands():
-    head, worker = ray_start_command(env(0), object_store_mb=256), ray_start_command(env(1), object_store_mb=256)
-    port = str(ray_port(4242))
+    head, worker = ray_start_command(env(0), 45678, object_store_mb=256), ray_start_command(env(1), 45678, object_store_mb=256)
+    port = "45678"
     assert head[head.index("--port") + 1] == port and "--head" in head and "--address" not in head
     assert worker[worker.index("--address") + 1] == f"127.0.0.1:{port}" and "--head" not in worker
     for cmd in (head, worker):
@@ -32,9 +33,19 @@ def test_head_and_worker_commands():
         assert cmd[cmd.index("--min-worker-port") + 1] == "0" and cmd[cmd.index("--dashboard-agent-listen-port") + 1] == "0"
 
 
-def test_the_head_port_stays_clear_of_the_torch_rendezvous_range():
-    for job in (1, 9999, 10000, 123456, 2**31 - 1):
-        assert 10000 <= ray_port(job) < 20000 and ray_port(job) != rendezvous_port(job)
+def test_job_files_are_created_once_owner_only_and_checked_on_read(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    path = job_file(tmp_path, "rendezvous", 4242)
+    publish(path, {"addr": "10.0.0.1", "port": 4321})
+    assert path.stat().st_mode & 0o777 == 0o600 and read_published(path) == {"addr": "10.0.0.1", "port": 4321}
+    with pytest.raises(UserError, match="exists already"):  # never overwritten, so never planted first
+        publish(path, {"addr": "6.6.6.6", "port": 1})
+    assert read_published(path)["addr"] == "10.0.0.1"
+    planted = job_file(tmp_path, "ray-token", 4242)
+    planted.write_text('{"port": 1, "token": "known"}')
+    planted.chmod(0o644)  # someone else could have read (or written) it
+    with pytest.raises(UserError, match="not an owner-only file"):
+        read_published(planted)
 
 
 def test_a_requeued_job_does_not_see_the_last_runs_done_marker(tmp_path, monkeypatch):
@@ -45,25 +56,25 @@ def test_a_requeued_job_does_not_see_the_last_runs_done_marker(tmp_path, monkeyp
 
 
 def test_a_worker_without_node_0s_token_gives_up_with_a_pointer(tmp_path):
-    with pytest.raises(UserError, match="node 0 left no Ray token"):
+    with pytest.raises(UserError, match="node 0 published nothing"):
         RayNode(env(1, 77), tmp_path / "worker.log", token_timeout_s=1)
 
 
 def test_a_node_whose_own_name_is_loopback_advertises_its_routed_address(monkeypatch):
-    import hpc.launch.ray_cluster as rc
+    import hpc.launch.slurm_env as se
 
     table = {"n1": "127.0.1.1", "n2": "192.0.2.77"}  # Debian /etc/hosts on n1, DNS for n2
-    monkeypatch.setattr(rc, "node_ip", lambda h: table[h])
-    ip = rc.advertised_ip(env(0, hosts=("n1", "n2")))
+    monkeypatch.setattr(se, "node_ip", lambda h: table[h])
+    ip = se.advertised_ip(env(0, hosts=("n1", "n2")))
     mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
     assert not ip.startswith("127.") and ip in mine  # an address of one of this machine's interfaces
     table.update(n2="127.0.0.1")  # every name loopback: the nodes are one host (the dev cluster)
-    assert rc.advertised_ip(env(0, hosts=("n1", "n2"))) == "127.0.1.1"
+    assert se.advertised_ip(env(0, hosts=("n1", "n2"))) == "127.0.1.1"
 
 
 def test_an_unresolvable_node_is_named():
     with pytest.raises(UserError, match="nosuchnode.invalid"):
-        ray_start_command(env(1, hosts=("nosuchnode.invalid", "localhost")), object_store_mb=256)
+        ray_start_command(env(1, hosts=("nosuchnode.invalid", "localhost")), 45678, object_store_mb=256)
 
 
 def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
@@ -95,7 +106,7 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
 def test_a_worker_whose_raylet_dies_ends_cleanly_and_says_so(tmp_path):
     """Exit 0 either way: the job's fate is node 0's (its requests move to the other servers)."""
     job = random.randrange(100000, 900000)
-    (tmp_path / f".ray-token-{job}-0").write_text("0" * 64)  # as node 0 would leave it
+    publish(job_file(tmp_path, "ray-token", job), {"port": 1, "token": "0" * 64})  # as node 0 would leave it
     worker = RayNode(env(1, job), tmp_path / "worker.log", object_store_mb=128)
     try:
         worker.proc.kill()

@@ -1,0 +1,78 @@
+"""Small secrets one node of a job hands the others: written once, owner-only, checked on read.
+
+The torch rendezvous port and the Ray head's port and token are chosen at run time by the node
+that listens (a free port on its own address), not derived from the job id: derived ports of
+two jobs collide, and anyone can compute them. They travel through a 0600 file under the
+job's log directory (a filesystem every node sees). The file is created exclusively (a hard
+link of a complete temp file, which fails if the name exists), so nobody can have planted it
+first, and a reader refuses a file that is not ours or that others can read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+from hpc.errors import UserError
+from hpc.fsio import fsync_dir, temp_name
+
+
+def attempt(job_id: int) -> str:
+    """This run of the job: a requeue is a new attempt, with files of its own."""
+    return f"{job_id}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def job_file(root: str | Path, kind: str, job_id: int) -> Path:
+    return Path(root) / f".{kind}-{attempt(job_id)}"
+
+
+def publish(path: Path, payload: dict) -> None:
+    """Create `path` (0600) holding `payload`; refuse if it exists already."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise UserError(f"{path} exists already: another process of this job (or someone else) wrote "
+                            "it first; remove it if no job of yours is running") from None
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _visible(path: Path) -> bool:
+    """exists() through a network filesystem's attribute cache: listing the directory refreshes it."""
+    try:
+        os.listdir(path.parent)
+    except OSError:
+        pass
+    return path.exists()
+
+
+def read_published(path: Path) -> dict:
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UserError(f"{path} is not an owner-only file of yours (mode {stat.filemode(st.st_mode)}, uid "
+                        f"{st.st_uid}); refusing to trust it. Remove it and re-run the job")
+    return json.loads(path.read_text())
+
+
+def wait_published(path: Path, timeout_s: float, who: str, gone: Path | None = None) -> dict | None:
+    """The payload once `who` has published it; None if `gone` appears first (it came and went)."""
+    deadline = time.monotonic() + timeout_s
+    while not _visible(path):
+        if gone is not None and _visible(gone):
+            return None
+        if time.monotonic() > deadline:
+            raise UserError(f"{who} published nothing in {timeout_s:.0f}s ({path}); see {who}'s log")
+        time.sleep(0.5)
+    return read_published(path)
