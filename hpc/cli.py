@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
     ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
+    ("tracking", "hpc.track.serve_cli", "run the MLflow tracking server (with auth) that the cluster's jobs log to"),
     ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
     ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),
     ("status", "hpc.launch.status", "state, progress and MLflow links of a submitted pipeline"),

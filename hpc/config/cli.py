@@ -21,7 +21,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(err.problems)} problem(s) in {args.config}", file=sys.stderr)
         return 2
     if args.print:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        from hpc.config.secrets import redacted
+
+        print(OmegaConf.to_yaml(OmegaConf.structured(redacted(cfg))), end="")
     print(f"ok: {args.config} is valid ({cfg.name})")
     return 0
 

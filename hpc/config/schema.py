@@ -239,6 +239,9 @@ class EvalConfig:
 @dataclass
 class TrackingConfig:
     uri: str = "sqlite:///runs/mlflow.db"
+    # `dspark submit` runs many jobs that write at once; a SQLite (or file) store on a shared
+    # filesystem does not survive that, so it wants an http server (`dspark tracking serve`).
+    allow_file_store: bool = False
     experiment: str = "dspark"
     registered_model: str = "kimi-k2.6-dspark"
 

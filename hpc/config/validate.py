@@ -9,19 +9,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from hpc.config.checker import Checker, looks_like_path
 from hpc.config.schema import DSparkConfig, FinalHidden
 
 BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
-TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
 
 
@@ -32,17 +29,6 @@ class TargetShape:
     vocab_size: int
     source: str  # where the numbers came from, for messages
     architectures: tuple[str, ...] = ()  # the target's model classes, when its config.json was read
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow", ".safetensors", ".yaml")
-
-
-def looks_like_path(value: str) -> bool:
-    """Hub ids (org/name) are not checked on a login node; paths are. `data/train.jsonl` has
-    the shape of a hub id but names a file: a file suffix or a second slash makes it a path."""
-    return (value.startswith(("/", "./", "../", "~")) or Path(value).exists() or not _HUB_ID.match(value)
-            or value.lower().endswith(_DATA_SUFFIXES))
 
 
 def target_shape(cfg: DSparkConfig) -> TargetShape:
@@ -64,30 +50,6 @@ def target_shape(cfg: DSparkConfig) -> TargetShape:
             tuple(outer.get("architectures") or ()),
         )
     return TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
-
-
-class Checker:
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def fail(self, key: str, value: Any, message: str) -> None:
-        self.problems.append(f"{key} = {value!r}: {message}")
-
-    def positive(self, key: str, value: float, fix: str = "") -> None:
-        if value is None or value <= 0:
-            self.fail(key, value, f"must be > 0{'; ' + fix if fix else ''}")
-
-    def nonneg(self, key: str, value: float) -> None:
-        if value is None or value < 0:
-            self.fail(key, value, "must be >= 0")
-
-    def one_of(self, key: str, value: Any, allowed: tuple) -> None:
-        if value not in allowed:
-            self.fail(key, value, f"must be one of {', '.join(map(str, allowed))}")
-
-    def path(self, key: str, value: str | None, what: str) -> None:
-        if value and looks_like_path(value) and not Path(value).expanduser().exists():
-            self.fail(key, value, f"{what} does not exist; fix the path or use a hub id")
 
 
 def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
@@ -341,38 +303,6 @@ def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("eval.compare", names, "draft names must be unique")
 
 
-def _tracking_reachable(uri: str) -> str | None:
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3) as resp:
-            return None if resp.status == 200 else f"HTTP {resp.status}"
-    except (urllib.error.URLError, OSError) as err:
-        return str(getattr(err, "reason", err))
-
-
-def _check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
-    tr = cfg.tracking
-    scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
-    if scheme not in TRACKING_SCHEMES:
-        c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
-    elif scheme in ("http", "https") and check_tracking:
-        why = _tracking_reachable(tr.uri)
-        if why:
-            c.fail("tracking.uri", tr.uri, f"MLflow server unreachable ({why}); start it or fix the URI")
-    if not tr.experiment:
-        c.fail("tracking.experiment", tr.experiment, "set an experiment name")
-
-
-def _check_schedule(c: Checker, cfg: DSparkConfig) -> None:
-    from hpc.launch.cron import HINT, parse_cron
-
-    cron = cfg.schedule.cron
-    if cron is not None:
-        try:
-            parse_cron(cron)
-        except ValueError as err:
-            c.fail("schedule.cron", cron, f"{err}; use {HINT}")
-
-
 def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
     """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
     t = cfg.train
@@ -384,37 +314,12 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
                    "train.dist_backend=gloo, or run on a GPU node")
 
 
-_PLAN_POSITIVE = {
-    "target_params_b": "total target parameters in billions, e.g. 1000 for Kimi-K2.6",
-    "target_active_params_b": "parameters active per token in billions, e.g. 32 for Kimi-K2.6",
-    "target_bytes_per_param": "bytes per stored target parameter, e.g. 2 for bf16",
-    "gpu_tflops": "dense bf16 TFLOP/s per GPU, e.g. 989 for H200",
-    "link_gbps": "verifier node network bandwidth in gigabit/s, e.g. 400 for one NDR port",
-    "gpu_memory_gb": "memory per GPU in GB, e.g. 141 for H200",
-}
-
-
-def check_plan(c: Checker, cfg: DSparkConfig) -> None:
-    """The planner's knobs: zeros here become divisors in `dspark plan`."""
-    p = cfg.plan
-    for key, hint in _PLAN_POSITIVE.items():
-        c.positive(f"plan.{key}", getattr(p, key), f"set the {hint}")
-    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
-        if getattr(p, key) is not None:
-            c.positive(f"plan.{key}", getattr(p, key), "or null to estimate it")
-    if not 0 < p.mfu <= 1:
-        c.fail("plan.mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
-    if p.target_active_params_b > p.target_params_b:
-        c.fail("plan.target_active_params_b", p.target_active_params_b,
-               f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
-    if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
-        c.fail("plan.avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
-
-
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
              check_vllm: bool = True) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit."""
     from hpc.config.inputs import check_leaves, check_names, check_repeats
+    from hpc.config.validate_ops import check_plan, check_schedule
+    from hpc.config.validate_ops import check_tracking as tracking_checks
 
     c = Checker()
     check_leaves(cfg, c.fail)
@@ -432,7 +337,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     _check_train(c, cfg)
     _check_stream(c, cfg)
     _check_eval(c, cfg)
-    _check_tracking(c, cfg, check_tracking)
-    _check_schedule(c, cfg)
+    tracking_checks(c, cfg, check_tracking)
+    check_schedule(c, cfg)
     check_plan(c, cfg)
     return c.problems

@@ -16,6 +16,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft, vllm_build
 from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
@@ -49,7 +50,7 @@ def _tracking(cfg):
             raise ConnectionError("no answer")
         client.search_experiments(max_results=1)
     except Exception as err:  # noqa: BLE001 - any failure: evaluate anyway, upload later
-        print(f"warning: tracking server {cfg.tracking.uri} unreachable ({str(err).splitlines()[0][:120]}); "
+        print(f"warning: tracking server {redact_uri(cfg.tracking.uri)} unreachable ({str(err).splitlines()[0][:120]}); "
               f"evaluating anyway, results stay on disk for `dspark evaluate CONFIG --upload`", flush=True)
         return None
     return client
@@ -189,7 +190,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
         upload_all(client, out, cfg, quiet, only=set(ran))
     else:
         print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
-              f"{cfg.tracking.uri} answers")
+              f"{redact_uri(cfg.tracking.uri)} answers")
     return results
 
 

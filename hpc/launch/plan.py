@@ -82,8 +82,8 @@ class Plan:
 
 def check_plan(cfg: DSparkConfig) -> None:
     """One-line UserError naming the first bad `plan.*` knob."""
-    from hpc.config.validate import Checker
-    from hpc.config.validate import check_plan as plan_checks
+    from hpc.config.checker import Checker
+    from hpc.config.validate_ops import check_plan as plan_checks
 
     c = Checker()
     plan_checks(c, cfg)

@@ -82,13 +82,19 @@ def prepare_once(cfg, env: SlurmEnv) -> None:
     from hpc.train.prepare import prepare_data
 
     marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
+    failed = marker.with_name(f"{marker.name}.error")
     if env.node_index == 0:
         if not marker.exists():  # a requeued job already did it
-            prep = prepare_data(cfg)
+            try:
+                prep = prepare_data(cfg)
+            except UserError as err:  # the other nodes stop waiting and say why
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(str(err))
+                raise
             print(f"data: {prep.stats.summary()}", flush=True)
             marker.touch()
     else:
-        _wait_for(marker, 3600, "the prepared data")
+        _wait_for(marker, 3600, "the prepared data", failed)
 
 
 def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
@@ -327,7 +333,9 @@ def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float
         client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
         client.set_terminated(run_id)
     except Exception as err:  # noqa: BLE001
-        print(f"warning: {stage} not logged to {cfg.tracking.uri}: {str(err).splitlines()[0][:160]}", flush=True)
+        from hpc.config.secrets import redact_uri
+
+        print(f"warning: {stage} not logged to {redact_uri(cfg.tracking.uri)}: {str(err).splitlines()[0][:160]}", flush=True)
 
 
 def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:

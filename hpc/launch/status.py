@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 
 DEFAULT_LOG_DIR = "runs/slurm"
@@ -224,7 +225,7 @@ def mlflow_link(state: dict) -> str:
     if uri.startswith("sqlite:"):
         return f"mlflow: run {run}; browse with `mlflow ui --backend-store-uri {uri}`"
     if not uri.startswith(("http://", "https://")):
-        return f"mlflow: run {run} at {uri or '(no tracking uri)'}"
+        return f"mlflow: run {run} at {redact_uri(uri) if uri else '(no tracking uri)'}"
     # MLflow's defaults retry for minutes; a status line has to come back in seconds.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

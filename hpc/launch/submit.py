@@ -19,6 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.fsio import write_text
 
@@ -93,6 +94,11 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     from hpc.launch.variants import private_dir, variant_path
 
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
+    scheme = cfg.tracking.uri.split(":", 1)[0]
+    if scheme in ("sqlite", "file") and not cfg.tracking.allow_file_store:
+        raise UserError(f"tracking.uri = {cfg.tracking.uri!r}: a pipeline's jobs write to the tracking store at once, "
+                        "which a SQLite or file store on a shared filesystem does not survive; run `dspark tracking "
+                        "serve` and set tracking.uri to its http address (or tracking.allow_file_store=true)")
     root, pid = _new_pipeline_dir(Path(cfg.cluster.log_dir) / "pipelines", pipeline_id or cfg.name)
     variants = sweep_overrides(OmegaConf.structured(cfg))
     files = []
@@ -210,7 +216,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     state_file = p.root / "pipeline.json"
     write_text(state_file, json.dumps(state, indent=1) + "\n", mode=0o600)
     print(f"pipeline {p.id}: submitted " + ", ".join(f"{k} {v}" for k, v in ids.items()))
-    print(f"mlflow: {cfg.tracking.uri} experiment {cfg.tracking.experiment}, parent run {parent}")
+    print(f"mlflow: {redact_uri(cfg.tracking.uri)} experiment {cfg.tracking.experiment}, parent run {parent}")
     print(f"watch:  dspark status {state_file}    (or squeue --me, sacct -j {','.join(ids.values())})")
     print(f"cancel: dspark cancel {state_file}")
     return 0

@@ -61,7 +61,9 @@ def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str
 
     exp = experiment_id(client, cfg.tracking.experiment)
     run = client.create_run(exp, run_name=run_name or cfg.name, tags={STAGE: "pipeline", **common_tags(cfg), **(tags or {})})
-    params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(cfg)).items()]
+    from hpc.config.secrets import redacted
+
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(redacted(cfg))).items()]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
     return run.info.run_id

@@ -8,6 +8,7 @@ and serves HTTP to every job does not. Tests and the CPU demo use this; a real c
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -65,6 +66,9 @@ class MlflowServer:
     host: str = "127.0.0.1"
     port: int = 0
     proc: subprocess.Popen | None = None
+    # MLflow's basic-auth app: every API call needs this admin's (or another user's) password.
+    auth_password: str | None = None
+    auth_user: str = "dspark"
 
     @property
     def uri(self) -> str:
@@ -87,6 +91,11 @@ class MlflowServer:
             "--host", self.host, "--port", str(self.port), "--workers", "1",
         ]
         env = {**os.environ, "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
+        if self.auth_password:
+            cmd += ["--app-name", "basic-auth"]
+            env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._auth_config()), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth_password,
+                       # CSRF key of the auth app's forms: one server, so a fresh one per start is consistent.
+                       MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))
         with open(self.log_path, "ab") as log:
             # Own session: stop() signals the whole group (the server forks workers).
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -100,6 +109,16 @@ class MlflowServer:
             time.sleep(0.5)
         self.stop()
         raise UserError(f"mlflow server not healthy after {timeout_s:.0f} s: {self._tail()}")
+
+    def _auth_config(self) -> Path:
+        """MLflow's auth settings: users in their own SQLite file next to ours; nobody but a
+        user with a password may read or write (the password goes by environment, not file)."""
+        path = self.root / "auth.ini"
+        path.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                        f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\n"
+                        f"admin_username = {self.auth_user}\n"
+                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        return path
 
     def _tail(self, lines: int = 5) -> str:
         try:

@@ -47,6 +47,7 @@ class TrainState:
     # those of one micro-step across ranks) mix two epochs, and the same id is due in both.
     ledger: list[list[int]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    data_hash: str = ""  # the prepared rows + vocabulary this state counts samples of
 
     def record(self, consumed: list[tuple[int, int]], epoch_size: int | None = None) -> None:
         """Add one micro-step's (epoch, id) pairs; drop each epoch once all of its samples are in."""

@@ -38,7 +38,9 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
 
         if not is_healthy(cfg.tracking.uri):
             # Training is not held hostage by the tracking server: metrics wait in a buffer.
-            print(f"warning: tracking server {cfg.tracking.uri} unreachable; metrics are buffered and "
+            from hpc.config.secrets import redact_uri
+
+            print(f"warning: tracking server {redact_uri(cfg.tracking.uri)} unreachable; metrics are buffered and "
                   "sent when it answers", flush=True)
     cfg = _localize(cfg)  # a hub id becomes its local snapshot, once, before any rank starts
     prep = prepare_data(cfg)
@@ -60,7 +62,10 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
         from hpc.train.online import stop_summary
 
         print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
-        cause = stop_summary(cfg.train.output_dir) or "a rank failed; its error is in the lines above"
+        from hpc.train.driver import exit_cause
+
+        cause = (exit_cause(codes, T) or stop_summary(cfg.train.output_dir)
+                 or "a rank failed; its error is in the lines above")
         print(f"error: {cause}", file=sys.stderr, flush=True)
     return max(codes, key=abs) if any(codes) else 0
 

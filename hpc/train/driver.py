@@ -147,7 +147,9 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
 
         logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
                            tags={STAGE: "train", **common_tags(cfg)})
-        logger.log_params(flatten(_as_dictconfig(cfg)))
+        from hpc.config.secrets import redacted
+
+        logger.log_params(flatten(_as_dictconfig(redacted(cfg))))
         stats_file = out / "data" / "stats.json"
         if stats_file.is_file():  # skipped rows are counted once, by the preparing process
             import json
@@ -156,7 +158,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         from omegaconf import OmegaConf
 
         resolved = out / "config.yaml"
-        resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(cfg)))
+        resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
         logger.log_artifact(str(resolved))
         progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
 
@@ -215,6 +217,21 @@ def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
     return 0
 
 
+def exit_cause(codes: list[int | None], n_trainers: int) -> str | None:
+    """The root cause among ranks' exit codes, in one line: a rank killed by a signal (the OOM
+    killer, a user) is named first, since every other rank only failed because it lost that one."""
+    import signal as sig
+
+    def who(r: int) -> str:
+        return f"rank {r} (trainer {r})" if r < n_trainers else f"rank {r} (streamer of verifier node {r - n_trainers})"
+    for r, c in enumerate(codes):
+        if c is not None and c < 0:
+            name = sig.Signals(-c).name if -c in sig.Signals._value2member_map_ else f"signal {-c}"
+            hint = " (the kernel's OOM killer does this: check the node's memory)" if -c == sig.SIGKILL else ""
+            return f"{who(r)} was killed by {name}{hint}; the other ranks stopped because they lost it"
+    return None
+
+
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
                  parent_run_id: str | None = None, local_rank: int = 0) -> None:
     """The target of one rank's process (local `dspark train` or a node of a Slurm allocation).
@@ -226,11 +243,33 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
     from hpc.errors import UserError
 
     os.environ["LOCAL_RANK"] = str(local_rank)
+    import threading
+    import traceback
+
+    tb_file = Path(cfg.train.output_dir) / "logs" / f"rank{rank}-traceback.txt"
+
+    def thread_died(args) -> None:  # a helper thread losing its peer: one line, traceback to the file
+        tb_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(tb_file, "a") as f:
+            f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+        first = str(args.exc_value).splitlines()[0][:200] if str(args.exc_value) else ""
+        print(f"rank {rank}: thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {first} "
+              f"(traceback in {tb_file})", file=sys.stderr, flush=True)
+    threading.excepthook = thread_died
     try:
         code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
     except UserError as err:
         print(f"error: rank {rank}: {err}", file=sys.stderr)
         code = 2
+    except Exception as err:  # noqa: BLE001 - usually the echo of another rank's death: one line here,
+        # the traceback in a file, so the launcher's one-line cause is not buried under N tracebacks.
+        path = tb_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(traceback.format_exc())
+        print(f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''} "
+              f"(traceback in {path})", file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # A receive thread of a dead peer can block forever in C++; interpreter teardown would abort.

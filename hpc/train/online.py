@@ -134,6 +134,9 @@ def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDr
                       autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)
     trainer.resume()
+    from hpc.train.prepare import prepared_hash
+
+    trainer.state.data_hash = prepared_hash(out_dir)  # every checkpoint names the data it counts
     stopped = Path(out_dir) / STOPPED
     if w.rank == 0:
         stopped.unlink(missing_ok=True)  # a cause from an earlier run is not this run's

@@ -1,7 +1,14 @@
 """Before any GPU work: tokenise the data, count assistant tokens, prune the draft vocab.
 
 Writes `{output_dir}/data/rows.jsonl` and `{output_dir}/data/vocab.safetensors`; every trainer
-and streamer rank reads those instead of redoing the work.
+and streamer rank reads those instead of redoing the work. `prepared.json` records the
+settings they came from and their hash, which every checkpoint records too.
+
+A resume must train on the very rows and vocabulary of its checkpoint: the ledger names
+sample ids, and d2t/t2d must match the verifier head. So when `train.output_dir` holds a
+checkpoint, the prepared data is reused as it is, never re-tokenised (which could renumber
+rows or re-pick the vocabulary); if the data settings changed, or the prepared files are not
+the ones the checkpoint was trained on, the run stops with one line before any rank starts.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hpc.errors import UserError
+from hpc.fsio import write_text
 from hpc.model.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.train.online import read_token_rows, save_vocab, write_rows
 from hpc.verifier.data import RowStats, read_rows, tokenize_rows
@@ -36,10 +44,69 @@ def training_sources(cfg) -> list[tuple[str, str, int | None]]:
     return [(s.path, s.split, s.max_rows) for s in cfg.data.sources]
 
 
+PREPARED = "prepared.json"
+
+
+def data_settings(cfg) -> dict:
+    """What decides the rows and the vocabulary."""
+    v = cfg.verifier
+    return {"sources": [list(s) for s in training_sources(cfg)], "max_seq_len": cfg.data.max_seq_len,
+            "draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": v.vocab_size,
+            "tokenizer": v.tokenizer or v.name or v.model}
+
+
+def data_hash(data_dir: Path) -> str:
+    """sha256 over rows.jsonl and vocab.safetensors: the identity of the prepared data."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("rows.jsonl", "vocab.safetensors"):
+        with open(data_dir / name, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def prepared_hash(out_dir: str | Path) -> str:
+    meta = Path(out_dir) / "data" / PREPARED
+    return json.loads(meta.read_text())["hash"] if meta.is_file() else data_hash(Path(out_dir) / "data")
+
+
+def _reuse_for_resume(cfg, out: Path) -> Prepared | None:
+    """The prepared data of the run being resumed, checked; None when there is nothing to resume."""
+    from hpc.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints", say=lambda _: None)
+    if ckpt is None:
+        return None
+    trained_on = json.loads((ckpt / "state.json").read_text()).get("data_hash", "")
+    meta = json.loads((out / PREPARED).read_text()) if (out / PREPARED).is_file() else None
+    where = f"train.output_dir={cfg.train.output_dir}"
+    if meta is None or not (out / "rows.jsonl").is_file():
+        if trained_on:
+            raise UserError(f"{ckpt} needs the prepared data it was trained on, and {out} no longer holds it; "
+                            f"restore it, or start over in a new {where.split('=')[0]}")
+        return None  # a checkpoint from before data hashes: prepare and let it through
+    if meta["settings"] != data_settings(cfg):
+        changed = sorted(k for k in meta["settings"] if meta["settings"][k] != data_settings(cfg).get(k))
+        raise UserError(f"{where} holds checkpoints trained on other data ({', '.join(changed)} changed); "
+                        "resume with the same data settings, or use a new train.output_dir to start over")
+    if (trained_on and trained_on != meta["hash"]) or data_hash(out) != meta["hash"]:
+        raise UserError(f"{out}: the prepared rows or vocabulary are not the ones {ckpt.name} was trained on; "
+                        "restore them, or use a new train.output_dir to start over")
+    stats = RowStats()
+    stats.kept = sum(1 for _ in open(out / "rows.jsonl"))
+    print(f"data: resuming {ckpt.name}, so the prepared data in {out} is reused as it is", flush=True)
+    return Prepared(out / "rows.jsonl", out / "vocab.safetensors", stats, 0)
+
+
 def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     from transformers import AutoTokenizer
 
     out = Path(out_dir or cfg.train.output_dir) / "data"
+    if out_dir is None:
+        reused = _reuse_for_resume(cfg, out)
+        if reused is not None:
+            return reused
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     stats = RowStats()
@@ -61,7 +128,8 @@ def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     filled = max(0, n - seen)
     summary = {"rows_kept": stats.kept, **{f"rows_skipped_{k}": v for k, v in stats.skipped.items()},
                "draft_vocab_filled": filled}
-    (out / "stats.json").write_text(json.dumps(summary))
+    write_text(out / "stats.json", json.dumps(summary))
+    write_text(out / PREPARED, json.dumps({"settings": data_settings(cfg), "hash": data_hash(out)}, indent=1))
     return Prepared(rows_file, vocab_file, stats, filled)
 
 

@@ -51,6 +51,24 @@ def to_messages(row: dict) -> list[dict]:
     return msgs
 
 
+def _jsonl_rows(path: Path) -> Iterator[dict]:
+    """Rows of a JSONL file; a line that is not a JSON object is named, with its number."""
+    with path.open(encoding="utf-8", errors="strict") as f:
+        try:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as err:
+                    raise UserError(f"{path}:{i}: not valid JSON ({err.msg}); fix or delete that line") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{i}: a JSON {type(row).__name__}, expected an object per line")
+                yield row
+        except UnicodeDecodeError as err:
+            raise UserError(f"{path}: not UTF-8 text (byte {err.start}); convert the file to UTF-8") from None
+
+
 def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> Iterator[dict]:
     """Local .jsonl / .parquet files (or a directory of them), else a Hugging Face dataset id."""
     p = Path(path).expanduser()
@@ -63,7 +81,7 @@ def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> I
 
                 rows = pq.read_table(f).to_pylist()
             else:
-                rows = (json.loads(line) for line in f.open() if line.strip())
+                rows = _jsonl_rows(f)
             for row in rows:
                 if max_rows is not None and n >= max_rows:
                     return

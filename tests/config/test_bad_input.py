@@ -35,6 +35,10 @@ BAD = {
     "newline in cron": (["schedule.cron='0 3 * * *\n* * * * * curl evil'"], "schedule.cron"),
     "tab in a data path": (["data.sources=[{path: \"a\tb\"}]"], "control character"),
     "slash in compare name": (["eval.compare=[{name: a/b, method: ngram}]"], "eval.compare[0].name"),
+    "tracking uri without host": (["tracking.uri=http:/localhost:5000"], "no host"),
+    "tracking uri typo in an absolute path": (["tracking.uri=sqlite:////nonexistent-dir/mlflow.db"],
+                                              "directory of this store does not exist"),
+    "tracking uri unknown scheme": (["tracking.uri=sqlte:///runs/m.db"], "use http://HOST:PORT"),
     "public verifier host": (["verifier.host=0.0.0.0"], "verifier.allow_remote_host"),
     # Numbers that pass range checks and fail later.
     "nan lr": (["train.lr=.nan"], "train.lr = nan: must be a finite number"),

@@ -33,7 +33,8 @@ def toy_overrides(tmp: Path, uri: str, name: str, partition: str = "debug") -> l
     return [f"name={name}", f"cluster.partition={partition}", f"cluster.log_dir={tmp / 'slurm'}",
             "verifier.model=toy/qwen3", "verifier.backend=hf", f"data.sources=[{{path: {data}}}]",
             f"data.output_dir={tmp / 'data'}", f"train.output_dir={tmp / 'train'}", f"tracking.uri={uri}",
-            f"tracking.experiment={name}", f"tracking.registered_model={name}-draft"]
+            f"tracking.experiment={name}", f"tracking.registered_model={name}-draft",
+            *(["tracking.allow_file_store=true"] if uri.startswith("sqlite") else [])]
 
 
 class FakeSlurm:

@@ -64,8 +64,7 @@ def test_bad_requests_are_refused_before_anything_is_submitted(slurm_cluster, to
     before = squeue_count()
     res = dspark("submit", "configs/toy-cpu.yaml", f"cluster.partition={slurm_cluster.partition}",
                  f"verifier.model={toy_target}", "data.sources=[{path: toy/chat}]", f"cluster.log_dir={tmp_path}",
-                 "tracking.uri=sqlite:///"
-                 f"{tmp_path}/m.db", *extra)
+                 f"tracking.uri=sqlite:///{tmp_path}/m.db", "tracking.allow_file_store=true", *extra)
     assert res.returncode == 2 and key in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert squeue_count() == before
 
@@ -144,7 +143,8 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
 
     monkeypatch.setattr(submit_mod, "_executor", failing)
     monkeypatch.setattr(slurm, "cancel", recording_cancel)
-    args = overrides(slurm_cluster, toy_target, vllm_python, tmp_path, f"sqlite:///{tmp_path}/m.db")
+    args = overrides(slurm_cluster, toy_target, vllm_python, tmp_path, f"sqlite:///{tmp_path}/m.db") + [
+        "tracking.allow_file_store=true"]
     with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 2 job"):
         submit_mod.submit(str(ROOT / "configs" / "toy-cpu.yaml"), args)
     assert len(cancelled) == 2  # the regenerate job and the train array

@@ -17,7 +17,7 @@ KIMI = str(ROOT / "configs" / "kimi-k2.6-dspark.yaml")
 
 def _plan(tmp_path: Path, *extra: str):
     return plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
-                                "sweep={train.lr: [1e-4, 3e-4]}", *extra])[1]
+                                "sweep={train.lr: [1e-4, 3e-4]}", "tracking.allow_file_store=true", *extra])[1]
 
 
 def test_two_submits_in_one_second_get_two_pipelines(tmp_path):

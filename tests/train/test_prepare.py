@@ -25,3 +25,46 @@ def test_regenerated_shards_replace_the_sources_only_when_finished(tmp_path):
     assert training_sources(cfg) == [(str(regen), "train", None)]
     cfg.data.regenerate = False
     assert training_sources(cfg) == [(str(src), "train", None)]
+
+
+def _cfg(tmp_path, toy_target, data, *extra):
+    return to_object(load_config(ROOT / "configs" / "toy-cpu.yaml", [
+        f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={tmp_path / 'run'}",
+        f"data.output_dir={tmp_path / 'data'}", *extra]))
+
+
+def _checkpoint(cfg, data_hash: str) -> None:
+    import torch
+
+    from hpc.train.checkpoint import TrainState, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", model, {}, opt,
+                    TrainState(step=5, data_hash=data_hash), None, keep=2)
+
+
+def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_target):
+    import pytest
+
+    from hpc.errors import UserError
+    from hpc.train.prepare import prepare_data, prepared_hash
+    from hpc.verifier.toy_data import write_toy_conversations
+
+    data = write_toy_conversations(tmp_path / "train.jsonl", n=24, seed=2)
+    cfg = _cfg(tmp_path, toy_target, data)
+    first = prepare_data(cfg)
+    rows = first.rows_file.read_bytes()
+    _checkpoint(cfg, prepared_hash(cfg.train.output_dir))
+    # New rows appended to the source: re-tokenising would renumber; the resume keeps its data.
+    write_toy_conversations(data, n=30, seed=9)
+    again = prepare_data(cfg)
+    assert again.rows_file.read_bytes() == rows
+    # Changed settings: one line, nothing rewritten.
+    with pytest.raises(UserError, match=r"trained on other data \(max_seq_len changed\)") as info:
+        prepare_data(_cfg(tmp_path, toy_target, data, "data.max_seq_len=200"))
+    assert "\n" not in str(info.value) and first.rows_file.read_bytes() == rows
+    # Prepared files swapped under the checkpoint: refused too.
+    first.rows_file.write_bytes(rows.replace(b'"id": 3,', b'"id": 33,'))
+    with pytest.raises(UserError, match="not the ones step_00000005 was trained on"):
+        prepare_data(cfg)

@@ -23,7 +23,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
            f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
            "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}", "tracking.experiment=train-cli",
-           "--steps", "60"]
+           "verifier.env={VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: hf_not_for_logs}", "--steps", "60"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "160 rows kept" in res.stdout
@@ -62,6 +62,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     exp = client.get_experiment_by_name("train-cli")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.data.params["train.steps"] == "60" and run.data.params["draft.block_size"] == "8"
+    assert run.data.params["verifier.env.HF_TOKEN"] == "***" and "hf_not_for_logs" not in (out / "config.yaml").read_text()
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert steps == list(range(1, 61))
     for key in ("samples_per_s", "data_wait_fraction", "accept_len", "lr", "system/cpu_percent"):

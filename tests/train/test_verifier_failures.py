@@ -125,3 +125,31 @@ def test_a_verifier_that_never_starts_stops_every_rank(toy_target, vllm_python, 
     line = last_error(res.stderr)
     assert "its verifier failed to start" in line and "no checkpoint yet" in line, line
     assert "the verifier did not start" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_rank_is_named_in_one_line(toy_target, tmp_path):
+    data = write_toy_conversations(tmp_path / "train.jsonl", n=64, seed=6)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
+           "verifier.backend=hf", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
+           "train.checkpoint_interval=5", "stream.peer_timeout_s=8", "tracking.uri=sqlite:///" + str(tmp_path / "m.db"),
+           "--steps", "200"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads((out / "progress.json").read_text())["step"] >= 3:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    # The rank processes, in start order (rank 0, 1, ...): multiprocessing's spawn children.
+    ranks = sorted((c for c in psutil.Process(proc.pid).children()
+                    if any("spawn_main" in part for part in c.cmdline())), key=lambda c: c.create_time())
+    ranks[1].kill()  # trainer rank 1, as the OOM killer would
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    line = last_error(stderr)
+    assert "rank 1 (trainer 1) was killed by SIGKILL" in line, line
+    assert "Traceback" not in stderr, stderr[-3000:]

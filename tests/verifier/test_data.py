@@ -82,3 +82,18 @@ def test_missing_dataset_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="data.sources"):
         list(read_rows("no-such-org/no-such-dataset"))
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"messages": []}\n{"messages": [}\n', ":2: not valid JSON"),
+    ('{"messages": []}\n\n[1, 2]\n', ":3: a JSON list"),
+])
+def test_a_corrupt_jsonl_line_is_named_with_its_number(tmp_path, content, needle):
+    from hpc.errors import UserError
+    from hpc.verifier.data import read_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match=needle) as info:
+        list(read_rows(str(path)))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,87 @@
+"""Login-node checks of the operational sections: tracking, scheduled retraining, the planner."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from hpc.config.checker import Checker
+from hpc.config.schema import DSparkConfig
+
+TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
+
+
+_PLAN_POSITIVE = {
+    "target_params_b": "total target parameters in billions, e.g. 1000 for Kimi-K2.6",
+    "target_active_params_b": "parameters active per token in billions, e.g. 32 for Kimi-K2.6",
+    "target_bytes_per_param": "bytes per stored target parameter, e.g. 2 for bf16",
+    "gpu_tflops": "dense bf16 TFLOP/s per GPU, e.g. 989 for H200",
+    "link_gbps": "verifier node network bandwidth in gigabit/s, e.g. 400 for one NDR port",
+    "gpu_memory_gb": "memory per GPU in GB, e.g. 141 for H200",
+}
+
+
+def check_plan(c: Checker, cfg: DSparkConfig) -> None:
+    """The planner's knobs: zeros here become divisors in `dspark plan`."""
+    p = cfg.plan
+    for key, hint in _PLAN_POSITIVE.items():
+        c.positive(f"plan.{key}", getattr(p, key), f"set the {hint}")
+    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
+        if getattr(p, key) is not None:
+            c.positive(f"plan.{key}", getattr(p, key), "or null to estimate it")
+    if not 0 < p.mfu <= 1:
+        c.fail("plan.mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
+    if p.target_active_params_b > p.target_params_b:
+        c.fail("plan.target_active_params_b", p.target_active_params_b,
+               f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
+    if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
+        c.fail("plan.avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
+
+
+def _tracking_reachable(uri: str) -> str | None:
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except (urllib.error.URLError, OSError) as err:
+        return str(getattr(err, "reason", err))
+
+
+def _store_parent_ok(uri: str) -> bool:
+    """A file-backed store may be new, but an absolute path's directory must already exist
+    (a relative one, under the project, is created on first use)."""
+    path = uri.split(":", 1)[1]
+    path = path[3:] if path.startswith("///") else path[2:] if path.startswith("//") else path
+    if not path.startswith("/"):
+        return True
+    return Path(path).parent.is_dir()
+
+
+def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
+    tr = cfg.tracking
+    scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
+    if scheme not in TRACKING_SCHEMES:
+        c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
+    elif scheme in ("http", "https") and not urlsplit(tr.uri).hostname:
+        c.fail("tracking.uri", tr.uri, "no host; write it as http://HOST:PORT")
+    elif scheme in ("sqlite", "file") and not _store_parent_ok(tr.uri):
+        # A typo in an absolute path would otherwise create a new directory and an empty store.
+        c.fail("tracking.uri", tr.uri, "the directory of this store does not exist; create it, or fix the path")
+    elif scheme in ("http", "https") and check_tracking:
+        why = _tracking_reachable(tr.uri)
+        if why:
+            c.fail("tracking.uri", tr.uri, f"MLflow server unreachable ({why}); start it or fix the URI")
+    if not tr.experiment:
+        c.fail("tracking.experiment", tr.experiment, "set an experiment name")
+
+
+def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
+    from hpc.launch.cron import HINT, parse_cron
+
+    cron = cfg.schedule.cron
+    if cron is not None:
+        try:
+            parse_cron(cron)
+        except ValueError as err:
+            c.fail("schedule.cron", cron, f"{err}; use {HINT}")

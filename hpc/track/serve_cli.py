@@ -1,0 +1,72 @@
+"""`dspark tracking serve`: the MLflow server a cluster's jobs log to, with MLflow's own auth.
+
+Every job of a pipeline writes to the tracking store at once; a SQLite file on a shared
+filesystem does not survive concurrent writers, so `dspark submit` wants an http tracking URI.
+This command runs one: SQLite (owned by this one process) and artifacts under --root, MLflow's
+basic-auth app on, and a password drawn once and kept in `<root>/credentials.env` (0600).
+Jobs authenticate through MLflow's standard variables, which Slurm passes on from the
+submitting shell:
+
+    dspark tracking serve --root /shared/mlflow --host $(hostname -i)    # on a service node
+    source /shared/mlflow/credentials.env                                # on the login node
+    dspark submit configs/kimi-k2.6-dspark.yaml tracking.uri=http://HOST:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import threading
+from pathlib import Path
+
+CREDENTIALS = "credentials.env"
+
+
+def credentials(root: Path, user: str = "dspark") -> str:
+    """The server's admin password: drawn once, kept owner-only under `root`."""
+    path = root / CREDENTIALS
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.startswith("export MLFLOW_TRACKING_PASSWORD="):
+                return line.split("=", 1)[1].strip()
+    password = secrets.token_urlsafe(24)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"export MLFLOW_TRACKING_USERNAME={user}\nexport MLFLOW_TRACKING_PASSWORD={password}\n")
+    return password
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.track.server import MlflowServer
+
+    root = Path(args.root).resolve()
+    password = credentials(root)
+    server = MlflowServer(root, host=args.host, port=args.port, auth_password=password).start()
+    print(f"tracking server: {server.uri} (MLflow basic auth; store and artifacts in {root})", flush=True)
+    print(f"jobs log to it with:  source {root / CREDENTIALS}; dspark submit CONFIG tracking.uri={server.uri}",
+          flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(2.0):
+        if server.proc.poll() is not None:
+            print(f"error: the MLflow server exited with code {server.proc.returncode}; see {server.log_path}")
+            return 1
+    server.stop()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tracking", help="run the MLflow tracking server the cluster's jobs log to")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    serve = actions.add_parser("serve", help="serve MLflow with basic auth until Ctrl-C", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--root", default="runs/mlflow-server", help="store, artifacts and credentials")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; give the node's own address for jobs on other nodes")
+    serve.add_argument("--port", type=int, default=0, help="0: a free port")
+    serve.set_defaults(func=run)

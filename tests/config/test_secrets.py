@@ -1,0 +1,42 @@
+"""Secrets reach the jobs but never a log: MLflow params, logged config files, printed lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc.config import ConfigError, resolve
+from hpc.config.secrets import MASK, redact_uri, redacted
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
+
+
+@pytest.mark.parametrize("uri,shown", [
+    ("https://alice:s3cret@mlflow.example.org/", "https://alice:***@mlflow.example.org/"),
+    ("postgresql://svc:pw@db:5432/mlflow", "postgresql://svc:***@db:5432/mlflow"),
+    ("https://tok@mlflow.example.org", "https://***@mlflow.example.org"),
+    ("http://host:5000/?token=abc&x=1", "http://host:5000/?token=***&x=1"),
+    ("sqlite:///runs/mlflow.db", "sqlite:///runs/mlflow.db"),
+])
+def test_uris_lose_their_credentials(uri, shown):
+    assert redact_uri(uri) == shown
+
+
+def test_a_logged_config_has_no_secrets_and_the_job_keeps_them():
+    cfg = resolve(KIMI, ["verifier.env={HF_TOKEN: hf_abc, VLLM_CPU_KVCACHE_SPACE: '4'}",
+                         "tracking.uri=https://alice:s3cret@mlflow.example.org"], check_tracking=False)
+    shown = redacted(cfg)
+    assert shown.verifier.env == {"HF_TOKEN": MASK, "VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert "s3cret" not in shown.tracking.uri
+    assert cfg.verifier.env["HF_TOKEN"] == "hf_abc" and "s3cret" in cfg.tracking.uri  # the original is untouched
+
+
+def test_validate_errors_do_not_print_secrets():
+    with pytest.raises(ConfigError) as info:
+        resolve(KIMI, ["verifier.env={HF_TOKEN: \"hf_abc\\n\"}", "tracking.uri=htps://alice:s3cret@host"],
+                check_tracking=False)
+    text = str(info.value)
+    assert "verifier.env.HF_TOKEN" in text and "tracking.uri" in text
+    assert "hf_abc" not in text and "s3cret" not in text

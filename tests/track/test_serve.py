@@ -1,0 +1,67 @@
+"""`dspark tracking serve`: the authenticated MLflow server a pipeline's jobs log to; and
+`dspark submit` refusing a file store that concurrent jobs would corrupt."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hpc.verifier.toy_data import write_toy_conversations
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def served(tmp_path):
+    root = tmp_path / "tracking"
+    proc = subprocess.Popen([sys.executable, "-m", "hpc", "tracking", "serve", "--root", str(root)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    uri, deadline = None, time.monotonic() + 120
+    while uri is None and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        m = re.search(r"tracking server: (http://\S+)", line)
+        uri = m and m.group(1)
+    assert uri, f"no server ({proc.poll()})"
+    creds = dict(re.findall(r"export (\w+)=(\S+)", (root / "credentials.env").read_text()))
+    yield uri, creds, root
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+
+
+def test_a_pipeline_logs_through_the_authenticated_server(served, toy_target, tmp_path, monkeypatch):
+    uri, creds, root = served
+    assert (root / "credentials.env").stat().st_mode & 0o777 == 0o600
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    with pytest.raises(Exception, match="401|403|nauthori|ermission"):
+        MlflowClient(uri).search_experiments()  # anyone else on the network: refused
+
+    data = write_toy_conversations(tmp_path / "train.jsonl", n=24, seed=1)
+    res = subprocess.run([sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
+                          "verifier.backend=hf", f"data.sources=[{{path: {data}}}]", f"train.output_dir={tmp_path / 'run'}",
+                          "train.warmup_steps=1", "train.checkpoint_interval=2", f"tracking.uri={uri}",
+                          "tracking.experiment=served", "--steps", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **creds})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for key, value in creds.items():
+        monkeypatch.setenv(key, value)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("served").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "4"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+
+
+def test_submit_refuses_a_file_store_before_anything_happens(toy_target, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "hpc", "submit", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
+                          "data.sources=[{path: toy/chat}]", f"cluster.log_dir={tmp_path / 'slurm'}",
+                          f"tracking.uri=sqlite:///{tmp_path}/m.db"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "dspark tracking serve" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "slurm").exists()
