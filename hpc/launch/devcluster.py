@@ -7,6 +7,13 @@ host, each on its own port). Clients only need ``SLURM_CONF`` (see :meth:`DevClu
 Every fresh start wipes the controller state and the accounting database, so job ids restart
 at 1 and no job from an earlier session can resurface. There is no systemd here: daemons are
 started detached by hand and stopped by their pid files.
+
+It runs as root next to other users, so (hpc.launch.devcluster_host): the state directory must
+be ours and not a link (0711: munged needs others to traverse it, nobody else lists or writes);
+files in it are opened without following links; a pid counts as our daemon only if it runs as
+us, has the daemon's name and was started for this state dir; no Slurm client runs against a
+conf we did not write; a host with a real Slurm is refused without --force; and `down` takes
+out the /etc/hosts line `up` added.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,12 +39,18 @@ from hpc.launch.devcluster_conf import (
     render_slurmdbd_conf,
 )
 from hpc.launch.devcluster_host import (
+    DEVCLUSTER_ENV,
     SEARCH_PATH,
-    comm_of,
+    daemon_is_ours,
     ensure_hosts_entries,
     ensure_installed,
+    fake_device,
     last_line,
     process_alive,
+    real_slurm_present,
+    remove_hosts_entries,
+    secure_state_dir,
+    write_private,
 )
 
 log = logging.getLogger(__name__)
@@ -138,10 +150,16 @@ class DevCluster:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def up(self) -> bool:
-        """Bring the cluster up; returns False if it already was (then this is cheap)."""
+    def up(self, force: bool = False) -> bool:
+        """Bring the cluster up; returns False if it already was (then this is cheap).
+
+        Refuses a host with a real Slurm (unless `force`): this installs packages, starts
+        daemons as root and edits /etc/hosts, which belongs on test machines only."""
         if problems := self.spec.check():
             raise UserError("; ".join(problems))
+        if not force and (real := real_slurm_present()):
+            raise UserError(f"devcluster: this host has a real Slurm ({real}); the dev cluster is for test "
+                            "machines. Pass --force to start it anyway")
         ensure_installed()
         if os.geteuid() != 0:
             raise UserError("devcluster must run as root: slurmd and SlurmUser=root need it")
@@ -160,24 +178,27 @@ class DevCluster:
             return True
 
     def down(self) -> bool:
-        """Stop every daemon; returns False if nothing was running."""
+        """Stop every daemon and take out the /etc/hosts line `up` added; False if nothing ran."""
         with self._locked():
-            return self._stop_all()
+            stopped = self._stop_all()
+        remove_hosts_entries()
+        return stopped
 
     # ---- internals ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.spec.root.mkdir(parents=True, exist_ok=True)
+        secure_state_dir(self.spec.root)  # ours, 0700, no link: nothing below can be planted
         # Python opens files non-inheritable, so daemons started under the lock do not keep it.
-        with open(self.spec.root / "lock", "w") as fh:
+        fd = os.open(self.spec.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             yield
 
     def _env(self, **extra: str) -> dict[str, str]:
         # An outer job's SLURM_* variables would point our clients at the wrong job or cluster.
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        return {**env, "PATH": SEARCH_PATH, **self.env(), **extra}
+        return {**env, "PATH": SEARCH_PATH, **self.env(), DEVCLUSTER_ENV: str(self.spec.root), **extra}
 
     def _run(
         self, argv: Sequence[str], *, check: bool = True, timeout: float = 30.0
@@ -204,7 +225,8 @@ class DevCluster:
             pid = int(daemon.pid_file.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
-        return pid if process_alive(pid) and comm_of(pid) == daemon.comm else None
+        ours = process_alive(pid) and daemon_is_ours(pid, daemon.comm, self.spec.root, self.spec.slurm_conf)
+        return pid if ours else None
 
     def _configs_current(self) -> bool:
         s = self.spec
@@ -222,23 +244,16 @@ class DevCluster:
 
     def _write_files(self) -> None:
         s = self.spec
-        for d in (s.root, s.etc_dir, s.run_dir, s.log_dir, s.munge_dir, s.spool_dir, s.gpu_dir):
+        for d in (s.etc_dir, s.run_dir, s.log_dir, s.munge_dir, s.spool_dir, s.gpu_dir):
             d.mkdir(parents=True, exist_ok=True)
             # munged refuses a socket dir that is not 755 and logs in group-writable dirs.
             d.chmod(0o755)
-        s.slurm_conf.write_text(render_slurm_conf(s))
-        s.gres_conf.write_text(render_gres_conf(s))
+        write_private(s.slurm_conf, render_slurm_conf(s))
+        write_private(s.gres_conf, render_gres_conf(s))
         # slurmdbd refuses a readable slurmdbd.conf (it may hold a DB password).
-        s.slurmdbd_conf.touch(mode=0o600)
-        s.slurmdbd_conf.chmod(0o600)
-        s.slurmdbd_conf.write_text(render_slurmdbd_conf(s))
+        write_private(s.slurmdbd_conf, render_slurmdbd_conf(s), 0o600)
         for i in range(s.gpus_per_node):
-            dev = s.gpu_dir / f"gpu{i}"
-            if not (dev.exists() and stat.S_ISCHR(dev.stat().st_mode)):
-                dev.unlink(missing_ok=True)
-                # Same major/minor as /dev/null: slurmd only needs a device file to exist.
-                os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-            dev.chmod(0o666)
+            fake_device(s.gpu_dir / f"gpu{i}")
 
     def _launch(self, name: str, argv: Sequence[str], **extra_env: str) -> None:
         """Start a daemon detached: own session, no inherited fds, output to a log file."""
@@ -346,7 +361,10 @@ class DevCluster:
     def _stop_all(self) -> bool:
         daemons = self.daemons()
         pids = {d.name: self._running_pid(d) for d in daemons}
-        if pids.get("slurmctld") and any(pids.get(d.name) for d in daemons if d.comm == "slurmd"):
+        # Only against our own controller: a client call with a conf we did not write could
+        # reach a real cluster.
+        if pids.get("slurmctld") and any(pids.get(d.name) for d in daemons if d.comm == "slurmd") \
+                and self._configs_current():
             self._cancel_jobs()
         for d in reversed(daemons):
             if (pid := pids[d.name]) is not None:

@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--partition", default="debug", help="partition name (default: debug)")
     parser.add_argument("--nodes", type=int, default=3, help="number of nodes (default: 3)")
+    parser.add_argument("--force", action="store_true",
+                        help="start even where a real Slurm is installed (its config in /etc, or its daemons)")
     parser.set_defaults(func=run)
 
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     conf = cluster.env()["SLURM_CONF"]
     if args.action == "up":
         start = time.monotonic()
-        started = cluster.up()
+        started = cluster.up(force=args.force)
         took = time.monotonic() - start
         what = "started" if started else "already up"
         print(f"devcluster {what} ({took:.1f} s): partition {cluster.partition}, "

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -135,5 +136,116 @@ def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts"))
         return
     text = hosts.read_text()
     sep = "" if text.endswith("\n") or not text else "\n"
-    with hosts.open("a") as fh:
-        fh.write(f"{sep}127.0.0.1 {' '.join(missing)}\n")
+    with hosts.open("a") as fh:  # marked, so `down` can take it out again
+        fh.write(f"{sep}127.0.0.1 {' '.join(missing)}  {HOSTS_MARK}\n")
+
+
+# ---- running as root next to other users --------------------------------------------------
+# The state directory sits under /var/tmp, where anyone may create it first. Root must then
+# not follow links planted inside, nor signal a process that merely carries a daemon's name.
+
+REAL_SLURM_CONFS = (Path("/etc/slurm/slurm.conf"), Path("/etc/slurm-llnl/slurm.conf"))
+HOSTS_MARK = "# dspark-devcluster"
+
+
+STATE_DIR_MODE = 0o711  # munged insists that everyone may traverse to its socket; nobody else lists or writes
+
+
+def secure_state_dir(root: Path) -> None:
+    """`root` as a directory of ours, 0711 and not a link; refuse one someone else made."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"devcluster: {root} is not a plain directory (a link?); remove it or pass --dir")
+    if st.st_uid != os.geteuid():
+        raise UserError(f"devcluster: {root} belongs to uid {st.st_uid}, not to us; someone else created it. "
+                        "Remove it (check what is inside first) or pass --dir")
+    if stat.S_IMODE(st.st_mode) != STATE_DIR_MODE:
+        os.chmod(root, STATE_DIR_MODE)
+
+
+def write_private(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `path` without following a link that may stand in its place."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    os.fchmod(fd, mode)  # an existing file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def fake_device(path: Path) -> None:
+    """A character device with /dev/null's numbers (slurmd only needs the file to exist), made
+    fresh unless one is there: never chmod through a link someone planted as a "device"."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) == 3:
+            return
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.chmod(path, 0o666)  # mknod honours the umask; lstat above said this is our own node
+
+
+def daemon_is_ours(pid: int, comm: str, root: Path, slurm_conf: Path) -> bool:
+    """The process runs as us, has the daemon's name, and was started for this state dir (its
+    command line names the dir, or its SLURM_CONF is ours). A name alone is not enough."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if comm_of(pid) != comm or os.stat(proc).st_uid != os.geteuid():
+            return False
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+        environ = (proc / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return str(root).encode() in cmdline or f"SLURM_CONF={slurm_conf}".encode() in environ
+
+
+DEVCLUSTER_ENV = "DSPARK_DEVCLUSTER"  # in the environment of every daemon a dev cluster starts
+
+
+def _started_by_a_devcluster(proc) -> bool:
+    """`proc` or one of its ancestors carries DEVCLUSTER_ENV (a slurmd forks short-lived
+    children for its RPCs; the daemon itself carries the environment we gave it)."""
+    import psutil
+
+    while proc is not None and proc.pid > 1:
+        try:
+            if DEVCLUSTER_ENV in proc.environ():
+                return True
+            proc = proc.parent()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+    return False
+
+
+def real_slurm_present() -> str | None:
+    """What shows that this host runs a real Slurm (a config in /etc, or Slurm daemons that no
+    dev cluster started), or None."""
+    import psutil
+
+    for conf in REAL_SLURM_CONFS:
+        if conf.exists():
+            return str(conf)
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in ("slurmctld", "slurmd", "slurmdbd") and process_alive(proc.pid) \
+                and not _started_by_a_devcluster(proc):  # a zombie (a daemonising parent) is no daemon
+            return f"a {proc.info['name']} (pid {proc.pid}) that this devcluster did not start"
+    return None
+
+
+def remove_hosts_entries(hosts: Path = Path("/etc/hosts")) -> bool:
+    """Take out the line `up` added (it carries HOSTS_MARK); True if there was one."""
+    try:
+        lines = hosts.read_text().splitlines(keepends=True)
+    except OSError:
+        return False
+    kept = [ln for ln in lines if HOSTS_MARK not in ln]
+    if len(kept) == len(lines):
+        return False
+    hosts.write_text("".join(kept))
+    return True

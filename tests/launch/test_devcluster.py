@@ -7,8 +7,11 @@ cannot come up fails them instead of skipping.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -212,7 +215,7 @@ def test_hosts_entries_added_once(tmp_path: Path) -> None:
     hosts.write_text("127.0.0.1 localhost\n127.0.0.1 node1  # already there")
     for _ in range(2):
         devcluster_host.ensure_hosts_entries(["node1", "node2", "node3"], hosts)
-    assert hosts.read_text().splitlines()[-1] == "127.0.0.1 node2 node3"
+    assert hosts.read_text().splitlines()[-1] == "127.0.0.1 node2 node3  # dspark-devcluster"
     assert hosts.read_text().count("node2") == 1
 
 
@@ -224,3 +227,82 @@ def test_slurm_conf_follows_spec() -> None:
     assert "DependencyParameters=kill_invalid_depend" in text
     assert "AuthInfo=socket=/x/munge/munge.sock,cred_expire=10" in text
     assert "AccountingStoragePass=/x/munge/munge.sock" in text
+
+
+# ---- running as root next to other users --------------------------------------------------
+
+def test_a_state_dir_someone_else_created_is_refused(tmp_path: Path) -> None:
+    planted = tmp_path / "dc"
+    planted.mkdir(mode=0o777)
+    (planted / "lock").symlink_to(tmp_path / "victim")
+    os.chown(planted, 65534, 65534)  # nobody's
+    with pytest.raises(UserError, match="belongs to uid 65534"):
+        with DevCluster(planted)._locked():
+            pass
+    assert not (tmp_path / "victim").exists()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(UserError, match="not a plain directory"):
+        devcluster_host.secure_state_dir(link)
+
+
+def test_files_are_written_without_following_planted_links(tmp_path: Path) -> None:
+    cluster = DevCluster(tmp_path / "dc")
+    s = cluster.spec
+    with cluster._locked():
+        pass
+    assert stat.S_IMODE(os.stat(s.root).st_mode) == 0o711  # no listing, no writing by others
+    victim = tmp_path / "shadow"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    s.gpu_dir.mkdir(parents=True)
+    s.etc_dir.mkdir(parents=True)
+    (s.gpu_dir / "gpu0").symlink_to(victim)  # a "device" that is a link to a root-only file
+    s.slurm_conf.symlink_to(victim)
+    cluster._write_files()
+    assert victim.read_text() == "secret" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    dev = os.lstat(s.gpu_dir / "gpu0")
+    assert stat.S_ISCHR(dev.st_mode) and (os.major(dev.st_rdev), os.minor(dev.st_rdev)) == (1, 3)
+    assert not s.slurm_conf.is_symlink() and "ClusterName" in s.slurm_conf.read_text()
+
+
+def test_a_process_with_a_daemons_name_is_not_taken_for_ours(tmp_path: Path) -> None:
+    cluster = DevCluster(tmp_path / "dc")
+    with cluster._locked():
+        pass
+    cluster.spec.run_dir.mkdir(parents=True, exist_ok=True)
+    impostor = subprocess.Popen([sys.executable, "-c", "import time; open('/proc/self/comm', 'w').write('slurmctld'); "
+                                 "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while devcluster_host.comm_of(impostor.pid) != "slurmctld" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cluster.spec.pid_file("slurmctld").write_text(str(impostor.pid))
+        assert cluster.pids()["slurmctld"] is None  # right name, but not started for this state dir
+        assert cluster.down() is False and impostor.poll() is None  # so down() never signals it
+    finally:
+        impostor.kill()
+
+
+def test_a_host_with_a_real_slurm_is_refused_without_force(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = tmp_path / "etc-slurm.conf"
+    conf.write_text("ClusterName=prod\n")
+    monkeypatch.setattr(devcluster_host, "REAL_SLURM_CONFS", (conf,))
+    installed: list[bool] = []
+    monkeypatch.setattr(devcluster, "ensure_installed", lambda: installed.append(True) or (_ for _ in ()).throw(
+        UserError("stop here")))
+    with pytest.raises(UserError, match=r"real Slurm .*etc-slurm.conf.*--force"):
+        DevCluster(tmp_path / "dc").up()
+    assert not installed  # refused before any package is installed
+    with pytest.raises(UserError, match="stop here"):
+        DevCluster(tmp_path / "dc").up(force=True)
+
+
+def test_down_takes_out_the_hosts_line_up_added(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.0.0.5 db\n")
+    devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts)
+    assert "node1" in hosts.read_text()
+    assert devcluster_host.remove_hosts_entries(hosts)
+    assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.5 db\n"
+    assert not devcluster_host.remove_hosts_entries(hosts)
