@@ -77,6 +77,9 @@ def check_names(cfg: Any, fail: Callable[[str, Any, str], None]) -> None:
         if value and not SLURM_WORD.match(value):
             fail(f"cluster.{key}", value, "not a Slurm name; use letters, digits, '_', '.', '+' or '-' "
                  "(see `sacctmgr show assoc user=$USER`)")
+    if any(ch.isspace() for ch in cl.log_dir):
+        fail("cluster.log_dir", cl.log_dir, "job logs go in #SBATCH/#SCRON lines, which split on spaces; "
+             "use a path without whitespace")
     if cl.mem and not SLURM_MEM.match(cl.mem):
         fail("cluster.mem", cl.mem, "use Slurm's --mem syntax: a number with an optional K/M/G/T suffix, e.g. 200G")
     for i, item in enumerate(cl.sbatch_extra):

@@ -101,9 +101,31 @@ class EngineFactory:
         return VLLMEngine(server)
 
 
+def check_draft_fits_target(path: Path, cfg) -> None:
+    """A draft trained for another target fails here, before any server starts (not after the
+    baseline has run): its vocabulary, hidden size and aux layers must be the target's."""
+    from hpc.config.validate import target_shape
+
+    d = json.loads((path / "config.json").read_text())
+    shape = target_shape(cfg)
+    layer = d.get("transformer_layer_config", {})
+    checks = [("vocab size", layer.get("vocab_size"), shape.vocab_size),
+              ("hidden size", d.get("target_hidden_size") or layer.get("hidden_size"), shape.hidden_size)]
+    for what, mine, theirs in checks:
+        if mine is not None and mine != theirs:
+            raise UserError(f"--draft {path}: built for a target with {what} {mine}, but {cfg.verifier.model} has "
+                            f"{theirs} ({shape.source}); evaluate it against its own target")
+    bad = [i for i in d.get("aux_hidden_state_layer_ids", []) if not 0 <= i <= shape.num_hidden_layers]
+    if bad:
+        raise UserError(f"--draft {path}: reads aux layers {bad}, beyond the {shape.num_hidden_layers} layers of "
+                        f"{cfg.verifier.model}; evaluate it against its own target")
+
+
 def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
     """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
     drafts = [our_draft(draft_path)] if draft_path else []
+    if draft_path:
+        check_draft_fits_target(Path(draft_path), cfg)
     drafts += [DraftSpec(c.name, c.method, c.model or None) for c in cfg.eval.compare]
     if not drafts:
         raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")

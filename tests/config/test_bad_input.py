@@ -34,6 +34,7 @@ BAD = {
     "sbatch_extra short flag": (["cluster.sbatch_extra=['-x']"], "cluster.sbatch_extra[0]"),
     "newline in cron": (["schedule.cron='0 3 * * *\n* * * * * curl evil'"], "schedule.cron"),
     "tab in a data path": (["data.sources=[{path: \"a\tb\"}]"], "control character"),
+    "space in log dir": (["cluster.log_dir='/shared/my runs'"], "cluster.log_dir"),
     "slash in compare name": (["eval.compare=[{name: a/b, method: ngram}]"], "eval.compare[0].name"),
     "tracking uri without host": (["tracking.uri=http:/localhost:5000"], "no host"),
     "tracking uri typo in an absolute path": (["tracking.uri=sqlite:////nonexistent-dir/mlflow.db"],

@@ -91,3 +91,16 @@ def test_a_retrained_draft_at_the_same_path_is_another_draft(tmp_path):
     assert our_draft(path).fingerprint() != before
     ngram = DraftSpec("ngram", "ngram", None)
     assert ngram.fingerprint() == DraftSpec("ngram", "ngram", None).fingerprint() != before
+
+
+def test_a_draft_for_another_target_is_refused_before_any_server(tmp_path, toy_target):
+    from hpc.model.export import export_draft
+    from tests.model.test_dspark import tiny_model
+
+    draft = export_draft(tiny_model(), tmp_path / "other-target-draft")  # a 64-token toy vocabulary
+    out = tmp_path / "eval"
+    res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
+                          "data.sources=[{path: toy/chat}]", f"eval.output_dir={out}", "eval.fixtures=true",
+                          "--draft", str(draft), "--n", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 2 and "built for a target with vocab size 64" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not out.exists()  # no baseline, no server log
