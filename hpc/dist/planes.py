@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,23 @@ def open_pairs(planes: Planes) -> None:
     dist.barrier(group=planes.control)
 
 
+_LISTENING: list[socket.socket] = []  # the rendezvous socket lives as long as the process
+
+
+def rendezvous_store(rank: int, world_size: int, master_addr: str, port: int,
+                     timeout: datetime.timedelta) -> dist.TCPStore:
+    """The world's key-value store. Rank 0 hosts it on a socket bound to the master address
+    only: given a port alone, torch's store listens on every interface of the node."""
+    if rank != 0:
+        return dist.TCPStore(master_addr, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((socket.gethostbyname(master_addr), port))
+    sock.listen(1024)
+    _LISTENING.append(sock)
+    return dist.TCPStore(master_addr, port, world_size, True, timeout, master_listen_fd=sock.fileno())
+
+
 def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, device: torch.device,
                 master_addr: str, port: int, timeout_s: float = 600.0) -> Planes:
     """Rendezvous and create the four groups (collective over the whole world).
@@ -131,10 +149,9 @@ def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, d
     `device` is the rank's compute device; the planes' data device follows the backend.
     """
     rules.install_from_env()
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    store = rendezvous_store(rank, world_size, master_addr, port, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     train_data = dist.new_group(trainers, timeout=timeout)
     train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)

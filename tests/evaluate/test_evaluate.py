@@ -72,6 +72,7 @@ def test_vllm_cpu_runs_ngram_and_dflash_at_n3_and_n7(toy_target, vllm_python, ml
         run = runs[name]
         t, m = run.data.tags, run.data.metrics
         assert t["dspark.engine"] == "vllm" and t["dspark.vllm_version"] == "0.32.0"
+        assert run.info.status == "FINISHED"  # not left RUNNING
         assert t["dspark.n"] == name[6] and set(json.loads(t["dspark.manifests"])) == set(BENCHES)
         for b in BENCHES:
             assert m[f"{b}/rows"] == 1 and m[f"{b}/tok_s"] > 0 and m[f"{b}/baseline_tok_s"] > 0
