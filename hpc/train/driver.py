@@ -45,11 +45,12 @@ def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
         return verifier.capture, None
     from hpc.verifier.vllm_backend import VLLMVerifier
 
-    # A capture that takes longer than the peer timeout means a hung server, unless /health says
-    # otherwise (then it is that sample's failure): stream.peer_timeout_s bounds both.
-    timeout = cfg.stream.peer_timeout_s
+    # A capture that times out means a hung server, unless /health says otherwise (then it is that
+    # sample's failure). Request + health probe + exit wait stay within stream.peer_timeout_s, so
+    # a hung verifier is reported as soon as the trainers' watchdog would call a streamer dead.
+    peer = cfg.stream.peer_timeout_s
     verifier = VLLMVerifier(cfg.verifier, log_path=log_dir / f"vllm-verifier-{os.getpid()}.log",
-                            request_timeout_s=timeout, file_timeout_s=timeout)
+                            request_timeout_s=0.6 * peer, file_timeout_s=0.6 * peer, probe_timeout_s=0.25 * peer)
     return verifier.capture, verifier
 
 

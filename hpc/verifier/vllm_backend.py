@@ -184,7 +184,7 @@ class VLLMVerifier:
     """Captures through a vLLM server: an existing one (`server`) or one it starts from `cfg`."""
 
     def __init__(self, cfg: VerifierConfig, server: CaptureServer | None = None, *,
-                 request_timeout_s: float = 600.0, file_timeout_s: float = 120.0,
+                 request_timeout_s: float = 600.0, file_timeout_s: float = 120.0, probe_timeout_s: float = 5.0,
                  log_path: str | Path | None = None):
         self.cfg = cfg
         tcfg = text_config(cfg.model)
@@ -204,6 +204,7 @@ class VLLMVerifier:
                             f"{self.layer_ids} (verifier.aux_layer_ids)")
         self.request_timeout_s = request_timeout_s
         self.file_timeout_s = file_timeout_s
+        self.probe_timeout_s = probe_timeout_s  # /health, once a capture failed: is the server alive?
         # capture() runs in several threads at once (verifier.capture_concurrency): a session each.
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
@@ -250,12 +251,12 @@ class VLLMVerifier:
         server = self.server.server
         if server.proc.poll() is None:
             try:
-                if server.healthy(timeout=5.0):
+                if server.healthy(timeout=self.probe_timeout_s):
                     return None
             except UserError as err:  # the port is someone else's now
                 return VerifierDown(str(err))
             try:  # a process being killed closes its sockets a moment before it can be reaped
-                server.proc.wait(timeout=2.0)
+                server.proc.wait(timeout=min(2.0, self.probe_timeout_s / 2))
             except subprocess.TimeoutExpired:
                 return VerifierDown(f"vLLM at {server.url} does not answer /health (SIGSTOPped, deadlocked or "
                                     f"overloaded); see {server.log_path}", hung=True)
