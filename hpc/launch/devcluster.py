@@ -50,8 +50,8 @@ from hpc.launch.devcluster_host import (
     real_slurm_present,
     remove_hosts_entries,
     secure_state_dir,
-    write_private,
 )
+from hpc.fsio import write_text
 
 log = logging.getLogger(__name__)
 
@@ -248,10 +248,10 @@ class DevCluster:
             d.mkdir(parents=True, exist_ok=True)
             # munged refuses a socket dir that is not 755 and logs in group-writable dirs.
             d.chmod(0o755)
-        write_private(s.slurm_conf, render_slurm_conf(s))
-        write_private(s.gres_conf, render_gres_conf(s))
+        write_text(s.slurm_conf, render_slurm_conf(s))
+        write_text(s.gres_conf, render_gres_conf(s))  # temp + rename: a planted link is replaced
         # slurmdbd refuses a readable slurmdbd.conf (it may hold a DB password).
-        write_private(s.slurmdbd_conf, render_slurmdbd_conf(s), 0o600)
+        write_text(s.slurmdbd_conf, render_slurmdbd_conf(s), mode=0o600)
         for i in range(s.gpus_per_node):
             fake_device(s.gpu_dir / f"gpu{i}")
 

@@ -166,17 +166,6 @@ def secure_state_dir(root: Path) -> None:
         os.chmod(root, STATE_DIR_MODE)
 
 
-def write_private(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `path` without following a link that may stand in its place."""
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    os.fchmod(fd, mode)  # an existing file keeps its old mode through O_CREAT
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
 def fake_device(path: Path) -> None:
     """A character device with /dev/null's numbers (slurmd only needs the file to exist), made
     fresh unless one is there: never chmod through a link someone planted as a "device"."""

@@ -49,13 +49,12 @@ def publish(path: Path, payload: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _visible(path: Path) -> bool:
-    """exists() through a network filesystem's attribute cache: listing the directory refreshes it."""
+def visible(path: Path) -> bool:
+    """exists(), past an NFS client's negative-lookup cache (listing the directory revalidates it)."""
     try:
-        os.listdir(path.parent)
+        return path.name in os.listdir(path.parent)
     except OSError:
-        pass
-    return path.exists()
+        return False
 
 
 def read_published(path: Path) -> dict:
@@ -69,8 +68,8 @@ def read_published(path: Path) -> dict:
 def wait_published(path: Path, timeout_s: float, who: str, gone: Path | None = None) -> dict | None:
     """The payload once `who` has published it; None if `gone` appears first (it came and went)."""
     deadline = time.monotonic() + timeout_s
-    while not _visible(path):
-        if gone is not None and _visible(gone):
+    while not visible(path):
+        if gone is not None and visible(gone):
             return None
         if time.monotonic() > deadline:
             raise UserError(f"{who} published nothing in {timeout_s:.0f}s ({path}); see {who}'s log")

@@ -32,8 +32,9 @@ from pathlib import Path
 
 from hpc.errors import UserError
 from hpc.launch.job_files import attempt as job_attempt
-from hpc.launch.job_files import job_file, publish, wait_published
-from hpc.launch.slurm_env import SlurmEnv, advertised_ip, free_port, node_ip
+from hpc.launch.job_files import job_file, publish, visible, wait_published
+from hpc.launch.slurm_env import SlurmEnv, advertised_ip, node_ip
+from hpc.track.server import free_port
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 
 TAG = "DSPARK_RAY_NODE"  # in the environment of everything a node's raylet starts, vLLM included
@@ -133,7 +134,7 @@ class RayNode:
         """A worker node: serve until node 0 is done; says how it ended. A raylet that exits (the head
         went away, or it crashed) leaves `grace_s` for the marker to show through the FS cache."""
         ended = None
-        while not _visible(self.marker):
+        while not visible(self.marker):
             if self.proc is None:
                 break
             if ended is None and self.proc.poll() is not None:
@@ -178,14 +179,6 @@ def kill_tagged(tag: str) -> int:
         except psutil.Error:
             pass
     return killed
-
-
-def _visible(path: Path) -> bool:
-    """exists(), past an NFS client's negative-lookup cache (listing the directory revalidates it)."""
-    try:
-        return path.name in os.listdir(path.parent)
-    except OSError:
-        return False
 
 
 def _refresh_ray_auth() -> None:

@@ -75,8 +75,3 @@ def interface_of(ip: str) -> str | None:
             return name
     return None
 
-
-def free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.slurm_env import SlurmEnv, advertised_ip, free_port, interface_of
+from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
+from hpc.track.server import free_port
 
 EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
 
@@ -139,7 +140,6 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     prepare_once(cfg, env)
     ranks, T, V = node_ranks(cfg, env.node_index)
     master, port = _rendezvous(cfg, env, master_node=V if env.n_nodes > V else 0)
-    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")

@@ -227,7 +227,10 @@ def exit_cause(codes: list[int | None], n_trainers: int) -> str | None:
         return f"rank {r} (trainer {r})" if r < n_trainers else f"rank {r} (streamer of verifier node {r - n_trainers})"
     for r, c in enumerate(codes):
         if c is not None and c < 0:
-            name = sig.Signals(-c).name if -c in sig.Signals._value2member_map_ else f"signal {-c}"
+            try:
+                name = sig.Signals(-c).name
+            except ValueError:
+                name = f"signal {-c}"
             hint = " (the kernel's OOM killer does this: check the node's memory)" if -c == sig.SIGKILL else ""
             return f"{who(r)} was killed by {name}{hint}; the other ranks stopped because they lost it"
     return None
