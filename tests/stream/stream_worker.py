@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from hpc.fsio import write_text
+
 
 def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: str, out_dir: str,
          n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000) -> None:
@@ -28,7 +30,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
 
         def on_step(step, metrics):
             depth.append(metrics["stream_buffered"])
-            (out / f"progress{rank}").write_text(str(step))
+            write_text(out / f"progress{rank}", str(step))  # atomic: the test polls it
 
         code = run_trainer(w, planes, cfg, stream_cfg, model, head, out_dir, None,
                            on_step=on_step)  # no epoch_size: the ledger keeps every pair
