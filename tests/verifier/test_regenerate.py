@@ -176,8 +176,14 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
            "--concurrency", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_API_KEY": key})  # an existing server's key
+    def shards_in_manifest() -> int:
+        # The manifest, not the shard file, says a shard is complete: a kill between the two
+        # (shard written, manifest not yet) rightly costs that shard, so wait for the manifest.
+        m = out / MANIFEST
+        return len(json.loads(m.read_text())["shards"]) if m.exists() else 0
+
     deadline = time.monotonic() + 120
-    while not (out / "shard-00000.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not shards_in_manifest() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # mid-shard 1: as a preempted Slurm job dies
