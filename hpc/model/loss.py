@@ -141,7 +141,6 @@ def dspark_loss(
     loss, parts, accept_NB = objective(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1),
                                        blocks.valid_NB, conf_NB, weights, a.sample_from_anchor)
     mask_NB = blocks.valid_NB.float()
-    denom = mask_NB.sum() + 1e-5
     out: dict[str, torch.Tensor] = {}
     if conf_NB is not None:
         sel = blocks.valid_NB
@@ -155,7 +154,7 @@ def dspark_loss(
         accept, mask_NB = accept_NB.detach()[:, first:], mask_NB[:, first:]
         out.update({f"loss_{k}": v.detach() for k, v in parts.items()})
         out["loss"] = loss.detach()
-        out["accept_rate"] = (accept * mask_NB).sum() / denom
+        out["accept_rate"] = M.mean_acceptance(accept, mask_NB)  # over the drafted slots only
         out["accept_len"] = M.expected_acceptance_length(accept, mask_NB)
         greedy_NB = M.greedy_acceptance(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1))[:, first:]
         out["greedy_accept_len"] = M.expected_acceptance_length(greedy_NB, mask_NB)

@@ -13,6 +13,12 @@ def accept_prob(p_draft_NBD: torch.Tensor, q_target_NBD: torch.Tensor) -> torch.
     return torch.minimum(p_draft_NBD, q_target_NBD).sum(-1)
 
 
+def mean_acceptance(accept_NB: torch.Tensor, valid_NB: torch.Tensor) -> torch.Tensor:
+    """Mean acceptance over supervised slots (numerator and count over the same slots)."""
+    valid = valid_NB.to(accept_NB.dtype)
+    return (accept_NB * valid).sum() / valid.sum().clamp_min(1)
+
+
 def per_position_acceptance(accept_NB: torch.Tensor, valid_NB: torch.Tensor) -> torch.Tensor:
     """Mean acceptance per slot [B] over blocks where that slot is supervised."""
     valid = valid_NB.to(accept_NB.dtype)

@@ -164,3 +164,20 @@ def test_loss_backward_and_metrics_on_a_packed_row():
     assert 1.0 <= m["accept_len"].item() <= 1 + model.args.block_size
     assert m["per_position_accept"].shape == (model.args.block_size,)
     assert 0.0 < m["target_mass_outside_vocab"].item() < 1.0
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_accept_rate_of_a_constant_acceptance_is_that_constant(monkeypatch, sample_from_anchor):
+    # The DFlash layout drops slot 0 (the bonus) from the chain: the mean must drop it from the
+    # count too. (make_blocks marks that slot unsupervised today, so the old sliced-sum over
+    # full-count mean agreed by luck; this pins the figure whatever the mask does.)
+    import hpc.model.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod.M, "accept_prob", lambda p, q: torch.full(p.shape[:-1], 0.5))
+    model = tiny_model(sample_from_anchor=sample_from_anchor)
+    lm_head = torch.randn(V, H)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(D) + model.d2t] = True
+    _, m = dspark_loss(model, packed_row(), VerifierHead(lm_head, t2d), LossWeights(), max_anchors=5,
+                       generator=torch.Generator().manual_seed(0), attention="sdpa")
+    assert m["accept_rate"].item() == pytest.approx(0.5)

@@ -9,7 +9,7 @@ import torch
 
 from hpc.model.metrics import (
     accept_prob, brier, expected_acceptance_length, expected_calibration_error, greedy_acceptance,
-    mass_outside_draft_vocab, per_position_acceptance,
+    mass_outside_draft_vocab, mean_acceptance, per_position_acceptance,
 )
 
 
@@ -27,6 +27,13 @@ def test_per_position_and_expected_length():
     assert per_position_acceptance(a, valid).tolist() == [0.75, 0.25, 1.0]
     # block 1: 0.5 + 0.25 + 0.25 = 1.0 ; block 2: 1 + 0 + 0 = 1.0 ; mean 1.0 -> + bonus = 2.0
     assert expected_acceptance_length(a, valid).item() == pytest.approx(2.0)
+
+
+def test_mean_acceptance_counts_only_the_slots_it_sums():
+    a = torch.tensor([[0.5, 0.25], [0.4, 0.9]])
+    valid = torch.tensor([[1, 1], [1, 0]])
+    assert mean_acceptance(a, valid).item() == pytest.approx((0.5 + 0.25 + 0.4) / 3)
+    assert mean_acceptance(a, torch.zeros_like(valid)).item() == 0.0
 
 
 def test_greedy_acceptance():
