@@ -1,14 +1,18 @@
-"""Exact greedy speculative decoding in torch: an HF target verifies our draft.
+"""Exact speculative decoding in torch: an HF target verifies our draft, greedy or sampled.
 
 This is the engine for DSpark numbers where vLLM cannot decode DSpark (its CPU build), and
 the yardstick vLLM's numbers are checked against. One step:
 1. the context holds the target's aux hidden states for every verified position < p;
-2. the draft proposes n tokens from the anchor x_p (Markov chain sampled left to right);
+2. the draft proposes n tokens from the anchor x_p (Markov chain, left to right);
 3. the target scores [x_p, d_1..d_n] in one forward on its KV cache;
-4. the longest prefix of drafts equal to the target's argmax is accepted, plus the target's
-   own next token (the bonus), so every step emits between 1 and n+1 tokens;
+4. greedy (temperature 0): the longest prefix of drafts equal to the target's argmax is
+   accepted, plus the target's own next token (the bonus). Sampled (temperature T > 0): draft i
+   is accepted with probability min(1, q_i(d_i) / p_i(d_i)) (q, p: target and draft
+   distributions at T); the first rejection is replaced by a sample of norm(max(0, q_i - p_i)),
+   and a fully accepted block earns a bonus sampled from q. Either way a step emits 1..n+1 tokens;
 5. the aux states of x_p and the accepted drafts join the context; the cache is cropped.
-The output therefore equals plain greedy decoding of the target, token for token.
+The output is therefore distributed exactly as plain decoding of the target at the same
+temperature (token for token equal at temperature 0).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class SpecStats:
 
 
 class TargetRunner:
-    """The HF target with a KV cache, returning next-token argmax and aux states per position."""
+    """The HF target with a KV cache, returning next-token logits and aux states per position."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model = model
@@ -77,13 +81,13 @@ class TargetRunner:
         self.cache = DynamicCache()
 
     @torch.no_grad()
-    def forward(self, ids_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax next token per position [S], aux states [S, n_aux, H]) for new tokens."""
+    def forward_logits(self, ids_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next-token logits per position [S, V], aux states [S, n_aux, H]) for new tokens."""
         out = self.model(input_ids=ids_S[None], use_cache=True, output_hidden_states=True,
                          **{self._cache_kwarg: self.cache})
         hs = out.hidden_states
         aux = [self._final_input[0] if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
-        return out.logits[0].argmax(-1), (torch.stack(aux, dim=1) if aux else hs[0][0, :, None, :0])
+        return out.logits[0], (torch.stack(aux, dim=1) if aux else hs[0][0, :, None, :0])
 
     def crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -91,16 +95,50 @@ class TargetRunner:
             self.cache.crop(-extra)  # transformers 5 takes the number of tokens to drop
 
 
+def sample(probs_V: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+def verify_sampled(drafts_k: torch.Tensor, p_kV: torch.Tensor, q_KV: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling for one block: (drafts accepted, the token that follows them).
+
+    q_KV holds the target's distributions at the k draft positions and one more (the bonus).
+    Draft i survives with probability min(1, q_i(d_i) / p_i(d_i)); the first that does not is
+    replaced by a sample of the residual norm(max(0, q_i - p_i)). That residual is exactly the
+    mass the accepted drafts under-cover, which is what makes the step lossless.
+    """
+    for i, d in enumerate(drafts_k.tolist()):
+        u = float(torch.rand((), generator=generator))
+        if u * float(p_kV[i, d]) < float(q_KV[i, d]):
+            continue
+        residual_V = (q_KV[i] - p_kV[i]).clamp_min(0)
+        total = float(residual_V.sum())
+        # total == 0 only when p == q to rounding: then q itself is the exact residual.
+        return i, sample(residual_V / total if total > 0 else q_KV[i], generator)
+    return drafts_k.numel(), sample(q_KV[drafts_k.numel()], generator)
+
+
+def _pick(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature > 0:
+        return sample(torch.softmax(logits_V.float() / temperature, -1), generator)
+    return int(logits_V.argmax())
+
+
 @torch.no_grad()
 def speculative_generate(
     target, draft: DSparkDraft, prompt_ids: list[int], max_new_tokens: int, n: int,
     eos_token_id: int | None = None, conf_threshold: float | None = None,
     record: list[tuple[list[float], list[int]]] | None = None,
+    temperature: float = 0.0, generator: torch.Generator | None = None,
 ) -> tuple[list[int], SpecStats]:
-    """Greedy speculative decoding; returns (generated ids, stats). n <= draft block size.
+    """Speculative decoding; returns (generated ids, stats). n <= draft block size.
 
-    `record`, when given, collects (confidences, matches) per verify step for the calibration
-    report: match i = draft i equals the target's greedy token at that position.
+    `record`, when given, collects (confidences, accepted) per verify step for the calibration
+    report, up to and including the first rejected position: the confidence head predicts
+    "slot i is accepted given every earlier slot was", and later slots never face that event.
+    Accepted means "equals the target's greedy token" at temperature 0 and "survived the
+    min(1, q/p) test" when sampling: the event each decoding mode actually runs on.
     """
     from hpc.errors import UserError
 
@@ -109,38 +147,47 @@ def speculative_generate(
     if n < 1 or width > a.block_size:
         raise UserError(f"n={n} needs {width} draft slots but the draft's block_size is {a.block_size}; "
                         f"use n <= {a.block_size - (0 if a.sample_from_anchor else 1)}")
+    sampled = temperature > 0
     runner = TargetRunner(target, a.aux_layer_ids)
     stats = SpecStats(n=n)
     device = next(draft.parameters()).device
     prompt = torch.tensor(prompt_ids, device=device)
-    next_S, aux_SnH = runner.forward(prompt)
+    logits_SV, aux_SnH = runner.forward_logits(prompt)
     stats.verify_steps += 1
     ctx_TH = draft.project_context(aux_SnH.to(draft.fc.weight.dtype))
-    out = [int(next_S[-1])]
+    out = [_pick(logits_SV[-1], temperature, generator)]
     seq_len = len(prompt_ids)  # positions < seq_len are in the cache and the context
     while len(out) < max_new_tokens and (eos_token_id is None or out[-1] != eos_token_id):
         anchor = out[-1]
-        drafts, confs = draft.propose(ctx_TH, anchor, seq_len, n)
+        if sampled:
+            drafts, confs, p_kV = draft.propose_sampled(ctx_TH, anchor, seq_len, n, temperature, generator)
+        else:
+            drafts, confs = draft.propose(ctx_TH, anchor, seq_len, n)
         stats.draft_steps += 1
         if conf_threshold is not None and confs is not None:
             # Adaptive n: stop drafting where the chance the whole prefix survives drops too low.
             survive = torch.cumprod(confs, 0)
-            keep = int((survive >= conf_threshold).sum())
-            drafts = drafts[:max(keep, 1)]
+            drafts = drafts[:max(int((survive >= conf_threshold).sum()), 1)]
         k = drafts.numel()
         verify_ids = torch.cat([torch.tensor([anchor], device=device), drafts])
-        target_next, aux = runner.forward(verify_ids)
+        logits_KV, aux = runner.forward_logits(verify_ids)
         stats.verify_steps += 1
-        matches = (drafts == target_next[:k]).int()
-        accepted = int(torch.cumprod(matches, 0).sum())
+        if sampled:
+            q_KV = torch.softmax(logits_KV.float() / temperature, -1)
+            accepted, follow = verify_sampled(drafts, p_kV[:k], q_KV, generator)
+        else:
+            target_next = logits_KV.argmax(-1)
+            accepted = int(torch.cumprod((drafts == target_next[:k]).int(), 0).sum())
+            follow = int(target_next[accepted])
         if record is not None and confs is not None:
-            record.append(([float(c) for c in confs[:k]], matches.tolist()))
+            seen = min(accepted + 1, k)
+            record.append(([float(c) for c in confs[:seen]], [1] * accepted + [0] * (seen - accepted)))
         stats.drafts += 1
         stats.draft_tokens += k
         stats.accepted += accepted
         for i in range(accepted):
             stats.accepted_per_pos[i] += 1
-        new = drafts[:accepted].tolist() + [int(target_next[accepted])]
+        new = drafts[:accepted].tolist() + [follow]
         # Verified positions: the anchor and the accepted drafts; the rest of the cache is stale.
         runner.crop(seq_len + accepted + 1)
         ctx_TH = torch.cat([ctx_TH, draft.project_context(aux[: accepted + 1].to(ctx_TH.dtype))])
@@ -154,18 +201,23 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-    """Plain greedy decoding on the same cache path, for the exactness check."""
+def plain_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> list[int]:
+    """Decoding without a draft on the same cache path: the exactness check and the baseline."""
     runner = TargetRunner(target, [])
     ids = torch.tensor(prompt_ids, device=target.device)
     out: list[int] = []
     while len(out) < max_new_tokens:
-        nxt = int(runner.forward(ids)[0][-1])
+        nxt = _pick(runner.forward_logits(ids)[0][-1], temperature, generator)
         out.append(nxt)
         if nxt == eos_token_id:
             break
         ids = torch.tensor([nxt], device=target.device)
     return out
+
+
+def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    return plain_generate(target, prompt_ids, max_new_tokens, eos_token_id)
 
 
 def mean_acceptance_length(target, draft: DSparkDraft, prompts: list[list[int]], n: int, max_new_tokens: int,

@@ -176,6 +176,32 @@ class DSparkDraft(nn.Module):
         slots and slot k predicts token anchor_pos+k+1, otherwise slot 0 is the bonus and n+1
         slots run. Attention is unmasked: one block sees the whole context and itself.
         """
+        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, lambda logits_1D: logits_1D.argmax(-1))
+        return drafts, confs
+
+    @torch.no_grad()
+    def propose_sampled(
+        self, ctx_TH: torch.Tensor, anchor_id: int, anchor_pos: int, n: int, temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """n tokens sampled at `temperature`, their confidences, and the distribution each was
+        drawn from over the TARGET vocab [n, V] (zero off the draft vocab): speculative
+        sampling needs p(x) for its accept ratio and p itself for the residual."""
+        probs: list[torch.Tensor] = []
+
+        def pick(logits_1D: torch.Tensor) -> torch.Tensor:
+            p_1D = torch.softmax(logits_1D.float() / temperature, -1)
+            probs.append(p_1D[0])
+            return torch.multinomial(p_1D, 1, generator=generator)[:, 0]
+
+        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, pick)
+        p_kV = torch.zeros(len(probs), self.args.target_vocab_size, device=ctx_TH.device)
+        targets = self.draft_to_target(torch.arange(self.args.draft_vocab_size, device=ctx_TH.device))
+        p_kV[:, targets] = torch.stack(probs)
+        return drafts, confs, p_kV
+
+    def _chain(self, ctx_TH: torch.Tensor, anchor_id: int, anchor_pos: int, n: int, pick):
+        """The Markov chain left to right: `pick` turns slot logits [1, D] into a draft id [1]."""
         a = self.args
         width = n if a.sample_from_anchor else n + 1
         if width > a.block_size:
@@ -187,7 +213,7 @@ class DSparkDraft(nn.Module):
         prev = torch.tensor([anchor_id], device=device)
         for k in range(first, width):
             emb = self.markov_embed(prev)
-            tok_d = self.logits(h_QH[k:k + 1], emb).argmax(-1)
+            tok_d = pick(self.logits(h_QH[k:k + 1], emb))
             conf = self.confidence_logit(h_QH[k:k + 1], emb)
             if conf is not None:
                 confs.append(torch.sigmoid(conf.float()))

@@ -6,27 +6,28 @@ import pytest
 import torch
 
 from hpc.errors import UserError
-from hpc.evaluate.reference import greedy_generate, speculative_generate
+from hpc.evaluate.reference import greedy_generate, plain_generate, speculative_generate
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 
 V, H = 96, 32
 
 
-def random_target(seed: int = 0):
+def random_target(seed: int = 0, vocab: int = V):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False)
     return Qwen3ForCausalLM(cfg).eval().double()
 
 
 def random_draft(target, aux, sample_from_anchor=True, markov_rank=8, seed=1) -> DSparkDraft:
     torch.manual_seed(seed)
+    vocab = target.config.vocab_size
     args = DSparkArgs(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, block_size=8, draft_vocab_size=V, mask_token_id=V - 1,
+                      intermediate_size=64, block_size=8, draft_vocab_size=vocab, mask_token_id=vocab - 1,
                       sample_from_anchor=sample_from_anchor, markov_rank=markov_rank,
-                      enable_confidence_head=markov_rank > 0, target_hidden_size=H, target_vocab_size=V,
+                      enable_confidence_head=markov_rank > 0, target_hidden_size=H, target_vocab_size=vocab,
                       aux_layer_ids=aux)
     draft = DSparkDraft(args)
     draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
@@ -118,3 +119,92 @@ def test_n_larger_than_block_is_refused():
     draft = random_draft(target, [1, 2, 3])
     with pytest.raises(UserError, match="block_size is 8"):
         speculative_generate(target, draft, [1, 2], 5, 9)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+SMALL_V, TEMP, PROMPT = 10, 1.0, [3, 1, 4, 1, 5]
+
+
+def peaked_target():
+    """A random target is near uniform over a tiny vocab, where every rule looks lossless; a
+    scaled head gives distributions a wrong rule visibly distorts."""
+    target = random_target(vocab=SMALL_V)
+    target.lm_head.weight.data *= 15
+    return target
+
+
+def exact_marginals(target) -> list[torch.Tensor]:
+    """P(token 0), P(token 1), P(token 2) of plain sampling, summed over every path (10 + 100 forwards)."""
+    def probs(prefixes: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1]
+        return torch.softmax(logits.float() / TEMP, -1)
+
+    q0 = probs([[]])[0]
+    q1_aV = probs([[a] for a in range(SMALL_V)])
+    q2_abV = probs([[a, b] for a in range(SMALL_V) for b in range(SMALL_V)]).view(SMALL_V, SMALL_V, SMALL_V)
+    p1 = q0 @ q1_aV
+    p2 = torch.einsum("a,ab,abv->v", q0, q1_aV, q2_abV)
+    return [q0, p1, p2]
+
+
+def chi_square_p(counts: list[int], probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    total = sum(counts)
+    probs = probs.double() / probs.double().sum()
+    expected = [float(p) * total for p in probs]
+    # Cells expected below 5 are pooled, as the test's approximation needs.
+    small = [i for i, e in enumerate(expected) if e < 5]
+    obs = [c for i, c in enumerate(counts) if i not in small] + [sum(counts[i] for i in small)]
+    exp = [e for i, e in enumerate(expected) if i not in small] + [sum(expected[i] for i in small)]
+    if not small:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def sampled_counts(target, draft, runs: int) -> tuple[list[list[int]], int, int]:
+    gen = torch.Generator().manual_seed(1234)
+    counts = [[0] * SMALL_V for _ in range(3)]
+    accepted = drafted = 0
+    for _ in range(runs):
+        out, stats = speculative_generate(target, draft, PROMPT, 3, 3, temperature=TEMP, generator=gen)
+        for i, tok in enumerate(out):
+            counts[i][tok] += 1
+        accepted, drafted = accepted + stats.accepted, drafted + stats.draft_tokens
+    return counts, accepted, drafted
+
+
+def test_sampled_speculative_output_is_distributed_as_the_target():
+    target = peaked_target()
+    draft = random_draft(target, [1, 2, 3])  # the target's head on its own hidden states: right ~25%
+    counts, accepted, drafted = sampled_counts(target, draft, 1500)
+    assert 0 < accepted < drafted  # both branches ran: accepted drafts and residual samples
+    for i, probs in enumerate(exact_marginals(target)):
+        assert chi_square_p(counts[i], probs) > 1e-3, (i, counts[i], probs.tolist())
+
+
+def test_the_chi_square_check_catches_a_lossy_rule(monkeypatch):
+    # Accepting every draft serves the draft's distribution, not the target's: the same check must fail.
+    import hpc.evaluate.reference as ref
+
+    monkeypatch.setattr(ref, "verify_sampled", lambda d, p, q, g: (d.numel(), ref.sample(q[d.numel()], g)))
+    target = peaked_target()
+    counts, _, _ = sampled_counts(target, random_draft(target, [1, 2, 3]), 1500)
+    p_values = [chi_square_p(c, probs) for c, probs in zip(counts, exact_marginals(target))]
+    assert p_values[0] > 1e-3 and min(p_values[1:]) < 1e-6  # token 0 comes from the prefill: always exact
+
+
+def test_plain_sampling_is_seeded_and_temperature_zero_is_greedy():
+    target = random_target()
+    a = plain_generate(target, PROMPT, 12, temperature=0.8, generator=torch.Generator().manual_seed(5))
+    b = plain_generate(target, PROMPT, 12, temperature=0.8, generator=torch.Generator().manual_seed(5))
+    assert a == b and plain_generate(target, PROMPT, 12, temperature=0.0) == greedy_generate(target, PROMPT, 12)
+
+
+def test_calibration_record_stops_at_the_first_rejection():
+    target = random_target()
+    draft = random_draft(target, [1, 2, 3])
+    record: list = []
+    speculative_generate(target, draft, [5, 17, 33, 2], 24, 5, record=record)
+    assert record and all(len(c) == len(m) and m.count(0) <= 1 and (0 not in m or m[-1] == 0) for c, m in record)
