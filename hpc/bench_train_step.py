@@ -24,7 +24,8 @@ from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
 
-WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0)
+# speculators' recipe trains the confidence head on 1 - TV: the same work as ours on greedy matches.
+WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0, confidence_target="sampling")
 LR = 1e-4
 
 

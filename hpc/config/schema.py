@@ -30,6 +30,24 @@ class EvalEngine(str, Enum):
     reference = "reference"  # hpc.evaluate.reference: exact greedy spec decoding in torch
 
 
+class ConfidenceTarget(str, Enum):
+    # The event the confidence head learns to predict, which must be the event decoding runs on:
+    # greedy = "the draft's argmax equals the target's"; sampling = the chance speculative
+    # sampling keeps the draft, 1 - TV(p, q). Trained on one and used with the other, the
+    # head is miscalibrated by construction (ECE 0.2-0.4 seen when greedy was scored on 1 - TV).
+    greedy = "greedy"
+    sampling = "sampling"
+
+
+class EvalTiming(str, Enum):
+    # paired: every benchmark alternates baseline and draft requests on the same prompts, on the
+    # same engine build and node, and reports the speedup's spread. cached: one baseline per
+    # (target, build, hardware, manifests), reused from MLflow; for targets whose baseline
+    # server cannot run beside the draft's (Kimi fills a node), at the price of an unknown spread.
+    paired = "paired"
+    cached = "cached"
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"
@@ -158,6 +176,7 @@ class LossConfig:
     kl_weight: float = 0.0
     decay_gamma: float = 4.0  # slot k weighs exp(-k / gamma)
     confidence_weight: float = 1.0
+    confidence_target: ConfidenceTarget = ConfidenceTarget.greedy
 
 
 @dataclass
@@ -223,7 +242,12 @@ class EvalConfig:
     code_max_tokens: int = 512  # livecodebench and speedbench_coding, as on the card
     rows: Optional[int] = None  # None: 6 for the small sets, full manifests for code sets
     concurrency: int = 1
+    # > 0: every draft is evaluated at temperature 0 AND at this temperature (speculative
+    # sampling), side by side; the sampled requests are seeded from eval.seed.
     temperature: float = 0.0
+    seed: int = 0
+    timing: EvalTiming = EvalTiming.paired
+    timing_min_pairs: int = 6  # baseline/draft request pairs per benchmark (passes repeat the prompts)
     compare: list[ThirdPartyDraft] = field(default_factory=list)
     data_dir: Optional[str] = None  # offline clusters: {data_dir}/{benchmark}.jsonl|.parquet
     datasets: dict[str, str] = field(default_factory=dict)  # per benchmark: local JSONL/parquet path

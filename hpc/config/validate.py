@@ -283,6 +283,9 @@ def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
         c.positive("eval.rows", e.rows)
     c.positive("eval.concurrency", e.concurrency)
     c.nonneg("eval.temperature", e.temperature)
+    if e.temperature > 2.0:
+        c.fail("eval.temperature", e.temperature, "sampling temperatures above 2 are noise; use 0 (greedy) to 2, e.g. 0.7")
+    c.positive("eval.timing_min_pairs", e.timing_min_pairs)
     c.path("eval.data_dir", e.data_dir, "benchmark data directory")
     for name, path in e.datasets.items():
         if name not in BENCHMARKS:

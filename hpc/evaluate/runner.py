@@ -4,7 +4,10 @@ Order of work, so that a requeue or an outage costs as little as possible:
 1. everything that can be wrong is checked first (draft, n, benchmarks, tracking);
 2. the no-speculation baseline per engine, reused from MLflow when one was measured for the
    same (target, engine build, hardware, manifests), unless --force-baseline;
-3. each draft at each n, one server per (draft, n), benchmarks single-stream;
+3. each draft at each n (and, with eval.temperature > 0, also sampled at that temperature), one
+   server per (draft, n, temperature), benchmarks single-stream; with eval.timing=paired the
+   baseline engine runs beside it and requests alternate (harness.py), else (cached) the
+   baseline of step 2 gives the speedup;
 4. upload to MLflow (or keep on disk), plots, calibration report, registry.
 """
 
@@ -29,12 +32,14 @@ class Job:
     draft: DraftSpec | None  # None: the baseline
     n: int
     engine: str
+    temperature: float = 0.0
 
     @property
     def name(self) -> str:
+        suffix = f"-t{self.temperature:g}" if self.temperature > 0 else ""
         if self.draft is None:
-            return f"baseline-{self.engine}"
-        return f"eval-n{self.n}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}"
+            return f"baseline-{self.engine}{suffix}"
+        return f"eval-n{self.n}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}{suffix}"
 
 
 def _tracking(cfg):
@@ -56,10 +61,12 @@ def _tracking(cfg):
     return client
 
 
-def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches) -> str:
+def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches, temperature: float = 0.0) -> str:
     v = cfg.verifier
     ident = {"target": v.name or v.model, "revision": v.revision, "engine": engine, "version": engine_version, "hardware": hardware,
              "manifests": {b.name: b.sha256 for b in benches}}
+    if temperature > 0:  # greedy keys stay as they were, so earlier baselines are still found
+        ident["temperature"] = temperature
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -69,6 +76,7 @@ class EngineFactory:
     def __init__(self, cfg, out: Path):
         self.cfg, self.out = cfg, out
         self._target = None
+        self._baselines: dict[tuple[str, float], object] = {}
 
     def target(self):
         if self._target is None:
@@ -81,16 +89,29 @@ class EngineFactory:
             ).to(self.cfg.eval.device).eval()
         return self._target
 
+    def baseline(self, engine: str, temperature: float, eos: int | None):
+        """The no-draft engine paired timing alternates with: started once, shared by every job."""
+        key = (engine, temperature)
+        if key not in self._baselines:
+            self._baselines[key] = self.start(Job(None, 0, engine, temperature), eos)
+        return self._baselines[key]
+
+    def close(self) -> None:
+        for engine in self._baselines.values():
+            engine.close()
+        self._baselines.clear()
+
     def start(self, job: Job, eos: int | None):
         from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
 
+        seed = self.cfg.eval.seed
         if job.engine == "reference":
             draft = None
             if job.draft is not None:
                 from hpc.model.export import load_draft
 
                 draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
-            return ReferenceEngine(self.target(), draft, job.n, eos)
+            return ReferenceEngine(self.target(), draft, job.n, eos, job.temperature, seed)
         from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
         v = self.cfg.verifier
@@ -98,7 +119,7 @@ class EngineFactory:
         server = start_vllm_server(v.python, v.model, host=v.host, port=v.port or None, base_args=config_flags(v),
                                    extra_args=[*spec, *v.extra_args], env=server_env(v),
                                    log_path=self.out / "logs" / f"{job.name}.log", timeout=v.health_timeout_s)
-        return VLLMEngine(server)
+        return VLLMEngine(server, temperature=job.temperature, seed=seed)
 
 
 def check_draft_fits_target(path: Path, cfg) -> None:
@@ -137,6 +158,13 @@ def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], l
     engine = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
     needs_vllm = engine != "reference" or any(not d.ours for d in drafts)
     version, cpu = vllm_build(cfg.verifier.python) if needs_vllm else ("none", True)
+    if cfg.eval.temperature > 0 and cpu:
+        for d in drafts:
+            if choose_engine(d, engine, cpu) == "vllm":
+                raise UserError(
+                    f"eval.temperature={cfg.eval.temperature:g}: {d.label} would run on vLLM's CPU build, which "
+                    f"does not sample drafts losslessly (it accepts ~1% of them at temperature > 0); set "
+                    f"eval.temperature=0, drop {d.label} from eval.compare, or evaluate it on a GPU vLLM")
     return drafts, benches, version, cpu
 
 
@@ -148,8 +176,10 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
 
     drafts, benches, vllm_version, cpu_build = plan(cfg, draft_path, ns)  # the cheap checks first
     cfg = localize(cfg)  # a hub id becomes its local snapshot (a no-op inside a job: done there)
-    engine_cfg = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
-    jobs = [Job(d, n, choose_engine(d, engine_cfg, cpu_build)) for d in drafts for n in ns]
+    engine_cfg = _value(cfg.eval.engine)
+    temps = [0.0] + ([float(cfg.eval.temperature)] if cfg.eval.temperature > 0 else [])
+    jobs = [Job(d, n, choose_engine(d, engine_cfg, cpu_build), t) for d in drafts for n in ns for t in temps]
+    paired = _value(cfg.eval.timing) == "paired"
     out = Path(cfg.eval.output_dir)
     client = _tracking(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
@@ -166,16 +196,16 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
     results: dict[str, list[BenchResult]] = {}
     ran: list[str] = []  # run directories this evaluation wrote
 
-    baselines: dict[str, dict[str, float]] = {}
-    for engine in sorted({j.engine for j in jobs}):
+    baselines: dict[tuple[str, float], dict[str, float]] = {}
+    for engine, temp in sorted({(j.engine, j.temperature) for j in jobs}) if not paired else []:
         version = vllm_version if engine == "vllm" else _torch_version()
-        key = baseline_key(cfg, engine, version, hardware, benches)
-        job = Job(None, 0, engine)
+        key = baseline_key(cfg, engine, version, hardware, benches, temp)
+        job = Job(None, 0, engine, temp)
         run_dir = out / f"{job.name}-{key[:8]}"
         cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)
         if cached is not None and set(cached) >= {b.name for b in benches}:
             print(f"baseline ({engine}): reusing the one measured for this target, build, hardware and manifests")
-            baselines[engine] = cached
+            baselines[engine, temp] = cached
             continue
         if force_baseline and run_dir.exists():
             import shutil
@@ -183,30 +213,36 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
             shutil.rmtree(run_dir)
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
         _write_meta(run_dir, cfg, job, "baseline", parent_run_id, {**tags, "dspark.baseline_key": key,
-                    "dspark.engine": engine, "dspark.engine_version": version, "dspark.hardware": hardware})
-        baselines[engine] = {r.benchmark: r.tok_s for r in res}
+                    "dspark.engine": engine, "dspark.engine_version": version, "dspark.hardware": hardware,
+                    "dspark.temperature": f"{temp:g}"})
+        baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
         results[job.name] = res
         ran.append(run_dir.name)
 
     prints = {d.label: d.fingerprint() for d in drafts}
-    for job in jobs:
-        version = vllm_version if job.engine == "vllm" else _torch_version()
-        # Results are keyed by the draft's content: a re-run with a retrained draft at the same
-        # path measures it, instead of returning the previous draft's numbers.
-        run_dir = out / f"{job.name}-{prints[job.draft.label][:8]}"
-        res = _run_job(job, factory, benches, tok, run_dir, quiet)
-        attach_baseline(res, baselines[job.engine])
-        for r in res:  # the baseline is known now: the files carry the speedup too
-            write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
-        job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
-                    "dspark.draft_sha256": prints[job.draft.label],
-                    "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,
-                    "dspark.hardware": hardware, "dspark.vllm_version": vllm_version}
-        artifacts = [(job.draft.model, "draft")] if job.draft.ours else []
-        _write_meta(run_dir, cfg, job, "eval", parent_run_id, job_tags, artifacts)
-        _plots(run_dir, res, job, cfg)
-        results[job.name] = res
-        ran.append(run_dir.name)
+    try:
+        for job in jobs:
+            version = vllm_version if job.engine == "vllm" else _torch_version()
+            # Results are keyed by the draft's content: a re-run with a retrained draft at the same
+            # path measures it, instead of returning the previous draft's numbers.
+            run_dir = out / f"{job.name}-{prints[job.draft.label][:8]}"
+            res = _run_job(job, factory, benches, tok, run_dir, quiet, paired, cfg.eval.timing_min_pairs)
+            if not paired:
+                attach_baseline(res, baselines[job.engine, job.temperature])
+                for r in res:  # the baseline is known now: the files carry the speedup too
+                    write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
+            job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
+                        "dspark.draft_sha256": prints[job.draft.label],
+                        "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,
+                        "dspark.hardware": hardware, "dspark.vllm_version": vllm_version,
+                        "dspark.temperature": f"{job.temperature:g}", "dspark.timing": _value(cfg.eval.timing)}
+            artifacts = [(job.draft.model, "draft")] if job.draft.ours else []
+            _write_meta(run_dir, cfg, job, "eval", parent_run_id, job_tags, artifacts)
+            _plots(run_dir, res, job, cfg)
+            results[job.name] = res
+            ran.append(run_dir.name)
+    finally:
+        factory.close()
 
     if client is not None:
         upload_all(client, out, cfg, quiet, only=set(ran))
@@ -222,16 +258,23 @@ def _torch_version() -> str:
     return f"torch {torch.__version__}"
 
 
-def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quiet: bool) -> list[BenchResult]:
+def _value(enum_or_str) -> str:
+    return enum_or_str.value if hasattr(enum_or_str, "value") else str(enum_or_str)
+
+
+def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quiet: bool, paired: bool = False,
+             min_pairs: int = 1) -> list[BenchResult]:
     from hpc.evaluate.harness import finished
 
     if all(finished(run_dir, b) for b in benches):  # a requeue: no server for nothing
         return load_results(run_dir)
+    baseline = factory.baseline(job.engine, job.temperature, tok.eos_token_id) if paired and job.draft else None
     engine = factory.start(job, tok.eos_token_id)
     try:
         label = "baseline" if job.draft is None else job.draft.label
         method = "none" if job.draft is None else job.draft.method
-        return run_benchmarks(engine, benches, tok, run_dir, label, method, job.n, quiet)
+        return run_benchmarks(engine, benches, tok, run_dir, label, method, job.n, quiet, baseline=baseline,
+                              min_pairs=min_pairs, temperature=job.temperature)
     finally:
         engine.close()
 
@@ -241,7 +284,7 @@ def _write_meta(run_dir: Path, cfg, job: Job, stage: str, parent: str | None, ta
     meta_path = run_dir / "run.json"
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     meta = {"stage": stage, "name": job.name, "experiment": cfg.tracking.experiment, "parent_run_id": parent,
-            "tags": tags, "artifacts": artifacts or [], "n": job.n,
+            "tags": tags, "artifacts": artifacts or [], "n": job.n, "temperature": job.temperature,
             "registered_model": cfg.tracking.registered_model, "mlflow_run_id": old.get("mlflow_run_id")}
     write_json_atomic(meta_path, meta)
 
@@ -250,8 +293,9 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
     from hpc.track.plots import per_position_png
 
     if job.n:
+        temp = f" T={job.temperature:g}" if job.temperature > 0 else ""
         per_position_png({r.benchmark: r.per_position for r in res}, run_dir / "per_position_acceptance.png",
-                         title=f"{job.draft.label} n={job.n} ({job.engine})")
+                         title=f"{job.draft.label} n={job.n}{temp} ({job.engine})")
     steps = {r.benchmark: r.calibration_steps for r in res if r.calibration_steps}
     if steps:
         from hpc.evaluate.calibration import calibration_png, calibration_report, format_report
@@ -259,7 +303,10 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
         report = calibration_report(steps, cfg.eval.draft_token_cost)
         write_json_atomic(run_dir / "calibration.json.report", report)
         calibration_png(report, run_dir / "calibration.png")
-        print(f"calibration of the confidence head, {job.draft.label} n={job.n}:\n{format_report(report)}")
+        event = (f"sampled acceptance at temperature {job.temperature:g}" if job.temperature > 0
+                 else "greedy match")
+        print(f"calibration of the confidence head, {job.draft.label} n={job.n}, scored against the {event}:\n"
+              f"{format_report(report)}")
 
 
 def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | None = None) -> list[str]:
@@ -290,7 +337,9 @@ def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | Non
         meta = json.loads((run_dir / "run.json").read_text())
         if not quiet:
             print(f"logged {meta['name']} to MLflow run {ids[-1]}")
-        if meta["stage"] == "eval" and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens):
+        # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
+        if meta["stage"] == "eval" and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
+                and not meta.get("temperature"):
             _register(client, run_dir, meta, ids[-1])
     return ids
 

@@ -223,7 +223,7 @@ def report_stage(cfg, parent_run_id: str) -> int:
 
     from mlflow.tracking import MlflowClient
 
-    from hpc.evaluate.compare import card_table, engine_note, fetch_evals, to_csv, to_markdown
+    from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, to_csv
     from hpc.track.pipeline import STAGE, common_tags, create_child_run
 
     client = MlflowClient(cfg.tracking.uri)
@@ -232,7 +232,7 @@ def report_stage(cfg, parent_run_id: str) -> int:
     if not evals:
         raise UserError(f"pipeline run {parent_run_id} has no eval runs to report (did the evals fail?)")
     table = card_table(evals)
-    md = to_markdown(table) + engine_note(evals)  # which engine produced which column
+    md = card_markdown(table, evals)
     print(md, flush=True)
     run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "report",
                               {STAGE: "report", **common_tags(cfg)})

@@ -2,7 +2,9 @@
 
 Per supervised slot k: `ce_w * CE(argmax target) + tv_w * TV + kl_w * KL(target || draft)`,
 weighted by exp(-k / gamma) (k from 0) and normalised by the number of supervised slots; plus
-`confidence_w * BCE(confidence, 1 - TV detached)` with the same weights. Targets are the frozen
+`confidence_w * BCE(confidence, c*)` with the same weights, where c* is the event the served
+decoding accepts on: the greedy match (draft argmax == target argmax) for greedy serving, or
+1 - TV (speculative sampling's acceptance probability) for sampled serving. Targets are the frozen
 verifier lm_head rows of the draft vocab applied to the captured last hidden state.
 """
 
@@ -27,11 +29,20 @@ class LossWeights:
     kl: float = 0.0
     decay_gamma: float = 4.0
     confidence: float = 1.0
+    confidence_target: str = "greedy"  # greedy | sampling: see the module docstring
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossWeights":
-        return cls(loss_cfg.ce_weight, loss_cfg.tv_weight, loss_cfg.kl_weight, loss_cfg.decay_gamma,
-                   loss_cfg.confidence_weight)
+        target = loss_cfg.confidence_target
+        return cls(ce=loss_cfg.ce_weight, tv=loss_cfg.tv_weight, kl=loss_cfg.kl_weight, decay_gamma=loss_cfg.decay_gamma,
+                   confidence=loss_cfg.confidence_weight, confidence_target=getattr(target, "value", str(target)))
+
+    def confidence_event(self, accept_NB: torch.Tensor, logits_NBD: torch.Tensor,
+                         target_logits_NBD: torch.Tensor) -> torch.Tensor:
+        """What the confidence head is trained on and scored against (detached)."""
+        if self.confidence_target == "sampling":
+            return accept_NB.detach()
+        return M.greedy_acceptance(logits_NBD.detach(), target_logits_NBD)
 
 
 @dataclass
@@ -106,7 +117,8 @@ def objective(
     parts = {"ce": reduce(ce_NB), "tv": reduce(1.0 - accept_NB), "kl": reduce(kl_NB)}
     loss = weights.ce * parts["ce"] + weights.tv * parts["tv"] + weights.kl * parts["kl"]
     if conf_logits_NB is not None:
-        bce_NB = F.binary_cross_entropy_with_logits(conf_logits_NB.float(), accept_NB.detach(), reduction="none")
+        event_NB = weights.confidence_event(accept_NB, logits_NBD, target_logits_NBD)
+        bce_NB = F.binary_cross_entropy_with_logits(conf_logits_NB.float(), event_NB, reduction="none")
         parts["confidence"] = reduce(bce_NB)
         loss = loss + weights.confidence * parts["confidence"]
     return loss, parts, accept_NB
@@ -145,8 +157,10 @@ def dspark_loss(
     if conf_NB is not None:
         sel = blocks.valid_NB
         conf_prob = torch.sigmoid(conf_NB.detach().float())[sel]
-        out["confidence_ece"] = M.expected_calibration_error(conf_prob, accept_NB.detach()[sel])
-        out["confidence_brier"] = M.brier(conf_prob, accept_NB.detach()[sel])
+        # Scored against the event it is trained on, so the figure means what the name says.
+        event = weights.confidence_event(accept_NB, logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1))[sel]
+        out["confidence_ece"] = M.expected_calibration_error(conf_prob, event)
+        out["confidence_brier"] = M.brier(conf_prob, event)
 
     with torch.no_grad():
         # In the DFlash layout slot 0 is the bonus token, not a draft: leave it out of the chain.

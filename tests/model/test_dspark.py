@@ -181,3 +181,26 @@ def test_accept_rate_of_a_constant_acceptance_is_that_constant(monkeypatch, samp
     _, m = dspark_loss(model, packed_row(), VerifierHead(lm_head, t2d), LossWeights(), max_anchors=5,
                        generator=torch.Generator().manual_seed(0), attention="sdpa")
     assert m["accept_rate"].item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("event", ["greedy", "sampling"])
+def test_confidence_is_trained_on_the_event_decoding_accepts_on(event):
+    # Same block as test_objective_by_hand: the draft's argmax (id 1) misses the target's (id 0)
+    # at both slots, while 1 - TV is 3/4 and 1/4. BCE(logit x, c) = ln(1 + e^x) - c * x.
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    target = torch.tensor([[[0.0, 0.0], [50.0, 0.0]]])
+    conf = torch.full((1, 2), math.log(3.0))
+    w = LossWeights(decay_gamma=4.0, confidence_target=event)
+    _, parts, _ = objective(logits, target, torch.tensor([[True, True]]), conf, w)
+    c = [0.0, 0.0] if event == "greedy" else [0.75, 0.25]
+    d1 = math.exp(-1 / 4.0)
+    bce = [math.log(4.0) - ci * math.log(3.0) for ci in c]
+    assert parts["confidence"].item() == pytest.approx((bce[0] + bce[1] * d1) / 2, rel=1e-5)
+
+
+def test_loss_weights_come_from_the_config_by_name():
+    from hpc.config.schema import LossConfig
+
+    w = LossWeights.from_config(LossConfig(ce_weight=0.2, tv_weight=0.8, kl_weight=0.05, decay_gamma=7.0,
+                                           confidence_weight=0.5, confidence_target="sampling"))
+    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="sampling")

@@ -1,0 +1,59 @@
+"""Paired timing: baseline and draft requests alternate on the same prompts, on real engines."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from hpc.evaluate.engines import ReferenceEngine
+from hpc.evaluate.harness import implausible, ratio_spread, run_benchmarks
+from tests.evaluate.test_reference import random_draft, random_target
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for chat_ids: a user turn as byte ids (the target's vocab is 96)."""
+
+    def apply_chat_template(self, messages, **_):
+        return [b % 90 for b in messages[0]["content"].encode()]
+
+
+class Recorded:
+    """A real engine whose calls are written down in one shared order."""
+
+    def __init__(self, engine, tag: str, order: list[str]):
+        self.engine, self.tag, self.order, self.name = engine, tag, order, engine.name
+        self.steps = getattr(engine, "steps", [])
+
+    def generate(self, ids, max_tokens):
+        self.order.append(self.tag)
+        return self.engine.generate(ids, max_tokens)
+
+    def counters(self):
+        return self.engine.counters()
+
+
+def bench(name: str, prompts: list[str]):
+    return SimpleNamespace(name=name, prompts=prompts, max_tokens=12, source="test", sha256="0" * 64)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_requests_alternate_until_the_pairs_are_there(tmp_path, temperature):
+    target = random_target()
+    draft = random_draft(target, [1, 2, 3])
+    order: list[str] = []
+    base = Recorded(ReferenceEngine(target, None, 0, None, temperature), "base", order)
+    spec = Recorded(ReferenceEngine(target, draft, 3, None, temperature), "draft", order)
+    res = run_benchmarks(spec, [bench("gsm8k", ["one two", "three four five"])], CharTokenizer(), tmp_path, "DSpark",
+                         "dspark", 3, quiet=True, baseline=base, min_pairs=5, temperature=temperature)[0]
+    assert order == ["base", "draft"] * 6  # 5 pairs over 2 prompts: three passes
+    assert res.pairs == 6 and res.timing == "paired" and res.temperature == temperature
+    assert res.speedup_lo <= res.speedup <= res.speedup_hi and res.baseline_tok_s > 0
+    assert json.loads((tmp_path / "gsm8k.json").read_text())["speedup_hi"] == res.speedup_hi
+
+
+def test_spread_and_the_noise_flag_by_hand():
+    assert ratio_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
+    assert ratio_spread([1.5]) == (1.5, 1.5, 1.5)
+    assert implausible(7.32, 3.56) and not implausible(3.7, 3.56) and not implausible(2.0, None)
