@@ -13,9 +13,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "toy-target",
         help="build tiny offline HF targets (Qwen3, DeepseekV3) that vLLM can serve on CPU",
-        description="Build deterministic toy targets that talk: trained on the Python stdlib's own "
-        "documentation as user/assistant exchanges. Cached by build config: a second call returns at once. "
-        "With --arch all, OUT receives one directory per arch. --report says whether the target talks or loops.",
+        description="Build deterministic toy targets from Python stdlib source. Cached by build config: "
+        "a second call returns at once. With --arch all, OUT receives one directory per arch.",
     )
     p.add_argument("out", nargs="?", type=Path, help="copy the build here (default: print the cache path)")
     p.add_argument("--seed", type=int, default=0)
@@ -23,9 +22,6 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: per-arch preset)")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: $DSPARK_CACHE or ~/.cache/dspark")
     p.add_argument("--conversations", type=int, default=256, help="toy chat rows written to OUT/data/train.jsonl")
-    p.add_argument("--report", action="store_true",
-                   help="greedy outputs on the eval fixtures: distinct-token ratio, prompt-lookup hit rate, "
-                        "longest repeat, held-out perplexity (the goals a target must meet for fair acceptance figures)")
     p.set_defaults(func=run)
 
 
@@ -45,13 +41,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{arch}: {path}  ({time.perf_counter() - t0:.1f}s)")
         print(f"  final loss {info['final_loss']:.3f}, vocab {info['vocab_size']}, mask id {info['mask_token_id']}")
         print(f"  greedy: {info['greedy_sample']!r}")
-        if args.report:
-            from hpc.verifier.toy_report import format_report, report
-
-            print(format_report(report(path)))
     if args.out is not None and args.arch == "all":
         from hpc.verifier.toy_data import write_toy_conversations
 
         data = write_toy_conversations(args.out / "data" / "train.jsonl", n=args.conversations, seed=args.seed)
-        print(f"data: {data}  ({args.conversations} conversations about the stdlib, answered by its docs)")
+        print(f"data: {data}  ({args.conversations} conversations from stdlib source)")
     return 0
