@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: per-arch preset)")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: $DSPARK_CACHE or ~/.cache/dspark")
     p.add_argument("--conversations", type=int, default=256, help="toy chat rows written to OUT/data/train.jsonl")
+    p.add_argument("--report", action="store_true",
+                   help="greedy outputs on the eval fixtures: distinct-token ratio, prompt-lookup hit rate, "
+                        "longest repeat, held-out perplexity (the goals a target must meet for fair acceptance figures)")
     p.set_defaults(func=run)
 
 
@@ -41,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{arch}: {path}  ({time.perf_counter() - t0:.1f}s)")
         print(f"  final loss {info['final_loss']:.3f}, vocab {info['vocab_size']}, mask id {info['mask_token_id']}")
         print(f"  greedy: {info['greedy_sample']!r}")
+        if args.report:
+            from hpc.verifier.toy_report import format_report, report
+
+            print(format_report(report(path)))
     if args.out is not None and args.arch == "all":
         from hpc.verifier.toy_data import write_toy_conversations
 

@@ -31,7 +31,8 @@ from hpc.model.dspark import DSparkDraft
 from hpc.model.export import load_draft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss, objective
 
-WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0)
+# speculators trains the confidence head on 1 - TV: compare against our "sampling" target.
+WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0, confidence_target="sampling")
 
 
 def load_theirs(export: Path) -> DSparkDraftModel:

@@ -104,12 +104,23 @@ def test_greedy_output_is_not_degenerate(hf_toy, toy_target, prompt):
     assert build_info(toy_target)["final_loss"] < 5.5
 
 
+def test_report_figures_by_hand():
+    from hpc.verifier.toy_report import longest_run, lookup_hits, lookup_prediction
+
+    assert longest_run([1, 2, 2, 2, 3, 3]) == 3 and longest_run([]) == 0
+    # After [5, 6, 7, 5, 6] the longest earlier match of a suffix is [5, 6] -> predicts 7.
+    assert lookup_prediction([5, 6, 7, 5, 6]) == 7 and lookup_prediction([1, 2, 3]) is None
+    # prompt [1, 2, 3], reply 1 2 3 4: "1" has no earlier "3 ->", then 2 and 3 are predicted, 4 is not.
+    assert lookup_hits([1, 2, 3], [1, 2, 3, 4]) == 2
+
+
 def test_cli_copies_cached_build(toy_target, tmp_path, capsys):
     from hpc.cli import main
 
-    assert main(["toy-target", str(tmp_path / "out"), "--arch", "qwen3"]) == 0
+    assert main(["toy-target", str(tmp_path / "out"), "--arch", "qwen3", "--report"]) == 0
     printed = capsys.readouterr().out
     assert "final loss" in printed and "greedy:" in printed
+    assert "lookup hit" in printed and "goals (distinct >= 0.4" in printed
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (toy_target / "model.safetensors").read_bytes()
 
 
