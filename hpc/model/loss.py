@@ -29,7 +29,7 @@ class LossWeights:
     kl: float = 0.0
     decay_gamma: float = 4.0
     confidence: float = 1.0
-    confidence_target: str = "greedy"  # greedy | sampling: see the module docstring
+    confidence_target: str = "sampling"  # sampling | greedy: see the module docstring
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossWeights":

@@ -202,5 +202,5 @@ def test_loss_weights_come_from_the_config_by_name():
     from hpc.config.schema import LossConfig
 
     w = LossWeights.from_config(LossConfig(ce_weight=0.2, tv_weight=0.8, kl_weight=0.05, decay_gamma=7.0,
-                                           confidence_weight=0.5, confidence_target="sampling"))
-    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="sampling")
+                                           confidence_weight=0.5, confidence_target="greedy"))
+    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="greedy")
