@@ -5,8 +5,9 @@ CPU against toys that keep the same *interfaces*: an HF directory with safetenso
 byte-level BPE tokenizer with a chat template and a reserved mask token, and either a dense Qwen3
 (outputs match HF exactly in vLLM) or a DeepseekV3 (MLA + MoE, Kimi's architecture).
 
-The corpus is Python standard-library source, present on every machine. Builds are cached under
-a hash of everything that affects the result, so a second call returns at once.
+The corpus is chat-shaped prose present on every machine: questions about the Python standard
+library answered by its own documentation (toy_corpus.py says what and why). Builds are cached
+under a hash of everything that affects the result, so a second call returns at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,18 +37,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
-
-# A fixed, sorted list of long-lived stdlib modules (present from 3.8 to 3.13); missing ones are
-# skipped, and the cache key holds the files' contents, so another Python simply builds anew.
-CORPUS_MODULES = sorted([
-    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "codecs.py", "collections/__init__.py",
-    "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py", "difflib.py",
-    "enum.py", "fnmatch.py", "fractions.py", "functools.py", "gettext.py", "glob.py", "gzip.py", "heapq.py",
-    "inspect.py", "ipaddress.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py", "operator.py",
-    "os.py", "pathlib.py", "pprint.py", "queue.py", "random.py", "shlex.py", "shutil.py", "statistics.py",
-    "string.py", "subprocess.py", "tarfile.py", "textwrap.py", "threading.py", "tokenize.py", "typing.py",
-    "uuid.py", "warnings.py",
-])
 
 # Versions whose changes alter the built files (tokenizer format, weight layout, numerics).
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
@@ -79,11 +67,12 @@ class ToyConfig:
     moe_intermediate_size: int = 96
     first_k_dense_replace: int = 1
     # Training.
-    seq_len: int = 128
+    seq_len: int = 256
     batch_size: int = 8
     lr: float = 3e-3
-    chat_fraction: float = 0.25  # share of windows wrapped as a user/assistant turn
-    corpus_limit: int = 0  # first N corpus files only (0: all); keeps tiny test builds quick
+    unlikelihood: float = 1.0  # weight of the anti-repetition term (toy_train.objective); 0 = plain LM
+    unlikelihood_window: int = 48
+    corpus_limit: int = 0  # first N exchanges only (0: all); keeps tiny test builds quick
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
@@ -93,9 +82,9 @@ class ToyConfig:
     @classmethod
     def preset(cls, arch: str, seed: int = 0, steps: int | None = None) -> "ToyConfig":
         """The default build per arch; the DeepseekV3 toy only needs non-random hidden states."""
-        # qwen3: at 300 steps the greedy output degenerated ("#\n  #\n  #...") on some CPUs' float
-        # kernels (builds are deterministic per machine, not across machines); 400 talks on both seen.
-        default_steps = {"qwen3": 400, "deepseek_v3": 60}[arch] if arch in ARCHS else 0
+        # qwen3: ~3 min on 2 cores; at 400-800 steps (or without the unlikelihood term) greedy
+        # replies still fell into loops on some eval prompts (toy-target --report).
+        default_steps = {"qwen3": 1200, "deepseek_v3": 60}[arch] if arch in ARCHS else 0
         cfg = cls(arch=arch, seed=seed, steps=default_steps if steps is None else steps)
         if arch == "deepseek_v3":
             cfg = dataclasses.replace(cfg, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)
@@ -106,7 +95,7 @@ class ToyConfig:
         """A seconds-long build for tests of the build itself (determinism, caching)."""
         return dataclasses.replace(
             cls.preset(arch, seed, steps), vocab_size=512, hidden_size=64, num_layers=2,
-            intermediate_size=128, seq_len=32, batch_size=2, corpus_limit=6,
+            intermediate_size=128, seq_len=32, batch_size=2, corpus_limit=200,
         )
 
 
@@ -114,16 +103,10 @@ class ToyConfig:
 # Corpus and tokenizer
 
 
-def corpus_files(limit: int = 0) -> list[Path]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / name for name in CORPUS_MODULES if (stdlib / name).is_file()]
-    if len(files) < 10:
-        raise UserError(f"toy corpus: only {len(files)} stdlib sources found under {stdlib}")
-    return files[:limit] if limit > 0 else files
-
-
-def read_corpus(files: list[Path]) -> list[str]:
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+def chat_texts(tok, pairs) -> list[str]:
+    """Each exchange rendered by the chat template, exactly as a served conversation reads."""
+    return [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                    tokenize=False) for q, a in pairs]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -187,33 +170,47 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_CACHE") or "~/.cache/dspark").expanduser()
 
 
-def build_key(cfg: ToyConfig, files: list[Path]) -> str:
+def build_key(cfg: ToyConfig) -> str:
+    """A hash of the config, the key packages, the corpus sources and the build's own code:
+    cheap to compute (no corpus parsing), so a cache hit returns at once."""
+    from hpc.verifier import toy_corpus, toy_train
+
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
     for pkg in KEY_PACKAGES:
         h.update(f"{pkg}=={importlib.metadata.version(pkg)}".encode())
-    for f in files:
-        h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
+    h.update(toy_corpus.fingerprint())
+    for module in (toy_train, __import__(__name__)):
+        h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
-def _build_into(cfg: ToyConfig, files: list[Path], out: Path, progress: bool) -> dict:
+HELD_OUT = "held_out.jsonl"  # the exchanges training never saw: the report's perplexity set
+
+
+def _build_into(cfg: ToyConfig, pairs: list, out: Path, progress: bool) -> dict:
     import torch
 
+    from hpc.verifier.toy_corpus import split
     from hpc.verifier.toy_train import greedy_sample, train
 
-    texts = read_corpus(files)
-    tok = train_tokenizer(texts, cfg.vocab_size)
+    train_pairs, held_out = split(pairs)
+    tok = train_tokenizer([f"{q}\n{a}" for q, a in train_pairs], cfg.vocab_size)
     torch.manual_seed(cfg.seed)
     model = make_model(cfg, tok)
-    loss = train(model, tok, texts, cfg, progress=progress)
+    loss = train(model, tok, chat_texts(tok, train_pairs), cfg, progress=progress)
     model.eval()
-    sample = greedy_sample(model, tok, "def ", max_new_tokens=32)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What does the json module do?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    sample = greedy_sample(model, tok, prompt, max_new_tokens=48)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    (out / HELD_OUT).write_text("".join(json.dumps({"user": q, "assistant": a}) + "\n" for q, a in held_out))
     info = {
         "config": dataclasses.asdict(cfg), "final_loss": loss, "greedy_sample": sample,
-        "corpus": [f.name for f in files], "vocab_size": len(tok), "mask_token_id": tok.mask_token_id,
+        "corpus": {"what": "Python stdlib docstrings as user/assistant exchanges (toy_corpus.py)",
+                   "train_exchanges": len(train_pairs), "held_out_exchanges": len(held_out)},
+        "vocab_size": len(tok), "mask_token_id": tok.mask_token_id,
     }
     (out / "toy_build.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -234,10 +231,11 @@ def build_toy_target(
     With ``out_dir`` the cached directory is copied there and ``out_dir`` is returned;
     otherwise the cache path itself is returned (treat it as read-only).
     """
+    from hpc.verifier.toy_corpus import exchanges
+
     cfg = config or ToyConfig.preset(arch, seed, steps)
-    files = corpus_files(cfg.corpus_limit)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    entry = root / "toy" / f"{cfg.arch}-{build_key(cfg, files)}"
+    entry = root / "toy" / f"{cfg.arch}-{build_key(cfg)}"
     if not (entry / READY).is_file():
         entry.parent.mkdir(parents=True, exist_ok=True)
         # Parallel test sessions or jobs build one entry once; the others wait and reuse it.
@@ -247,7 +245,7 @@ def build_toy_target(
                 tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
-                _build_into(cfg, files, tmp, progress)
+                _build_into(cfg, exchanges(cfg.corpus_limit), tmp, progress)
                 (tmp / READY).write_text("")
                 shutil.rmtree(entry, ignore_errors=True)
                 tmp.rename(entry)

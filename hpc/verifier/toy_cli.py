@@ -13,8 +13,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "toy-target",
         help="build tiny offline HF targets (Qwen3, DeepseekV3) that vLLM can serve on CPU",
-        description="Build deterministic toy targets from Python stdlib source. Cached by build config: "
-        "a second call returns at once. With --arch all, OUT receives one directory per arch.",
+        description="Build deterministic toy targets that talk: trained on the Python stdlib's own "
+        "documentation as user/assistant exchanges. Cached by build config: a second call returns at once. "
+        "With --arch all, OUT receives one directory per arch. --report says whether the target talks or loops.",
     )
     p.add_argument("out", nargs="?", type=Path, help="copy the build here (default: print the cache path)")
     p.add_argument("--seed", type=int, default=0)
@@ -52,5 +53,5 @@ def run(args: argparse.Namespace) -> int:
         from hpc.verifier.toy_data import write_toy_conversations
 
         data = write_toy_conversations(args.out / "data" / "train.jsonl", n=args.conversations, seed=args.seed)
-        print(f"data: {data}  ({args.conversations} conversations from stdlib source)")
+        print(f"data: {data}  ({args.conversations} conversations about the stdlib, answered by its docs)")
     return 0

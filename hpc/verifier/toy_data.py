@@ -1,8 +1,8 @@
-"""Toy chat data for the CPU pipeline: conversations cut from Python stdlib source.
+"""Toy chat data for the CPU pipeline: questions from the toy target's corpus (toy_corpus.py).
 
-Each conversation asks the target to continue a snippet of a stdlib module; the assistant
-turn is the real continuation. It is only a stand-in for open-perfectblend: the regeneration
-stage replaces the assistant turns with the toy target's own outputs (on-policy data).
+Each row is a user question about the Python standard library with the documentation's answer;
+one in four has a follow-up question. It is only a stand-in for open-perfectblend: the
+regeneration stage replaces the assistant turns with the toy target's own outputs (on-policy data).
 """
 
 from __future__ import annotations
@@ -12,25 +12,18 @@ import os
 import random
 from pathlib import Path
 
-from hpc.verifier.toy import corpus_files
+from hpc.verifier.toy_corpus import exchanges, split
 
 
-def toy_conversations(n: int, seed: int = 0, prompt_lines: int = 6, answer_lines: int = 8) -> list[dict]:
+def toy_conversations(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    files = corpus_files()
+    pool, _ = split(exchanges())
     rows = []
-    while len(rows) < n:
-        path = files[rng.randrange(len(files))]
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        if len(lines) < prompt_lines + answer_lines:
-            continue
-        start = rng.randrange(len(lines) - prompt_lines - answer_lines + 1)
-        snippet = "\n".join(lines[start:start + prompt_lines])
-        answer = "\n".join(lines[start + prompt_lines:start + prompt_lines + answer_lines])
-        rows.append({"id": f"toy-{len(rows)}", "source": path.name, "conversations": [
-            {"from": "human", "value": f"Continue this code from {path.name}:\n{snippet}"},
-            {"from": "gpt", "value": answer},
-        ]})
+    for i in range(n):
+        turns = []
+        for q, a in rng.sample(pool, 2 if rng.random() < 0.25 else 1):
+            turns += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        rows.append({"id": f"toy-{i}", "source": "stdlib-docs", "conversations": turns})
     return rows
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from hpc.config import resolve
@@ -14,6 +15,11 @@ from hpc.model.dspark import DSparkArgs
 from hpc.verifier.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
+# The toy target talks, so a draft has a real distribution to learn, not a repeat loop: 60 steps
+# that took the looping toy 1.03 -> 1.42 take this one 1.00 -> 1.18. Measured on these 8 prompts
+# at lr 3e-3: 120 steps 1.25, 200 steps 1.33, 300 steps 1.42.
+STEPS = 200
+MARGIN = 0.2
 
 
 def toy_cfg(toy_target, data, out, *extra):
@@ -30,24 +36,25 @@ def chat_prompts(tok, n: int, path: Path) -> list[list[int]]:
             for r in rows]
 
 
+@pytest.mark.slow
 def test_short_training_beats_the_untrained_draft(toy_target, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc.train.offline import train_in_process
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=160, seed=1)
-    cfg = toy_cfg(toy_target, data, tmp_path / "run")
+    cfg = toy_cfg(toy_target, data, tmp_path / "run", "train.lr=3e-3")
     losses = []
-    ckpt = train_in_process(cfg, steps=60, on_step=lambda s, m: losses.append(m["loss"]))
-    assert ckpt.name == "step_00000060" and losses[-1] < losses[0]
+    ckpt = train_in_process(cfg, steps=STEPS, on_step=lambda s, m: losses.append(m["loss"]))
+    assert ckpt.name == f"step_{STEPS:08d}" and losses[-1] < losses[0]
 
     trained = load_draft(ckpt).eval()
     untrained, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), tmp_path / "run" / "data" / "vocab.safetensors",
                                norm=False)
     target = AutoModelForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(toy_target)
-    prompts = chat_prompts(tok, 4, tmp_path / "eval.jsonl")
+    prompts = chat_prompts(tok, 8, tmp_path / "eval.jsonl")
     after, _ = mean_acceptance_length(target, trained, prompts, n=7, max_new_tokens=32)
     before, _ = mean_acceptance_length(target, untrained.eval(), prompts, n=7, max_new_tokens=32)
     print(f"mean acceptance length at n=7: untrained {before:.3f} -> trained {after:.3f}")
-    assert after > before + 0.3  # measured: 1.03 -> 1.42 (offline), 1.05 -> 1.69 (online), 60 steps
+    assert after > before + MARGIN

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -42,10 +41,8 @@ def test_cache_hit_returns_without_rebuilding(tmp_path, monkeypatch):
         raise AssertionError("cache hit rebuilt the toy target")
 
     monkeypatch.setattr(toy, "_build_into", must_not_run)
-    t0 = time.perf_counter()
     again = build_toy_target(config=cfg, cache_dir=tmp_path)
     assert again == first
-    assert time.perf_counter() - t0 < 2.0
     copied = build_toy_target(tmp_path / "out", config=cfg, cache_dir=tmp_path)
     assert copied == tmp_path / "out" and (copied / "model.safetensors").is_file()
     assert not (copied / toy.READY).exists()
@@ -66,7 +63,9 @@ def test_mask_token_is_reserved(toy_target):
     assert 0 <= tok.mask_token_id < config["vocab_size"]
     assert tok(MASK, add_special_tokens=False)["input_ids"] == [tok.mask_token_id]
     # Ordinary text (even text that spells the marker's pieces) never produces the mask id.
-    text = toy.corpus_files()[0].read_text()[:20000] + " <|mask |> mask <| |>"
+    from hpc.verifier.toy_corpus import exchanges
+
+    text = " ".join(a for _, a in exchanges(50)) + " <|mask |> mask <| |>"
     assert tok.mask_token_id not in tok(text, add_special_tokens=False)["input_ids"]
     assert len(tok) == config["vocab_size"]
 
@@ -94,13 +93,16 @@ def hf_toy(toy_target):
     return AutoTokenizer.from_pretrained(toy_target), AutoModelForCausalLM.from_pretrained(toy_target).eval()
 
 
-@pytest.mark.parametrize("prompt", ["class Foo:\n    def __init__(self", "import os\n\ndef "])
-def test_greedy_output_is_not_degenerate(hf_toy, toy_target, prompt):
-    tok, model = hf_toy
-    out = toy_train.greedy_ids(model, tok(prompt)["input_ids"], 32)
-    counts = Counter(out)
-    assert len(counts) >= 6, tok.decode(out)
-    assert counts.most_common(1)[0][1] <= 16, tok.decode(out)
+def test_greedy_replies_on_the_eval_fixtures_do_not_loop(toy_target):
+    # The issue-12 guard, on the session's toy (fixed seed 0): no reply repeats one token more
+    # than 8 times in a row, and replies are mostly distinct tokens, not a cycle.
+    from hpc.verifier.toy_report import report
+
+    r = report(toy_target, benchmarks=["gsm8k", "humaneval"])
+    for name, b in r["benchmarks"].items():
+        assert b["longest_run"] <= 8, (name, [o["text"] for o in b["outputs"]])
+        assert b["distinct_median"] >= 0.4 and b["lookup_rate"] <= 0.4, (name, b)
+    assert r["held_out_perplexity"] < 60
     assert build_info(toy_target)["final_loss"] < 5.5
 
 
