@@ -159,11 +159,26 @@ def _run_capture(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# -- acceptance ------------------------------------------------------------------------------
+def _acceptance_args(p: argparse.ArgumentParser) -> None:
+    from hpc.bench_acceptance import add_args
+
+    add_args(p)
+
+
+def _run_acceptance(args: argparse.Namespace) -> int:
+    from hpc.bench_acceptance import run
+
+    return run(args)
+
+
 # name -> (add arguments, run, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {
     "train-step": (_train_step_args, _run_train_step, "our DSpark training step vs speculators', tokens/s"),
     "stream": (_stream_args, _run_stream, "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
     "capture": (_capture_args, _run_capture, "captured tokens/s at 1, 2, 4, 8 requests in flight per verifier"),
+    "acceptance": (_acceptance_args, _run_acceptance,
+                   "tau of DSpark vs its DFlash and Markov-only ablations and ngram, at one training budget"),
     "toy-target": (_toy_target_args, _run_toy_target, "cold build time of the toy targets vs the 5-minute budget"),
 }
 

@@ -55,7 +55,7 @@ class DraftSpec:
         return self.block_size - (1 if self.method == "dflash" else 0)
 
 
-def our_draft(path: str | Path, label: str = "DSpark") -> DraftSpec:
+def our_draft(path: str | Path, label: str | None = None) -> DraftSpec:
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.is_file() or not (path / "model.safetensors").is_file():
@@ -69,8 +69,14 @@ def our_draft(path: str | Path, label: str = "DSpark") -> DraftSpec:
     if method not in OUR_METHODS:
         raise UserError(f"--draft {path}: config.json says method {method!r}; this option takes a DSpark or "
                         f"DFlash export; evaluate other drafts through eval.compare (name, method, model)")
-    return DraftSpec(label if method == "dspark" else "DFlash", method, str(path.resolve()), True,
-                     int(cfg["block_size"]))
+    label = label or ("DSpark" if method == "dspark" else "DFlash")
+    return DraftSpec(label, method, str(path.resolve()), True, int(cfg["block_size"]))
+
+
+def is_our_export(method: str, model: str | None) -> bool:
+    """An eval.compare entry that names one of our exports on disk (an ablation, a rival recipe):
+    it runs where --draft runs, on the engine that decodes our methods."""
+    return method in OUR_METHODS and bool(model) and Path(model).is_dir()
 
 
 def check_ns(draft: DraftSpec, ns: list[int]) -> None:

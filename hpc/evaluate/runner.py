@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
-from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft, vllm_build
+from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
 from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
 from hpc.evaluate.hardware import hardware_id
 from hpc.evaluate.record import find_baseline, load_results, pending_runs, upload_run
@@ -145,9 +145,12 @@ def check_draft_fits_target(path: Path, cfg) -> None:
 def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
     """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
     drafts = [our_draft(draft_path)] if draft_path else []
-    if draft_path:
-        check_draft_fits_target(Path(draft_path), cfg)
-    drafts += [DraftSpec(c.name, c.method, c.model or None) for c in cfg.eval.compare]
+    for c in cfg.eval.compare:
+        drafts.append(our_draft(c.model, c.name) if is_our_export(c.method, c.model)
+                      else DraftSpec(c.name, c.method, c.model or None))
+    for d in drafts:
+        if d.ours:
+            check_draft_fits_target(Path(d.model), cfg)
     if not drafts:
         raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")
     for d in drafts:
@@ -155,7 +158,7 @@ def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], l
     from hpc.evaluate.benchmarks import load_benchmark
 
     benches = [load_benchmark(name, cfg.eval) for name in cfg.eval.benchmarks]
-    engine = cfg.eval.engine.value if hasattr(cfg.eval.engine, "value") else str(cfg.eval.engine)
+    engine = _value(cfg.eval.engine)
     needs_vllm = engine != "reference" or any(not d.ours for d in drafts)
     version, cpu = vllm_build(cfg.verifier.python) if needs_vllm else ("none", True)
     if cfg.eval.temperature > 0 and cpu:

@@ -35,6 +35,22 @@ def loss_curve_png(losses: list[float], out: str | Path, title: str = "") -> Pat
     return path
 
 
+def loss_curves_png(series: dict[str, list[float]], out: str | Path, title: str = "") -> Path:
+    """Several runs' training loss on one axis (an ablation at equal budget)."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, losses in series.items():
+        ax.plot(range(1, len(losses) + 1), losses, lw=1.0, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{title} training loss".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = _save(fig, Path(out))
+    plt.close(fig)
+    return path
+
+
 def per_position_png(per_bench: dict[str, list[float]], out: str | Path, title: str = "") -> Path:
     """Acceptance rate of draft position i, one line per benchmark."""
     plt = _figure()

@@ -1,0 +1,243 @@
+"""`dspark bench acceptance CONFIG`: what each part of the DSpark recipe buys, at equal budget.
+
+Three drafts train at one budget (steps), seed, dataset and learning rate, differing only in
+their heads:
+- DSpark: the config's draft (Markov head, confidence head, anchor sampling);
+- DFlash: the ablation without the Markov head and the confidence head, in DFlash's layout;
+- Markov-only: the Markov head without the confidence head.
+
+All three, and vLLM's ngram, are then evaluated on the same prompts at n=3 and n=7 by the
+evaluation stage itself, under one MLflow parent run. The table is tau (mean acceptance
+length) per benchmark and the mean; the ratios DSpark/DFlash and DSpark/ngram at n=7 are
+what the recipe claims (goals: >= 1.15 and >= 1.3). A miss prints with its figures: the
+loss curves and the per-position acceptance, as PNGs and in MLflow.
+
+Training runs in this process with an in-process HF verifier (`hpc.train.offline`), so the
+ablation measures the recipe, not the cluster. `--quick` checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.errors import UserError
+
+DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
+          "draft.confidence_head_with_markov=false"]
+MARKOV_ONLY = ["draft.enable_confidence_head=false", "draft.confidence_head_with_markov=false"]
+VARIANTS: dict[str, list[str]] = {"DSpark": [], "DFlash": DFLASH, "Markov-only": MARKOV_ONLY}
+PEER = "ngram"
+NS = (3, 7)
+GOALS = {"DFlash": 1.15, PEER: 1.3}  # DSpark tau@7 over each, from the DSpark report
+# Below this the drafts barely leave their initialisation (warm-up is a tenth of the run) and
+# the ratios compare noise.
+MIN_STEPS = 20
+DEFAULT_STEPS = 600  # about 2.5 min per draft on 2 cores with the toy target; 25 min in all
+QUICK = ["eval.benchmarks=[gsm8k, humaneval]", "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
+         "data.regenerate=false"]
+
+
+@dataclass
+class Trained:
+    name: str
+    export: Path
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def check_budget(steps: int) -> None:
+    if steps < MIN_STEPS:
+        raise UserError(f"--steps {steps}: too few to train a draft; give at least --steps {MIN_STEPS} "
+                        f"(the default, {DEFAULT_STEPS}, fits in about 25 minutes on 2 cores)")
+
+
+def _resolve(config: str, overrides: list[str]):
+    from hpc.config import resolve
+
+    return resolve(config, overrides, check_tracking=False)
+
+
+def _toy_overrides(out: Path, rows: int) -> list[str]:
+    """The demo's setting: the toy target (built or cached) and conversations drawn from its corpus."""
+    from hpc.verifier.toy import build_toy_target
+    from hpc.verifier.toy_data import write_toy_conversations
+
+    target = build_toy_target(arch="qwen3", seed=0)
+    data = write_toy_conversations(out / "data" / "train.jsonl", n=rows, seed=1)
+    return [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
+            f"tracking.uri=sqlite:///{out / 'mlflow.db'}"]
+
+
+def train_variant(config: str, overrides: list[str], name: str, out: Path, steps: int) -> Trained:
+    from hpc.model.export import export_draft, load_draft
+    from hpc.train.offline import target_architectures, train_in_process
+
+    from hpc.config.target import localize
+
+    cfg = localize(_resolve(config, [*overrides, *VARIANTS[name], f"train.output_dir={out / name}"]))
+    t = Trained(name, out / name / "export")
+    t0 = time.monotonic()
+    ckpt = train_in_process(cfg, steps=steps, on_step=lambda _s, m: t.losses.append(float(m["loss"])))
+    t.seconds = time.monotonic() - t0
+    model = cfg.verifier.model
+    export_draft(load_draft(ckpt), t.export, verifier=cfg.verifier.name or model,
+                 verifier_arch=target_architectures(model), n=max(NS))
+    return t
+
+
+def tau_table(results: dict) -> dict[str, dict[int, dict[str, float]]]:
+    """{draft label: {n: {benchmark: tau}}} from the evaluation's {job name: [BenchResult]}."""
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for res in results.values():
+        for r in res:
+            if r.n and r.accept_len is not None:
+                table.setdefault(r.label, {}).setdefault(r.n, {})[r.benchmark] = r.accept_len
+    return table
+
+
+def mean_tau(table: dict, label: str, n: int) -> float | None:
+    vals = list(table.get(label, {}).get(n, {}).values())
+    return statistics.mean(vals) if vals else None
+
+
+def ratios(table: dict) -> dict[str, float | None]:
+    """DSpark tau@7 over each rival's (the mean over benchmarks of each, then the ratio)."""
+    ours = mean_tau(table, "DSpark", max(NS))
+    out: dict[str, float | None] = {}
+    for rival in (*[v for v in VARIANTS if v != "DSpark"], PEER):
+        theirs = mean_tau(table, rival, max(NS))
+        out[rival] = ours / theirs if ours is not None and theirs else None
+    return out
+
+
+def format_table(table: dict, benches: list[str]) -> str:
+    labels = [*VARIANTS, PEER]
+    cols = [(lab, n) for lab in labels for n in NS]
+    head = f"{'benchmark':<18}" + "".join(f"{f'{lab} n={n}':>15}" for lab, n in cols)
+    lines = ["tau (mean acceptance length: tokens per verify step)", head]
+    cell = lambda v: f"{v:>15.2f}" if v is not None else f"{'-':>15}"  # noqa: E731
+    for b in benches:
+        lines.append(f"{b:<18}" + "".join(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols))
+    lines.append(f"{'mean':<18}" + "".join(cell(mean_tau(table, lab, n)) for lab, n in cols))
+    lines.append("")
+    for rival, r in ratios(table).items():
+        goal = GOALS.get(rival)
+        verdict = "" if goal is None or r is None else (f"  meets the goal (>= {goal})" if r >= goal
+                                                        else f"  misses the goal (>= {goal})")
+        lines.append(f"DSpark / {rival} at n={max(NS)}: " + (f"{r:.3f}x{verdict}" if r is not None else "-"))
+    return "\n".join(lines)
+
+
+def per_position(results: dict, n: int) -> dict[str, list[float]]:
+    """Per-position acceptance at n, averaged over benchmarks, one line per draft."""
+    out = {}
+    for res in results.values():
+        rows = [r.per_position for r in res if r.n == n and r.per_position]
+        if rows:
+            out[res[0].label] = [statistics.mean(col) for col in zip(*rows)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.evaluate.runner import evaluate
+
+    steps = args.steps if args.steps is not None else (MIN_STEPS if args.quick else DEFAULT_STEPS)
+    check_budget(steps)
+    out = Path(args.out).resolve()
+    t0 = time.monotonic()
+    base = [*(QUICK if args.quick else []), *args.overrides]
+    overrides = [*(_toy_overrides(out, args.rows) if args.toy else []), *base]
+    cfg = _resolve(args.config, overrides)  # bad input fails here, before anything trains
+    print(f"dspark bench acceptance: {len(VARIANTS)} drafts x {steps} steps (lr {cfg.train.lr:g}, seed "
+          f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
+          flush=True)
+    client, parent = _parent_run(cfg, steps, args.quick)
+    if cfg.data.regenerate:
+        from hpc.launch.stages import regenerate_stage
+
+        regenerate_stage(cfg, parent, local=True)  # one on-policy dataset for all three
+    trained = []
+    for name in VARIANTS:
+        print(f"[{time.monotonic() - t0:5.0f}s] training {name} ({steps} steps)", flush=True)
+        trained.append(train_variant(args.config, overrides, name, out, steps))
+        _log_variant(client, cfg, parent, trained[-1])
+    by = {t.name: t for t in trained}
+    compare = ", ".join([f"{{name: {n}, method: {'dflash' if n == 'DFlash' else 'dspark'}, model: '{by[n].export}'}}"
+                         for n in VARIANTS if n != "DSpark"] + [f"{{name: {PEER}, method: ngram}}"])
+    eval_cfg = _resolve(args.config, [*overrides, f"eval.compare=[{compare}]", f"eval.output_dir={out / 'eval'}",
+                                      "eval.timing=cached", f"eval.num_speculative_tokens={list(NS)}",
+                                      f"tracking.registered_model={cfg.tracking.registered_model}-ablation"])
+    print(f"[{time.monotonic() - t0:5.0f}s] evaluating on {list(eval_cfg.eval.benchmarks)}", flush=True)
+    results = evaluate(eval_cfg, str(by["DSpark"].export), list(NS), parent_run_id=parent, quiet=True)
+    table = tau_table(results)
+    print(format_table(table, list(eval_cfg.eval.benchmarks)))
+    pngs = _figures(out, trained, results)
+    _log_summary(client, parent, table, pngs)
+    print(f"\nfigures: {', '.join(str(p) for p in pngs)}")
+    print(f"bench acceptance finished in {time.monotonic() - t0:.0f}s (MLflow parent run {parent})")
+    return 0
+
+
+def _parent_run(cfg, steps: int, quick: bool):
+    from mlflow.tracking import MlflowClient
+
+    from hpc.track.pipeline import create_pipeline_run
+
+    client = MlflowClient(cfg.tracking.uri)
+    parent = create_pipeline_run(client, cfg, f"{cfg.name}-bench-acceptance",
+                                 tags={"dspark.bench": "acceptance", "dspark.bench_steps": str(steps),
+                                       "dspark.bench_quick": str(quick).lower()})
+    return client, parent
+
+
+def _log_variant(client, cfg, parent: str, t: Trained) -> None:
+    from mlflow.entities import Metric
+
+    from hpc.track.pipeline import create_child_run
+
+    run = create_child_run(client, cfg.tracking.experiment, parent, f"train-{t.name}", {"dspark.draft": t.name})
+    now = int(time.time() * 1000)
+    metrics = [Metric("loss", v, now, i) for i, v in enumerate(t.losses, start=1)]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run, metrics=metrics[i:i + 1000])
+    client.log_metric(run, "train_seconds", t.seconds)
+    client.set_terminated(run, "FINISHED")
+
+
+def _figures(out: Path, trained: list[Trained], results: dict) -> list[Path]:
+    from hpc.track.plots import loss_curves_png, per_position_png
+
+    pngs = [loss_curves_png({t.name: t.losses for t in trained}, out / "loss_curves.png", "equal-budget")]
+    for n in NS:
+        pngs.append(per_position_png(per_position(results, n), out / f"per_position_n{n}.png",
+                                     f"n={n}, mean over benchmarks,"))
+    return pngs
+
+
+def _log_summary(client, parent: str, table: dict, pngs: list[Path]) -> None:
+    for label in [*VARIANTS, PEER]:
+        for n in NS:
+            v = mean_tau(table, label, n)
+            if v is not None:
+                client.log_metric(parent, f"tau{n}_mean/{label}", v)
+    for rival, r in ratios(table).items():
+        if r is not None:
+            client.log_metric(parent, f"ratio_n{max(NS)}/DSpark_over_{rival}", r)
+    for p in pngs:
+        client.log_artifact(parent, str(p), "bench")
+    client.set_terminated(parent, "FINISHED")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the recipe, e.g. configs/toy-cpu.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, help=f"training steps per draft (default {DEFAULT_STEPS}; "
+                                             f"--quick: {MIN_STEPS}; at least {MIN_STEPS})")
+    p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs")
+    p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark demo`")
+    p.add_argument("--rows", type=int, default=160, help="--toy: conversations to train on (default 160)")
+    p.add_argument("--out", default="runs/bench-acceptance")

@@ -1,0 +1,92 @@
+"""`dspark bench acceptance`: the budget check, the table and ratios by hand, and a quick real run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc import bench_acceptance as ba
+from hpc.cli import main
+from hpc.evaluate.harness import BenchResult
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def result(label: str, n: int, bench: str, tau: float, per_position: list[float] | None = None) -> BenchResult:
+    return BenchResult(benchmark=bench, rows=2, sha256="x", source="fixture", engine="reference", label=label,
+                       method="dspark", n=n, tok_s=1.0, output_tokens=10, wall_s=1.0, max_tokens=16,
+                       accept_len=tau, per_position=per_position or [])
+
+
+def test_a_budget_too_small_names_the_minimum(capsys):
+    assert main(["bench", "acceptance", "configs/toy-cpu.yaml", "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"at least --steps {ba.MIN_STEPS}" in err
+
+
+def test_table_means_and_ratios_by_hand():
+    results = {
+        "eval-n7-DSpark": [result("DSpark", 7, "gsm8k", 3.0, [0.8, 0.5]), result("DSpark", 7, "aime", 2.0, [0.6, 0.3])],
+        "eval-n7-DFlash": [result("DFlash", 7, "gsm8k", 2.0), result("DFlash", 7, "aime", 2.0)],
+        "eval-n7-ngram": [result("ngram", 7, "gsm8k", 1.0), result("ngram", 7, "aime", 1.5)],
+        "eval-n3-DSpark": [result("DSpark", 3, "gsm8k", 2.5)],
+        "baseline-reference": [result("baseline", 0, "gsm8k", None)],
+    }
+    table = ba.tau_table(results)
+    assert ba.mean_tau(table, "DSpark", 7) == 2.5 and ba.mean_tau(table, "Markov-only", 7) is None
+    r = ba.ratios(table)
+    assert r["DFlash"] == pytest.approx(1.25) and r["ngram"] == pytest.approx(2.0) and r["Markov-only"] is None
+    text = ba.format_table(table, ["gsm8k", "aime"])
+    assert "DSpark / DFlash at n=7: 1.250x  meets the goal (>= 1.15)" in text
+    assert "DSpark / ngram at n=7: 2.000x  meets the goal (>= 1.3)" in text
+    assert "DSpark / Markov-only at n=7: -" in text
+    mean_row = next(line for line in text.splitlines() if line.startswith("mean"))
+    assert mean_row.split()[1:3] == ["2.50", "2.50"]  # DSpark n=3 (gsm8k only), n=7
+    assert ba.per_position(results, 7)["DSpark"] == pytest.approx([0.7, 0.4])
+
+
+def test_a_missed_goal_says_so():
+    table = {"DSpark": {7: {"gsm8k": 2.0}}, "DFlash": {7: {"gsm8k": 1.9}}, "ngram": {7: {"gsm8k": 2.5}}}
+    text = ba.format_table(table, ["gsm8k"])
+    assert "DSpark / DFlash at n=7: 1.053x  misses the goal (>= 1.15)" in text
+    assert "DSpark / ngram at n=7: 0.800x  misses the goal (>= 1.3)" in text
+
+
+@pytest.mark.slow
+def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_python, toy_target, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "hpc", "bench", "acceptance", "configs/toy-cpu.yaml", "--toy", "--quick",
+           "--out", str(out), f"verifier.python={vllm_python}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = res.stdout
+    for label in ("DSpark n=7", "DFlash n=7", "Markov-only n=7", "ngram n=7"):
+        assert label in text
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
+            if line.split() and line.split()[0] in ("gsm8k", "humaneval", "mean")}
+    assert set(rows) == {"gsm8k", "humaneval", "mean"}
+    assert all(len(v) == 8 and all(float(x) >= 1.0 for x in v) for v in rows.values()), rows  # tau >= 1 always
+    assert "DSpark / DFlash at n=7:" in text and "DSpark / ngram at n=7:" in text
+    for png in ("loss_curves.png", "per_position_n3.png", "per_position_n7.png"):
+        assert (out / png).stat().st_size > 0
+
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parents = [r for r in runs if r.data.tags.get("dspark.bench") == "acceptance"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    names = {r.data.tags["mlflow.runName"] for r in children}
+    assert {"train-DSpark", "train-DFlash", "train-Markov-only"} <= names
+    evals = {(r.data.tags.get("dspark.draft"), r.data.tags.get("dspark.n")) for r in children
+             if r.data.tags.get("dspark.n")}
+    assert evals >= {(d, n) for d in ("DSpark", "DFlash", "Markov-only", "ngram") for n in ("3", "7")}
+    losses = client.get_metric_history(next(r for r in children if r.data.tags["mlflow.runName"] == "train-DFlash")
+                                       .info.run_id, "loss")
+    assert len(losses) == ba.MIN_STEPS
+    assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
