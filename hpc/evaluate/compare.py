@@ -227,8 +227,9 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
                 n = int(tags.get("dspark.n", ""))
             except ValueError:
                 continue  # not an eval this table can place; the runner always sets n
-            # Our draft is one column whatever the run called it; others keep their names.
-            draft = OUR_DRAFT if tags.get("dspark.method") == "dspark" else tags.get("dspark.draft", OUR_DRAFT)
+            # Our --draft is one column; other drafts, our ablations among them, keep their names.
+            label = tags.get("dspark.draft", OUR_DRAFT)
+            draft = OUR_DRAFT if tags.get("dspark.method") == "dspark" and label.lower() == OUR_DRAFT else label
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
                                   dict(run.data.metrics), tags.get("dspark.method", ""),
                                   tags.get("dspark.engine", ""), float(tags.get("dspark.temperature") or 0)))
@@ -277,7 +278,33 @@ def run(args: argparse.Namespace) -> int:
 
 def card_markdown(table: Table, evals: list[EvalRecord]) -> str:
     """The table as people read it: markdown, what its marks mean, and which engine made which column."""
-    return to_markdown(table) + legend(table) + engine_note(evals)
+    return to_markdown(table) + legend(table) + tau_verdict(evals) + engine_note(evals)
+
+
+def _mean_tau(rec: EvalRecord) -> float | None:
+    logged = rec.metrics.get("mean/accept_len")
+    if logged is not None:
+        return logged
+    return _mean([v for k, v in rec.metrics.items() if k.endswith("/accept_len") and not k.startswith("mean/")])
+
+
+def tau_verdict(evals: list[EvalRecord]) -> str:
+    """Whether our draft beats each other draft on tau (greedy, at the largest n both ran), said
+    plainly: a speedup can be timing noise, acceptance length cannot."""
+    greedy = {(e.pipeline, e.draft, e.n): e for e in evals if e.temperature == 0}
+    lines = []
+    for (pipe, draft, n), ours in sorted(greedy.items()):
+        if draft != OUR_DRAFT or n != max(k[2] for k in greedy if k[0] == pipe and k[1] == OUR_DRAFT):
+            continue
+        mine = _mean_tau(ours)
+        for (p2, rival, n2), theirs in sorted(greedy.items()):
+            other = _mean_tau(theirs)
+            if p2 != pipe or n2 != n or rival == OUR_DRAFT or mine is None or other is None:
+                continue
+            verdict = "beats" if mine > other else "does NOT beat"
+            lines.append(f"tau at n={n}: {_draft_title(draft)} {mine:.2f} vs {_draft_title(rival)} {other:.2f}: "
+                         f"{_draft_title(draft)} {verdict} {_draft_title(rival)} on tau")
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def legend(table: Table) -> str:

@@ -70,7 +70,7 @@ def new_experiment(client: MlflowClient) -> tuple[str, str]:
 
 
 def markdown_rows(out: str) -> list[list[str]]:
-    lines = out.strip().splitlines()
+    lines = out.strip().split("\n\n")[0].splitlines()  # the table; the notes follow a blank line
     assert set(lines[1]) <= {"|", "-"}, lines[1]  # the markdown header rule
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in [lines[0], *lines[2:]]]
 
@@ -226,3 +226,17 @@ def test_the_legend_explains_only_the_marks_present():
     noisy = card_table([EvalRecord("p", "dspark", 7, {"gsm8k/speedup": 9.0, "gsm8k/accept_len": 2.0})])
     text = legend(noisy)
     assert "timing noise" in text and "by tau" in text and "quartiles" not in text
+
+
+def test_the_verdict_says_plainly_whether_dspark_beats_each_rival_on_tau():
+    from hpc.evaluate.compare import tau_verdict
+
+    evals = [EvalRecord("p", "dspark", 7, card_metrics("dspark", 7)), EvalRecord("p", "eagle3", 7, card_metrics("eagle3", 7)),
+             EvalRecord("p", "dspark", 3, card_metrics("dspark", 3)),
+             EvalRecord("p", "ngram", 7, {"gsm8k/accept_len": 5.0, "aime/accept_len": 5.5})]
+    lines = tau_verdict(evals).strip().splitlines()
+    mine = card_metrics("dspark", 7)["mean/accept_len"]
+    assert lines == [f"tau at n=7: DSpark {mine:.2f} vs eagle3 {card_metrics('eagle3', 7)['mean/accept_len']:.2f}: "
+                     "DSpark beats eagle3 on tau",
+                     f"tau at n=7: DSpark {mine:.2f} vs ngram 5.25: DSpark does NOT beat ngram on tau"]
+    assert tau_verdict([EvalRecord("p", "dspark", 7, card_metrics("dspark", 7))]) == ""  # no rival, no verdict
