@@ -6,7 +6,6 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.schema import DSparkConfig, FinalHidden
+from hpc.errors import UserError
 
 BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
@@ -34,14 +34,14 @@ class TargetShape:
 def target_shape(cfg: DSparkConfig) -> TargetShape:
     """The target's real dims from its config.json when it is local (a directory or the HF
     cache: never the network, login nodes often have none), else the configured ones."""
-    from hpc.config.target import cached_config_dir
+    from hpc.config.target import cached_config_dir, read_config_json
 
     v = cfg.verifier
     where = cached_config_dir(v.model, v.revision)
     config_json = where / "config.json" if where is not None else None
     if config_json is not None and config_json.is_file():
-        outer = json.loads(config_json.read_text())
-        data = outer.get("text_config", outer)  # multimodal wrappers keep the LM dims nested
+        outer = read_config_json(config_json, v.model)
+        data = outer.get("text_config") or outer  # multimodal wrappers keep the LM dims nested
         return TargetShape(
             data.get("num_hidden_layers", v.num_hidden_layers),
             data.get("hidden_size", v.hidden_size),
@@ -332,7 +332,12 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
         runs_here = cfg.cluster.executor == "local"
     if runs_here:
         _check_devices_here(c, cfg)
-    shape = target_shape(cfg)
+    try:
+        shape = target_shape(cfg)
+    except UserError as err:  # an unreadable config.json is one problem among the rest, not a crash
+        c.problems.append(str(err))
+        v = cfg.verifier
+        shape = TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
     _check_cluster(c, cfg)
     _check_verifier(c, cfg, shape, check_vllm)
     _check_draft(c, cfg, shape)

@@ -113,6 +113,33 @@ def test_a_config_file_that_is_not_a_config_gives_one_line(tmp_path, content, ne
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+TARGET_CONFIGS = {
+    "truncated": (b'{"num_hidden_layers": 4, "hid', "is not valid JSON (truncated?)"),
+    "empty": (b"", "is not valid JSON (truncated?)"),
+    "a list": (b"[1, 2]", "holds a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("content,needle", list(TARGET_CONFIGS.values()), ids=list(TARGET_CONFIGS))
+def test_a_broken_target_config_json_gives_one_line_naming_verifier_model(tmp_path, content, needle):
+    (tmp_path / "config.json").write_bytes(content)
+    res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", f"verifier.model={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    line = next(x for x in res.stderr.splitlines() if "verifier.model" in x)
+    assert needle in line and str(tmp_path / "config.json") in line, res.stderr
+
+
+def test_every_reader_of_the_target_config_names_verifier_model(tmp_path):
+    from hpc.errors import UserError
+    from hpc.verifier.target_files import architectures, text_config
+
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "hidden_')
+    for read in (text_config, architectures):
+        with pytest.raises(UserError, match=r"verifier.model = .*not valid JSON \(truncated\?\)"):
+            read(tmp_path)
+
+
 def test_overrides_may_follow_flags():
     res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "train.lr=-1"],
                          capture_output=True, text=True, cwd=ROOT)
