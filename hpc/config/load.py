@@ -253,6 +253,9 @@ def check_sweep(cfg: DictConfig) -> list[str]:
         elif not isinstance(values, list) or not values:
             problems.append(f"sweep.{key} = {_short(values)}: give a non-empty list of values")
         else:
+            repeats = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeats:  # each value names one array task: a repeat trains the same variant twice
+                problems.append(f"sweep.{key} = {_short(values)}: {repeats[0]!r} appears twice; list each value once")
             for value in values:
                 probe = _schema()
                 sub: list[str] = []

@@ -55,6 +55,8 @@ BAD = {
     "repeated benchmark": (["eval.benchmarks=[gsm8k,gsm8k]"], "eval.benchmarks"),
     # Sweeps.
     "sweep over allocation": (["sweep={cluster.trainer_nodes: [1, 2]}"], "share one allocation"),
+    "repeated sweep value": (["sweep={train.lr: [1e-4, 1e-4]}"], "sweep.train.lr = [0.0001, 0.0001]: 0.0001 appears twice"),
+    "repeated sweep value, other spelling": (["sweep={train.lr: [1e-4, 0.0001]}"], "appears twice"),
     "sweep value out of range": (["sweep={train.lr: [1e-4, -1]}"], "sweep variant 1 (train.lr=-1): train.lr"),
     # Paths taken for hub ids.
     "relative data file": (["data.sources=[{path: data/missing.jsonl}]"], "data file does not exist"),
