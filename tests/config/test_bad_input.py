@@ -39,6 +39,10 @@ BAD = {
     "tracking uri without host": (["tracking.uri=http:/localhost:5000"], "no host"),
     "tracking uri typo in an absolute path": (["tracking.uri=sqlite:////nonexistent-dir/mlflow.db"],
                                               "directory of this store does not exist"),
+    "tracking uri typo in a relative path": (["tracking.uri=sqlite:///nosuchdir/m.db"],
+                                             "directory of this store does not exist"),
+    "tracking uri typo in a relative file store": (["tracking.uri=file:nosuchdir/mlruns"],
+                                                   "directory of this store does not exist"),
     "tracking uri unknown scheme": (["tracking.uri=sqlte:///runs/m.db"], "use http://HOST:PORT"),
     "public verifier host": (["verifier.host=0.0.0.0"], "verifier.allow_remote_host"),
     # Numbers that pass range checks and fail later.
@@ -81,6 +85,15 @@ def test_bad_value_is_refused_naming_the_key(overrides, needle):
 def test_a_good_sweep_over_training_keys_passes():
     cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"], check_tracking=False)
     assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}
+
+
+def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monkeypatch):
+    """The default sqlite:///runs/mlflow.db in a fresh checkout: runs/ does not exist yet, but
+    the pipeline writes runs/train there anyway, so it is not a typo."""
+    monkeypatch.chdir(tmp_path)
+    for uri in ("sqlite:///runs/mlflow.db", f"sqlite:///{tmp_path}/runs/mlflow.db", "sqlite:///mlflow.db"):
+        resolve(KIMI, [f"tracking.uri={uri}"], check_tracking=False)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ranks_per_node_null_resolves_to_one_number_everywhere():
