@@ -317,9 +317,28 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
                    "train.dist_backend=gloo, or run on a GPU node")
 
 
+def _shape_once(c: Checker, cfg: DSparkConfig, shapes: dict | None) -> TargetShape:
+    """`target_shape`, read once per target when a sweep validates many variants of one config
+    (`shapes` is shared between the calls). An unreadable config.json is one problem among the
+    rest, not a crash."""
+    v = cfg.verifier
+    which = (v.model, v.revision, v.num_hidden_layers, v.hidden_size, v.vocab_size)
+    shapes = {} if shapes is None else shapes
+    if which not in shapes:
+        try:
+            shapes[which] = (target_shape(cfg), None)
+        except UserError as err:
+            shapes[which] = (TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*"), str(err))
+    shape, problem = shapes[which]
+    if problem:
+        c.problems.append(problem)
+    return shape
+
+
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
-             check_vllm: bool = True) -> list[str]:
-    """All problems found, one line each; empty when the config is good to submit."""
+             check_vllm: bool = True, shapes: dict | None = None) -> list[str]:
+    """All problems found, one line each; empty when the config is good to submit. `shapes`: a
+    dict shared by calls that validate variants of one config, so the target is read once."""
     from hpc.config.inputs import check_leaves, check_names, check_repeats
     from hpc.config.validate_ops import check_plan, check_schedule
     from hpc.config.validate_ops import check_tracking as tracking_checks
@@ -332,12 +351,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
         runs_here = cfg.cluster.executor == "local"
     if runs_here:
         _check_devices_here(c, cfg)
-    try:
-        shape = target_shape(cfg)
-    except UserError as err:  # an unreadable config.json is one problem among the rest, not a crash
-        c.problems.append(str(err))
-        v = cfg.verifier
-        shape = TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
+    shape = _shape_once(c, cfg, shapes)
     _check_cluster(c, cfg)
     _check_verifier(c, cfg, shape, check_vllm)
     _check_draft(c, cfg, shape)

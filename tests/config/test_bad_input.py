@@ -162,3 +162,31 @@ def test_overrides_may_follow_flags():
     stray = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "oops"],
                            capture_output=True, text=True, cwd=ROOT)
     assert stray.returncode == 2 and "unrecognized arguments: oops" in stray.stderr, stray.stderr
+
+
+def test_a_sweep_reads_the_yaml_and_the_target_once(monkeypatch):
+    """Each variant is the loaded config plus its dotlist: re-reading the YAML and the target's
+    config.json per variant made a 9-variant validate take over a second."""
+    import hpc.config.load as load
+    import hpc.config.validate as validate
+
+    calls = {"yaml": 0, "shape": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(load, "_read_yaml", counted("yaml", load._read_yaml))
+    monkeypatch.setattr(validate, "target_shape", counted("shape", validate.target_shape))
+    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 2e-4, 3e-4], train.seed: [0, 1, 2]}"], check_tracking=False)
+    assert cfg.sweep == {"train.lr": [1e-4, 2e-4, 3e-4], "train.seed": [0, 1, 2]}
+    assert calls == {"yaml": 1, "shape": 1}
+
+
+def test_a_sweep_over_the_targets_dims_checks_each_variant_against_its_own_target():
+    problems = problems_for(["sweep={verifier.num_hidden_layers: [61, 20]}"])
+    assert any(p.startswith("sweep variant 1 (verifier.num_hidden_layers=20): verifier.aux_layer_ids")
+               and "outside 0..20" in p for p in problems), problems
+    assert not any(p.startswith("sweep variant 0") for p in problems), problems
