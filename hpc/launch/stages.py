@@ -160,7 +160,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
                     os.kill(p.pid, signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
-        code = _supervise(procs)
+        code, own = _supervise(procs)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -168,6 +168,14 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
         if env.node_index == 0:
             requeue(env)
         return EXIT_REQUEUE
+    if code != 0:  # one line naming the cause, as `dspark train` ends: not "see the lines above"
+        from hpc.train.driver import exit_status, failure_line
+
+        codes: list[int | None] = [None] * (T + V)
+        for r, c in zip(ranks, own):
+            codes[r] = c
+        raise UserError(f"node {env.node_index} ({role}): {failure_line(codes, T, cfg.train.output_dir)}",
+                        exit_code=exit_status(code))
     return code
 
 
@@ -181,24 +189,30 @@ def _training_done(cfg) -> bool:
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= cfg.train.steps
 
 
-def _supervise(procs) -> int:
-    """Wait for every rank; the first failure stops the others (no half-alive world)."""
+def _supervise(procs) -> tuple[int, list[int | None]]:
+    """Wait for every rank; the first failure stops the others (no half-alive world). Returns the
+    node's code and each rank's own exit code, None for a rank stopped here: a SIGKILL we sent
+    is not the cause to report."""
     while True:
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
-            for p in procs:
+            killed = set()
+            for i, p in enumerate(procs):
                 if p.is_alive():
                     time.sleep(5)  # a moment to checkpoint on their own (they saw the same peer die)
                     if p.is_alive():
                         p.kill()
+                        killed.add(i)
             for p in procs:
                 p.join(10)
-            codes = [p.exitcode for p in procs]
-            return EXIT_REQUEUE if all(c in (0, EXIT_REQUEUE) for c in codes) else \
-                next(c for c in codes if c not in (0, EXIT_REQUEUE, None))
+            own = [None if i in killed else p.exitcode for i, p in enumerate(procs)]
+            if not killed and all(c in (0, EXIT_REQUEUE) for c in own):
+                return EXIT_REQUEUE, own
+            causes = [c for c in own if c not in (0, EXIT_REQUEUE, None)] or [-9]  # only ours: killed
+            return causes[0], own
         if all(c == 0 for c in codes):
-            return 0
+            return 0, codes
         time.sleep(0.5)
 
 
@@ -360,12 +374,6 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
         code = regenerate_stage(cfg, parent_run_id)
     else:
         raise UserError(f"unknown stage {stage!r}")
-    if code not in (0, EXIT_REQUEUE):
-        cause = None
-        if stage == "train":
-            from hpc.train.online import stop_summary
-
-            cause = stop_summary(cfg.train.output_dir)
-        raise RuntimeError(f"stage {stage} failed with exit code {code}: "
-                           + (cause or "see the ranks' lines above"))
+    if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already
+        raise UserError(f"stage {stage} failed with exit code {code}", exit_code=code)
     return code

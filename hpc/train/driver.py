@@ -236,6 +236,31 @@ def exit_cause(codes: list[int | None], n_trainers: int) -> str | None:
     return None
 
 
+def failure_line(codes: list[int | None], n_trainers: int, out_dir: str | Path) -> str:
+    """The one line a failed training ends with, in `dspark train` and the Slurm stage alike: the
+    root cause, and whether a re-run resumes from a checkpoint. `codes` are indexed by global
+    rank; None for a rank whose code is not a cause (not on this node, or stopped by us)."""
+    from hpc.train.checkpoint import latest_checkpoint
+    from hpc.train.online import stop_summary
+
+    cause = exit_cause(codes, n_trainers)
+    if cause is None:
+        summary = stop_summary(out_dir)  # the trainers said why they stopped, resume included
+        if summary:
+            return summary
+        cause = "a rank failed; its error is in the lines above"
+    ckpt = latest_checkpoint(Path(out_dir) / "checkpoints", say=lambda _: None)
+    resume = (f"checkpoint {ckpt.name} is saved and a re-run resumes from it" if ckpt
+              else "no checkpoint yet, a re-run starts over")
+    return f"{cause}; {resume}"
+
+
+def exit_status(code: int) -> int:
+    """A process exit status for a rank's code: a signal (-9) as the shell writes it (137), not
+    the 247 that exit(-9) would give."""
+    return 128 - code if code < 0 else code
+
+
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
                  parent_run_id: str | None = None, local_rank: int = 0) -> None:
     """The target of one rank's process (local `dspark train` or a node of a Slurm allocation).
