@@ -72,7 +72,8 @@ def read_config_json(path: Path, model: str | Path) -> dict:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        why = f"{err.msg} (line {err.lineno} column {err.colno})" if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+        why = (f"{err.msg} (line {err.lineno} column {err.colno})" if isinstance(err, json.JSONDecodeError)
+               else "not UTF-8")
         raise UserError(f"verifier.model = {str(model)!r}: {path} is not valid JSON (truncated?): {why}; download "
                         "the model again or point verifier.model at a complete HF model directory") from None
     if not isinstance(data, dict):
