@@ -141,51 +141,66 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         if latest_checkpoint(out / "checkpoints") is None:  # a resumed run must keep its own weights
             warm_start(model, cfg)
     logger = progress = None
-    if w.rank == 0:
-        from hpc.config import flatten
-        from hpc.track.logger import RunLogger
-        from hpc.track.pipeline import STAGE, common_tags
+    try:
+        if w.rank == 0:
+            from hpc.config import flatten
+            from hpc.track.logger import RunLogger
+            from hpc.track.pipeline import STAGE, common_tags
 
-        logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
-                           tags={STAGE: "train", **common_tags(cfg)})
-        from hpc.config.secrets import redacted
+            logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
+                               tags={STAGE: "train", **common_tags(cfg)})
+            from hpc.config.secrets import redacted
 
-        logger.log_params(flatten(_as_dictconfig(redacted(cfg))))
-        stats_file = out / "data" / "stats.json"
-        if stats_file.is_file():  # skipped rows are counted once, by the preparing process
-            import json
+            logger.log_params(flatten(_as_dictconfig(redacted(cfg))))
+            stats_file = out / "data" / "stats.json"
+            if stats_file.is_file():  # skipped rows are counted once, by the preparing process
+                import json
 
-            logger.log_metrics(json.loads(stats_file.read_text()), step=0)
-        from omegaconf import OmegaConf
+                logger.log_metrics(json.loads(stats_file.read_text()), step=0)
+            from omegaconf import OmegaConf
 
-        resolved = out / "config.yaml"
-        resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
-        logger.log_artifact(str(resolved))
-        progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
+            resolved = out / "config.yaml"
+            resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
+            logger.log_artifact(str(resolved))
+            progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
 
-    def on_step(step: int, metrics: dict) -> None:
-        if progress is not None:
-            metrics.update(progress.update(step, metrics))
-            logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
-            write_progress(out / "progress.json", step, cfg.train.steps, metrics)
+        def on_step(step: int, metrics: dict) -> None:
+            if progress is not None:
+                metrics.update(progress.update(step, metrics))
+                logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+                write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
-    # The training loop turns USR2/TERM into a checkpoint and a requeue. Outside it (setup, and the
-    # export after the last step) a signal must not kill the rank: the default action would end
-    # the node's task with 244 and fail a job whose training was complete.
-    for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    from hpc.verifier.target_files import architectures
+        # The training loop turns USR2/TERM into a checkpoint and a requeue. Outside it (setup, and the
+        # export after the last step) a signal must not kill the rank: the default action would end
+        # the node's task with 244 and fail a job whose training was complete.
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        from hpc.verifier.target_files import architectures
 
-    code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
-                       epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
-    if w.rank == 0:
+        code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model,
+                           on_step, epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
+        if w.rank == 0:
+            progress.close()
+            from hpc.train.loop import EXIT_REQUEUE
+
+            # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
+            _finish(cfg, out, logger, export=code == 0,
+                    status="FINISHED" if code == 0 else "KILLED" if code == EXIT_REQUEUE else "FAILED")
+        return code
+    except BaseException as err:
+        # rank_process ends the process with os._exit: without this the run would stay RUNNING
+        # and whatever the logger still buffers would be lost.
+        _end_run_on_error(logger, progress, err)
+        raise
+
+
+def _end_run_on_error(logger, progress, err: BaseException) -> None:
+    """Rank 0's MLflow run ends FAILED (KILLED for an interrupt) with its buffer sent, unless
+    the run was already being closed when the error came."""
+    if progress is not None:
         progress.close()
-        from hpc.train.loop import EXIT_REQUEUE
-
-        # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
-        _finish(cfg, out, logger, export=code == 0,
-                status="FINISHED" if code == 0 else "KILLED" if code == EXIT_REQUEUE else "FAILED")
-    return code
+    if logger is not None and not logger.closed:
+        logger.close(timeout_s=30, status="KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
 
 
 def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
