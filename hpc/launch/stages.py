@@ -232,15 +232,31 @@ def eval_stage(cfg, n: int, parent_run_id: str | None = None) -> int:
 
 
 def report_stage(cfg, parent_run_id: str) -> int:
-    """The comparison table of this pipeline, printed and written into its parent run."""
-    import tempfile
-
+    """The comparison table of this pipeline, printed and written into its parent run; then the
+    parent run ends FINISHED when every stage succeeded, else FAILED (never left RUNNING)."""
     from mlflow.tracking import MlflowClient
+
+    from hpc.track.pipeline import end_pipeline_run, pipeline_outcome
+
+    client = MlflowClient(cfg.tracking.uri)
+    try:
+        _report(cfg, client, parent_run_id)
+    except BaseException as err:
+        end_pipeline_run(client, parent_run_id, "FAILED", f"the report failed: {str(err).splitlines()[0][:200]}"
+                         if str(err) else "the report failed")
+        raise
+    status, why = pipeline_outcome(client, parent_run_id, list(cfg.eval.num_speculative_tokens))
+    end_pipeline_run(client, parent_run_id, status, why)
+    print(f"pipeline run {parent_run_id}: {status} ({why})", flush=True)
+    return 0
+
+
+def _report(cfg, client, parent_run_id: str) -> None:
+    import tempfile
 
     from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, to_csv
     from hpc.track.pipeline import STAGE, common_tags, create_child_run
 
-    client = MlflowClient(cfg.tracking.uri)
     parent = client.get_run(parent_run_id)
     evals = fetch_evals(client, [parent])
     if not evals:
@@ -256,7 +272,6 @@ def report_stage(cfg, parent_run_id: str) -> int:
             client.log_artifact(run_id, str(Path(tmp) / name))
             client.log_artifact(parent_run_id, str(Path(tmp) / name))
     client.set_terminated(run_id)
-    return 0
 
 
 def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False) -> int:
