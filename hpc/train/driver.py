@@ -200,7 +200,8 @@ def _end_run_on_error(logger, progress, err: BaseException) -> None:
     if progress is not None:
         progress.close()
     if logger is not None and not logger.closed:
-        logger.close(timeout_s=30, status="KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        # A short wait: the other ranks' launcher stops this one a few seconds after they fail.
+        logger.close(timeout_s=10, status="KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
 
 
 def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
