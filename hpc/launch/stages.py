@@ -242,8 +242,8 @@ def report_stage(cfg, parent_run_id: str) -> int:
     try:
         _report(cfg, client, parent_run_id)
     except BaseException as err:
-        end_pipeline_run(client, parent_run_id, "FAILED", f"the report failed: {str(err).splitlines()[0][:200]}"
-                         if str(err) else "the report failed")
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        end_pipeline_run(client, parent_run_id, "FAILED", f"the report failed: {why}")
         raise
     status, why = pipeline_outcome(client, parent_run_id, list(cfg.eval.num_speculative_tokens))
     end_pipeline_run(client, parent_run_id, status, why)
