@@ -41,9 +41,10 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
 
     cfg, problems = load_config_collecting(path, overrides)
     problems += check_sweep(cfg)
-    base = validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here)
+    shapes: dict = {}  # the target's shape, read once for the base and every sweep variant
+    base = validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here, shapes=shapes)
     if not problems:
-        base += _variant_problems(path, list(overrides or []), cfg, set(base))
+        base += _variant_problems(cfg, set(base), shapes)
     problems += base
     if problems:
         raise ConfigError(problems)
@@ -54,10 +55,11 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     return out
 
 
-def _variant_problems(path, overrides: list[str], cfg, known: set[str]) -> list[str]:
+def _variant_problems(cfg, known: set[str], shapes: dict) -> list[str]:
     """A sweep value that breaks a range check is named with its variant; checks that hold for
-    the base config are not repeated per variant."""
-    from hpc.config.load import load_config_collecting, sweep_overrides, to_object
+    the base config are not repeated per variant. Each variant is the loaded config plus its
+    dotlist, and the target's shape is read once per target: `validate` stays under a second."""
+    from hpc.config.load import sweep_overrides, to_object, with_overrides
     from hpc.config.validate import validate
 
     variants = sweep_overrides(cfg)
@@ -65,8 +67,8 @@ def _variant_problems(path, overrides: list[str], cfg, known: set[str]) -> list[
         return []
     out = []
     for i, variant in enumerate(variants):
-        vcfg, problems = load_config_collecting(path, overrides + variant)
-        problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False)
+        vcfg, problems = with_overrides(cfg, variant)
+        problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False, shapes=shapes)
         out += [f"sweep variant {i} ({' '.join(variant)}): {p}" for p in problems if p not in known]
     return out
 

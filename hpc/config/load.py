@@ -7,6 +7,7 @@ the key, the value and the fix, and the user sees all of them in one run.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import re
@@ -191,14 +192,28 @@ def load_config_collecting(
     problems: list[str] = []
     if path is not None:
         _apply(cfg, _read_yaml(Path(path)), "", str(path), problems)
-    for key, value in _parse_overrides(list(overrides or []), problems):
+    _apply_overrides(cfg, list(overrides or []), problems)
+    return cfg, problems
+
+
+def with_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """A copy of a loaded config with a dotlist applied on top, and its problems: a sweep
+    variant without reading the YAML again or rebuilding the schema, which cost far more than
+    validating it. Interpolations still follow the variant's values."""
+    out = copy.deepcopy(cfg)
+    problems: list[str] = []
+    _apply_overrides(out, overrides, problems)
+    return out, problems
+
+
+def _apply_overrides(cfg: DictConfig, overrides: list[str], problems: list[str]) -> None:
+    for key, value in _parse_overrides(overrides, problems):
         _apply(cfg, _nest(key, value), "", f"override {key}", problems)
     if not problems:
         try:
             OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         except OmegaConfBaseException as err:
             problems.append(f"{getattr(err, 'full_key', '?')}: {str(err).splitlines()[0]}")
-    return cfg, problems
 
 
 def to_object(cfg: DictConfig) -> DSparkConfig:
@@ -243,6 +258,7 @@ def check_sweep(cfg: DictConfig) -> list[str]:
     """Sweep keys must be config keys and every variant must itself be a valid config."""
     problems = []
     sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
+    probe = copy.deepcopy(cfg) if sweep else None  # one for every value: a fresh schema each costs more
     for key, values in sweep.items():
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" or key.startswith("sweep"):
             problems.append(f"sweep.{key}: not a config key; sweep over keys like train.lr")
@@ -253,8 +269,10 @@ def check_sweep(cfg: DictConfig) -> list[str]:
         elif not isinstance(values, list) or not values:
             problems.append(f"sweep.{key} = {_short(values)}: give a non-empty list of values")
         else:
+            repeats = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeats:  # each value names one array task: a repeat trains the same variant twice
+                problems.append(f"sweep.{key} = {_short(values)}: {repeats[0]!r} appears twice; list each value once")
             for value in values:
-                probe = _schema()
                 sub: list[str] = []
                 _apply(probe, _nest(key, value), "", f"sweep {key}", sub)
                 problems.extend(sub)

@@ -14,6 +14,7 @@ often have no network.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +64,22 @@ def resolve_target(model: str, revision: str | None = None, offline: bool | None
         raise UserError(f"verifier.model = {model!r}{at}: cannot resolve the hub id ({why}); offline mode is "
                         f"{'on' if off else 'off'} (verifier.offline / HF_HUB_OFFLINE): {hint}") from None
     return Path(path)
+
+
+def read_config_json(path: Path, model: str | Path) -> dict:
+    """The target's config.json as a dict, or one line naming `verifier.model`: a download cut
+    short leaves a truncated file, and every reader (validate, the backends, export) goes here."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        why = (f"{err.msg} (line {err.lineno} column {err.colno})" if isinstance(err, json.JSONDecodeError)
+               else "not UTF-8")
+        raise UserError(f"verifier.model = {str(model)!r}: {path} is not valid JSON (truncated?): {why}; download "
+                        "the model again or point verifier.model at a complete HF model directory") from None
+    if not isinstance(data, dict):
+        raise UserError(f"verifier.model = {str(model)!r}: {path} holds a JSON {type(data).__name__}, not an "
+                        "object; point verifier.model at an HF model directory")
+    return data
 
 
 def cached_config_dir(model: str, revision: str | None = None) -> Path | None:

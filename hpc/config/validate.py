@@ -6,7 +6,6 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.schema import DSparkConfig, FinalHidden
+from hpc.errors import UserError
 
 BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
@@ -34,14 +34,14 @@ class TargetShape:
 def target_shape(cfg: DSparkConfig) -> TargetShape:
     """The target's real dims from its config.json when it is local (a directory or the HF
     cache: never the network, login nodes often have none), else the configured ones."""
-    from hpc.config.target import cached_config_dir
+    from hpc.config.target import cached_config_dir, read_config_json
 
     v = cfg.verifier
     where = cached_config_dir(v.model, v.revision)
     config_json = where / "config.json" if where is not None else None
     if config_json is not None and config_json.is_file():
-        outer = json.loads(config_json.read_text())
-        data = outer.get("text_config", outer)  # multimodal wrappers keep the LM dims nested
+        outer = read_config_json(config_json, v.model)
+        data = outer.get("text_config") or outer  # multimodal wrappers keep the LM dims nested
         return TargetShape(
             data.get("num_hidden_layers", v.num_hidden_layers),
             data.get("hidden_size", v.hidden_size),
@@ -317,9 +317,28 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
                    "train.dist_backend=gloo, or run on a GPU node")
 
 
+def _shape_once(c: Checker, cfg: DSparkConfig, shapes: dict | None) -> TargetShape:
+    """`target_shape`, read once per target when a sweep validates many variants of one config
+    (`shapes` is shared between the calls). An unreadable config.json is one problem among the
+    rest, not a crash."""
+    v = cfg.verifier
+    which = (v.model, v.revision, v.num_hidden_layers, v.hidden_size, v.vocab_size)
+    shapes = {} if shapes is None else shapes
+    if which not in shapes:
+        try:
+            shapes[which] = (target_shape(cfg), None)
+        except UserError as err:
+            shapes[which] = (TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*"), str(err))
+    shape, problem = shapes[which]
+    if problem:
+        c.problems.append(problem)
+    return shape
+
+
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
-             check_vllm: bool = True) -> list[str]:
-    """All problems found, one line each; empty when the config is good to submit."""
+             check_vllm: bool = True, shapes: dict | None = None) -> list[str]:
+    """All problems found, one line each; empty when the config is good to submit. `shapes`: a
+    dict shared by calls that validate variants of one config, so the target is read once."""
     from hpc.config.inputs import check_leaves, check_names, check_repeats
     from hpc.config.validate_ops import check_plan, check_schedule
     from hpc.config.validate_ops import check_tracking as tracking_checks
@@ -332,7 +351,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
         runs_here = cfg.cluster.executor == "local"
     if runs_here:
         _check_devices_here(c, cfg)
-    shape = target_shape(cfg)
+    shape = _shape_once(c, cfg, shapes)
     _check_cluster(c, cfg)
     _check_verifier(c, cfg, shape, check_vllm)
     _check_draft(c, cfg, shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -48,14 +49,21 @@ def _tracking_reachable(uri: str) -> str | None:
         return str(getattr(err, "reason", err))
 
 
-def _store_parent_ok(uri: str) -> bool:
-    """A file-backed store may be new, but an absolute path's directory must already exist
-    (a relative one, under the project, is created on first use)."""
+def _store_parent_ok(uri: str, cfg: DSparkConfig) -> bool:
+    """A file-backed store may be new, but MLflow creates whatever directory its path names, so
+    a typo would leave a new directory and an empty store. The directory must exist, or be one
+    the pipeline writes into anyway (the default `runs/mlflow.db` sits above runs/train).
+    Relative paths resolve against this directory: jobs run where `dspark submit` ran."""
     path = uri.split(":", 1)[1]
     path = path[3:] if path.startswith("///") else path[2:] if path.startswith("//") else path
-    if not path.startswith("/"):
+    parent = Path(os.path.abspath(Path(path).expanduser().parent))
+    if parent.is_dir():
         return True
-    return Path(path).parent.is_dir()
+    ours = (cfg.cluster.log_dir, cfg.data.output_dir, cfg.train.output_dir, cfg.eval.output_dir)
+    for out in (Path(os.path.abspath(Path(o).expanduser())) for o in ours if o):
+        if out == parent or parent in out.parents:
+            return True
+    return False
 
 
 def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
@@ -65,9 +73,9 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
         c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
     elif scheme in ("http", "https") and not urlsplit(tr.uri).hostname:
         c.fail("tracking.uri", tr.uri, "no host; write it as http://HOST:PORT")
-    elif scheme in ("sqlite", "file") and not _store_parent_ok(tr.uri):
-        # A typo in an absolute path would otherwise create a new directory and an empty store.
-        c.fail("tracking.uri", tr.uri, "the directory of this store does not exist; create it, or fix the path")
+    elif scheme in ("sqlite", "file") and not _store_parent_ok(tr.uri, cfg):
+        c.fail("tracking.uri", tr.uri, f"the directory of this store does not exist (relative to {os.getcwd()}); "
+               "create it, or fix the path")
     elif scheme in ("http", "https") and check_tracking:
         why = _tracking_reachable(tr.uri)
         if why:

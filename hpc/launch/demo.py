@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, to_yaml
-    from hpc.track.pipeline import create_pipeline_run
+    from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
     from hpc.verifier.toy import build_toy_target
     from hpc.verifier.toy_data import write_toy_conversations
 
@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides, check_tracking=False)
     cfg_file = out / "config.yaml"
     cfg_file.write_text(to_yaml(OmegaConf.structured(cfg)))
-    parent = create_pipeline_run(MlflowClient(cfg.tracking.uri), cfg, f"{cfg.name}-demo")
+    client = MlflowClient(cfg.tracking.uri)
+    parent = create_pipeline_run(client, cfg, f"{cfg.name}-demo")
     ex = submitit.LocalExecutor(folder=str(out / "jobs" / "%j"))
     ex.update_parameters(timeout_min=60)
     plan = ([("regenerate", None)] if cfg.data.regenerate else []) + [("train", None)] + \
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             job.result()
         except Exception as err:  # noqa: BLE001 - the job's own log says why
+            if stage != "report":  # the report ends the pipeline run itself
+                end_pipeline_run(client, parent, "FAILED", f"stage {name} failed")
             raise UserError(f"demo stage {name} failed: {str(err).splitlines()[-1][:200]}; its log: "
                             f"{job.paths.stdout} and {job.paths.stderr}") from err
         if stage == "report":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -191,7 +192,14 @@ def daemon_is_ours(pid: int, comm: str, root: Path, slurm_conf: Path) -> bool:
         environ = (proc / "environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    return str(root).encode() in cmdline or f"SLURM_CONF={slurm_conf}".encode() in environ
+    return _names_path(cmdline, root) or f"SLURM_CONF={slurm_conf}".encode() in environ
+
+
+def _names_path(cmdline: bytes, root: Path) -> bool:
+    """`root` appears in the command line as a whole path (or the start of one beneath it): a
+    plain substring would take a daemon of `/var/tmp/dspark-devcluster2` for one of ours."""
+    here = re.escape(str(root).rstrip("/").encode())
+    return re.search(rb"(?:^|[\s=:,])" + here + rb"(?:/|[\s,]|$)", cmdline) is not None
 
 
 DEVCLUSTER_ENV = "DSPARK_DEVCLUSTER"  # in the environment of every daemon a dev cluster starts

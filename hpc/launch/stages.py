@@ -160,7 +160,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
                     os.kill(p.pid, signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
-        code = _supervise(procs)
+        code, own = _supervise(procs)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -168,6 +168,14 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
         if env.node_index == 0:
             requeue(env)
         return EXIT_REQUEUE
+    if code != 0:  # one line naming the cause, as `dspark train` ends: not "see the lines above"
+        from hpc.train.driver import exit_status, failure_line
+
+        codes: list[int | None] = [None] * (T + V)
+        for r, c in zip(ranks, own):
+            codes[r] = c
+        raise UserError(f"node {env.node_index} ({role}): {failure_line(codes, T, cfg.train.output_dir)}",
+                        exit_code=exit_status(code))
     return code
 
 
@@ -181,24 +189,30 @@ def _training_done(cfg) -> bool:
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= cfg.train.steps
 
 
-def _supervise(procs) -> int:
-    """Wait for every rank; the first failure stops the others (no half-alive world)."""
+def _supervise(procs) -> tuple[int, list[int | None]]:
+    """Wait for every rank; the first failure stops the others (no half-alive world). Returns the
+    node's code and each rank's own exit code, None for a rank stopped here: a SIGKILL we sent
+    is not the cause to report."""
     while True:
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
-            for p in procs:
+            killed = set()
+            for i, p in enumerate(procs):
                 if p.is_alive():
                     time.sleep(5)  # a moment to checkpoint on their own (they saw the same peer die)
                     if p.is_alive():
                         p.kill()
+                        killed.add(i)
             for p in procs:
                 p.join(10)
-            codes = [p.exitcode for p in procs]
-            return EXIT_REQUEUE if all(c in (0, EXIT_REQUEUE) for c in codes) else \
-                next(c for c in codes if c not in (0, EXIT_REQUEUE, None))
+            own = [None if i in killed else p.exitcode for i, p in enumerate(procs)]
+            if not killed and all(c in (0, EXIT_REQUEUE) for c in own):
+                return EXIT_REQUEUE, own
+            causes = [c for c in own if c not in (0, EXIT_REQUEUE, None)] or [-9]  # only ours: killed
+            return causes[0], own
         if all(c == 0 for c in codes):
-            return 0
+            return 0, codes
         time.sleep(0.5)
 
 
@@ -218,15 +232,31 @@ def eval_stage(cfg, n: int, parent_run_id: str | None = None) -> int:
 
 
 def report_stage(cfg, parent_run_id: str) -> int:
-    """The comparison table of this pipeline, printed and written into its parent run."""
-    import tempfile
-
+    """The comparison table of this pipeline, printed and written into its parent run; then the
+    parent run ends FINISHED when every stage succeeded, else FAILED (never left RUNNING)."""
     from mlflow.tracking import MlflowClient
+
+    from hpc.track.pipeline import end_pipeline_run, pipeline_outcome
+
+    client = MlflowClient(cfg.tracking.uri)
+    try:
+        _report(cfg, client, parent_run_id)
+    except BaseException as err:
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        end_pipeline_run(client, parent_run_id, "FAILED", f"the report failed: {why}")
+        raise
+    status, why = pipeline_outcome(client, parent_run_id, list(cfg.eval.num_speculative_tokens))
+    end_pipeline_run(client, parent_run_id, status, why)
+    print(f"pipeline run {parent_run_id}: {status} ({why})", flush=True)
+    return 0
+
+
+def _report(cfg, client, parent_run_id: str) -> None:
+    import tempfile
 
     from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, to_csv
     from hpc.track.pipeline import STAGE, common_tags, create_child_run
 
-    client = MlflowClient(cfg.tracking.uri)
     parent = client.get_run(parent_run_id)
     evals = fetch_evals(client, [parent])
     if not evals:
@@ -242,7 +272,6 @@ def report_stage(cfg, parent_run_id: str) -> int:
             client.log_artifact(run_id, str(Path(tmp) / name))
             client.log_artifact(parent_run_id, str(Path(tmp) / name))
     client.set_terminated(run_id)
-    return 0
 
 
 def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False) -> int:
@@ -360,12 +389,6 @@ def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n:
         code = regenerate_stage(cfg, parent_run_id)
     else:
         raise UserError(f"unknown stage {stage!r}")
-    if code not in (0, EXIT_REQUEUE):
-        cause = None
-        if stage == "train":
-            from hpc.train.online import stop_summary
-
-            cause = stop_summary(cfg.train.output_dir)
-        raise RuntimeError(f"stage {stage} failed with exit code {code}: "
-                           + (cause or "see the ranks' lines above"))
+    if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already
+        raise UserError(f"stage {stage} failed with exit code {code}", exit_code=code)
     return code

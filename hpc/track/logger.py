@@ -147,6 +147,11 @@ class RunLogger:
             if not self.buffered:
                 self.flush()  # params/tags/artifacts without metrics
 
+    @property
+    def closed(self) -> bool:
+        """`close` has been called: the run's end status is set (or being set) there."""
+        return self._stop.is_set()
+
     def close(self, timeout_s: float = 30.0, status: str | None = None) -> bool:
         """Stop the thread after a last flush, then end the run as `status` (FINISHED, FAILED or
         KILLED), so no run stays RUNNING; True if nothing is left unsent."""

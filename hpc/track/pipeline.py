@@ -74,3 +74,50 @@ def create_child_run(client, experiment: str, parent_run_id: str | None, name: s
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     return client.create_run(experiment_id(client, experiment), run_name=name, tags=all_tags).info.run_id
+
+
+def _children(client, parent) -> list:
+    where = f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    runs, token = [], None
+    while True:
+        page = client.search_runs([parent.info.experiment_id], where, max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def pipeline_outcome(client, parent_run_id: str, ns: list[int]) -> tuple[str, str]:
+    """(FINISHED or FAILED, why) from the stages' runs. A run of a requeued (preempted) job ends
+    KILLED and its successor carries on, so KILLED alone is no failure; but a stage run that
+    FAILED or never ended (its job died with it), a training variant (config hash) that never
+    finished, or an n at which some variant has no eval run (a failed eval leaves none) is."""
+    runs = _children(client, client.get_run(parent_run_id))
+    for r in runs:
+        if r.info.status in ("FAILED", "RUNNING", "SCHEDULED"):
+            what = "failed" if r.info.status == "FAILED" else "never ended (its job died)"
+            return "FAILED", f"stage run {r.info.run_name} ({r.info.run_id}) {what}"
+    finished: dict[str, bool] = {}
+    for r in runs:
+        if r.data.tags.get(STAGE) == "train":
+            variant = r.data.tags.get("dspark.config_hash", r.info.run_id)
+            finished[variant] = finished.get(variant, False) or r.info.status == "FINISHED"
+    if not all(finished.values()):
+        return "FAILED", f"{sum(not f for f in finished.values())} training variant(s) never finished"
+    for n in ns:
+        evaluated = {r.data.tags.get("dspark.config_hash") for r in runs
+                     if r.data.tags.get(STAGE) == "eval" and r.data.tags.get("dspark.n") == str(n)}
+        if len(evaluated) < max(len(finished), 1):
+            return "FAILED", f"{max(len(finished), 1) - len(evaluated)} variant(s) have no eval run at n={n}"
+    return "FINISHED", "every stage succeeded"
+
+
+def end_pipeline_run(client, parent_run_id: str, status: str, why: str) -> None:
+    """Set the parent run's final status (and why, as a tag); a tracking outage is a warning, not
+    a second error on top of the one being reported."""
+    try:
+        client.set_tag(parent_run_id, "dspark.outcome", why)
+        client.set_terminated(parent_run_id, status)
+    except Exception as err:  # noqa: BLE001
+        print(f"warning: pipeline run {parent_run_id} not marked {status}: {str(err).splitlines()[0][:160]}",
+              flush=True)

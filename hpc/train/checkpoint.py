@@ -10,7 +10,8 @@ Layout of `step_00001234/` (written as a hidden temp dir, renamed when complete)
 
 The directory is fsynced before the rename, and a resume checks the newest checkpoint
 (manifest sizes, JSON, safetensors headers) and falls back to the previous good one, saying
-so: a node that died mid-write must not cost the run.
+so: a node that died mid-write must not cost the run. The next save sets the damaged ones
+aside (`.step_X.damaged`), so the prune to `keep_checkpoints` counts only this run's own.
 """
 
 from __future__ import annotations
@@ -150,6 +151,21 @@ def latest_checkpoint(root: str | Path, say: Callable[[str], None] | None = None
     return None
 
 
+def _set_aside_newer(root: Path, final: Path) -> None:
+    """Checkpoints newer than the one just written belong to a timeline this run left: its resume
+    fell back past them because they were damaged. Left in place they would count against
+    `keep_checkpoints` (the prune would delete the good ones and keep the damaged) and a later
+    resume would try them first. Renamed, not deleted, so the damage can still be examined."""
+    for path in list_checkpoints(root):
+        if path.name > final.name:
+            why = checkpoint_problem(path)
+            aside = root / f".{path.name}.{'damaged' if why else 'superseded'}"
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+            print(f"checkpoint {path.name} set aside as {aside.name}: "
+                  f"{why or 'newer than the checkpoint this run resumed from'}", file=sys.stderr, flush=True)
+
+
 def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dict, opt: torch.optim.Optimizer,
                     state: TrainState, generator: torch.Generator | None, keep: int, group=None) -> Path:
     """Collective: every rank writes its RNG file; rank 0 writes the rest and renames."""
@@ -178,6 +194,7 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
         replace_dir(tmp, final)
+        _set_aside_newer(root, final)
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)

@@ -59,15 +59,11 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
     if any(codes):
         import sys
 
-        from hpc.train.online import stop_summary
+        from hpc.train.driver import exit_status, failure_line
 
         print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
-        from hpc.train.driver import exit_cause
-
-        cause = (exit_cause(codes, T) or stop_summary(cfg.train.output_dir)
-                 or "a rank failed; its error is in the lines above")
-        print(f"error: {cause}", file=sys.stderr, flush=True)
-    return max(codes, key=abs) if any(codes) else 0
+        print(f"error: {failure_line(codes, T, cfg.train.output_dir)}", file=sys.stderr, flush=True)
+    return exit_status(max(codes, key=abs)) if any(codes) else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

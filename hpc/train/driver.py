@@ -141,51 +141,67 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         if latest_checkpoint(out / "checkpoints") is None:  # a resumed run must keep its own weights
             warm_start(model, cfg)
     logger = progress = None
-    if w.rank == 0:
-        from hpc.config import flatten
-        from hpc.track.logger import RunLogger
-        from hpc.track.pipeline import STAGE, common_tags
+    try:
+        if w.rank == 0:
+            from hpc.config import flatten
+            from hpc.track.logger import RunLogger
+            from hpc.track.pipeline import STAGE, common_tags
 
-        logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
-                           tags={STAGE: "train", **common_tags(cfg)})
-        from hpc.config.secrets import redacted
+            logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
+                               tags={STAGE: "train", **common_tags(cfg)})
+            from hpc.config.secrets import redacted
 
-        logger.log_params(flatten(_as_dictconfig(redacted(cfg))))
-        stats_file = out / "data" / "stats.json"
-        if stats_file.is_file():  # skipped rows are counted once, by the preparing process
-            import json
+            logger.log_params(flatten(_as_dictconfig(redacted(cfg))))
+            stats_file = out / "data" / "stats.json"
+            if stats_file.is_file():  # skipped rows are counted once, by the preparing process
+                import json
 
-            logger.log_metrics(json.loads(stats_file.read_text()), step=0)
-        from omegaconf import OmegaConf
+                logger.log_metrics(json.loads(stats_file.read_text()), step=0)
+            from omegaconf import OmegaConf
 
-        resolved = out / "config.yaml"
-        resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
-        logger.log_artifact(str(resolved))
-        progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
+            resolved = out / "config.yaml"
+            resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
+            logger.log_artifact(str(resolved))
+            progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
 
-    def on_step(step: int, metrics: dict) -> None:
-        if progress is not None:
-            metrics.update(progress.update(step, metrics))
-            logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
-            write_progress(out / "progress.json", step, cfg.train.steps, metrics)
+        def on_step(step: int, metrics: dict) -> None:
+            if progress is not None:
+                metrics.update(progress.update(step, metrics))
+                logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+                write_progress(out / "progress.json", step, cfg.train.steps, metrics)
 
-    # The training loop turns USR2/TERM into a checkpoint and a requeue. Outside it (setup, and the
-    # export after the last step) a signal must not kill the rank: the default action would end
-    # the node's task with 244 and fail a job whose training was complete.
-    for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    from hpc.verifier.target_files import architectures
+        # The training loop turns USR2/TERM into a checkpoint and a requeue. Outside it (setup, and the
+        # export after the last step) a signal must not kill the rank: the default action would end
+        # the node's task with 244 and fail a job whose training was complete.
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        from hpc.verifier.target_files import architectures
 
-    code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model, on_step,
-                       epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
-    if w.rank == 0:
+        code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model,
+                           on_step, epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
+        if w.rank == 0:
+            progress.close()
+            from hpc.train.loop import EXIT_REQUEUE
+
+            # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
+            _finish(cfg, out, logger, export=code == 0,
+                    status="FINISHED" if code == 0 else "KILLED" if code == EXIT_REQUEUE else "FAILED")
+        return code
+    except BaseException as err:
+        # rank_process ends the process with os._exit: without this the run would stay RUNNING
+        # and whatever the logger still buffers would be lost.
+        _end_run_on_error(logger, progress, err)
+        raise
+
+
+def _end_run_on_error(logger, progress, err: BaseException) -> None:
+    """Rank 0's MLflow run ends FAILED (KILLED for an interrupt) with its buffer sent, unless
+    the run was already being closed when the error came."""
+    if progress is not None:
         progress.close()
-        from hpc.train.loop import EXIT_REQUEUE
-
-        # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
-        _finish(cfg, out, logger, export=code == 0,
-                status="FINISHED" if code == 0 else "KILLED" if code == EXIT_REQUEUE else "FAILED")
-    return code
+    if logger is not None and not logger.closed:
+        # A short wait: the other ranks' launcher stops this one a few seconds after they fail.
+        logger.close(timeout_s=10, status="KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
 
 
 def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
@@ -234,6 +250,31 @@ def exit_cause(codes: list[int | None], n_trainers: int) -> str | None:
             hint = " (the kernel's OOM killer does this: check the node's memory)" if -c == sig.SIGKILL else ""
             return f"{who(r)} was killed by {name}{hint}; the other ranks stopped because they lost it"
     return None
+
+
+def failure_line(codes: list[int | None], n_trainers: int, out_dir: str | Path) -> str:
+    """The one line a failed training ends with, in `dspark train` and the Slurm stage alike: the
+    root cause, and whether a re-run resumes from a checkpoint. `codes` are indexed by global
+    rank; None for a rank whose code is not a cause (not on this node, or stopped by us)."""
+    from hpc.train.checkpoint import latest_checkpoint
+    from hpc.train.online import stop_summary
+
+    cause = exit_cause(codes, n_trainers)
+    if cause is None:
+        summary = stop_summary(out_dir)  # the trainers said why they stopped, resume included
+        if summary:
+            return summary
+        cause = "a rank failed; its error is in the lines above"
+    ckpt = latest_checkpoint(Path(out_dir) / "checkpoints", say=lambda _: None)
+    resume = (f"checkpoint {ckpt.name} is saved and a re-run resumes from it" if ckpt
+              else "no checkpoint yet, a re-run starts over")
+    return f"{cause}; {resume}"
+
+
+def exit_status(code: int) -> int:
+    """A process exit status for a rank's code: a signal (-9) as the shell writes it (137), not
+    the 247 that exit(-9) would give."""
+    return 128 - code if code < 0 else code
 
 
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,

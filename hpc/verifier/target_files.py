@@ -36,14 +36,18 @@ def target_file(model: str | Path, name: str, *, required: bool = True) -> Path 
 
 def text_config(model: str | Path) -> dict:
     """config.json, or its `text_config` for multimodal wrappers (Kimi-K2.5/2.6)."""
-    cfg = json.loads(target_file(model, "config.json").read_text())
+    from hpc.config.target import read_config_json
+
+    cfg = read_config_json(target_file(model, "config.json"), model)
     return cfg.get("text_config") or cfg
 
 
 def architectures(model: str | Path) -> list[str]:
     """The target's model classes (the outer config's, e.g. KimiK25ForConditionalGeneration):
     recorded in the export so vLLM and readers know which verifier the draft belongs to."""
-    return list(json.loads(target_file(model, "config.json").read_text()).get("architectures") or [])
+    from hpc.config.target import read_config_json
+
+    return list(read_config_json(target_file(model, "config.json"), model).get("architectures") or [])
 
 
 def final_norm_weight(model: str | Path) -> torch.Tensor:

@@ -39,6 +39,10 @@ BAD = {
     "tracking uri without host": (["tracking.uri=http:/localhost:5000"], "no host"),
     "tracking uri typo in an absolute path": (["tracking.uri=sqlite:////nonexistent-dir/mlflow.db"],
                                               "directory of this store does not exist"),
+    "tracking uri typo in a relative path": (["tracking.uri=sqlite:///nosuchdir/m.db"],
+                                             "directory of this store does not exist"),
+    "tracking uri typo in a relative file store": (["tracking.uri=file:nosuchdir/mlruns"],
+                                                   "directory of this store does not exist"),
     "tracking uri unknown scheme": (["tracking.uri=sqlte:///runs/m.db"], "use http://HOST:PORT"),
     "public verifier host": (["verifier.host=0.0.0.0"], "verifier.allow_remote_host"),
     # Numbers that pass range checks and fail later.
@@ -55,6 +59,8 @@ BAD = {
     "repeated benchmark": (["eval.benchmarks=[gsm8k,gsm8k]"], "eval.benchmarks"),
     # Sweeps.
     "sweep over allocation": (["sweep={cluster.trainer_nodes: [1, 2]}"], "share one allocation"),
+    "repeated sweep value": (["sweep={train.lr: [1e-4, 1e-4]}"], "sweep.train.lr = [0.0001, 0.0001]: 0.0001 appears twice"),
+    "repeated sweep value, other spelling": (["sweep={train.lr: [1e-4, 0.0001]}"], "appears twice"),
     "sweep value out of range": (["sweep={train.lr: [1e-4, -1]}"], "sweep variant 1 (train.lr=-1): train.lr"),
     # Paths taken for hub ids.
     "relative data file": (["data.sources=[{path: data/missing.jsonl}]"], "data file does not exist"),
@@ -79,6 +85,15 @@ def test_bad_value_is_refused_naming_the_key(overrides, needle):
 def test_a_good_sweep_over_training_keys_passes():
     cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"], check_tracking=False)
     assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}
+
+
+def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monkeypatch):
+    """The default sqlite:///runs/mlflow.db in a fresh checkout: runs/ does not exist yet, but
+    the pipeline writes runs/train there anyway, so it is not a typo."""
+    monkeypatch.chdir(tmp_path)
+    for uri in ("sqlite:///runs/mlflow.db", f"sqlite:///{tmp_path}/runs/mlflow.db", "sqlite:///mlflow.db"):
+        resolve(KIMI, [f"tracking.uri={uri}"], check_tracking=False)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ranks_per_node_null_resolves_to_one_number_everywhere():
@@ -113,6 +128,33 @@ def test_a_config_file_that_is_not_a_config_gives_one_line(tmp_path, content, ne
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+TARGET_CONFIGS = {
+    "truncated": (b'{"num_hidden_layers": 4, "hid', "is not valid JSON (truncated?)"),
+    "empty": (b"", "is not valid JSON (truncated?)"),
+    "a list": (b"[1, 2]", "holds a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("content,needle", list(TARGET_CONFIGS.values()), ids=list(TARGET_CONFIGS))
+def test_a_broken_target_config_json_gives_one_line_naming_verifier_model(tmp_path, content, needle):
+    (tmp_path / "config.json").write_bytes(content)
+    res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", f"verifier.model={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    line = next(x for x in res.stderr.splitlines() if "verifier.model" in x)
+    assert needle in line and str(tmp_path / "config.json") in line, res.stderr
+
+
+def test_every_reader_of_the_target_config_names_verifier_model(tmp_path):
+    from hpc.errors import UserError
+    from hpc.verifier.target_files import architectures, text_config
+
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "hidden_')
+    for read in (text_config, architectures):
+        with pytest.raises(UserError, match=r"verifier.model = .*not valid JSON \(truncated\?\)"):
+            read(tmp_path)
+
+
 def test_overrides_may_follow_flags():
     res = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "train.lr=-1"],
                          capture_output=True, text=True, cwd=ROOT)
@@ -120,3 +162,31 @@ def test_overrides_may_follow_flags():
     stray = subprocess.run([sys.executable, "-m", "hpc", "validate", str(KIMI), "--offline", "oops"],
                            capture_output=True, text=True, cwd=ROOT)
     assert stray.returncode == 2 and "unrecognized arguments: oops" in stray.stderr, stray.stderr
+
+
+def test_a_sweep_reads_the_yaml_and_the_target_once(monkeypatch):
+    """Each variant is the loaded config plus its dotlist: re-reading the YAML and the target's
+    config.json per variant made a 9-variant validate take over a second."""
+    import hpc.config.load as load
+    import hpc.config.validate as validate
+
+    calls = {"yaml": 0, "shape": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(load, "_read_yaml", counted("yaml", load._read_yaml))
+    monkeypatch.setattr(validate, "target_shape", counted("shape", validate.target_shape))
+    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 2e-4, 3e-4], train.seed: [0, 1, 2]}"], check_tracking=False)
+    assert cfg.sweep == {"train.lr": [1e-4, 2e-4, 3e-4], "train.seed": [0, 1, 2]}
+    assert calls == {"yaml": 1, "shape": 1}
+
+
+def test_a_sweep_over_the_targets_dims_checks_each_variant_against_its_own_target():
+    problems = problems_for(["sweep={verifier.num_hidden_layers: [61, 20]}"])
+    assert any(p.startswith("sweep variant 1 (verifier.num_hidden_layers=20): verifier.aux_layer_ids")
+               and "outside 0..20" in p for p in problems), problems
+    assert not any(p.startswith("sweep variant 0") for p in problems), problems

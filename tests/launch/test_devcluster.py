@@ -284,6 +284,44 @@ def test_a_process_with_a_daemons_name_is_not_taken_for_ours(tmp_path: Path) -> 
         impostor.kill()
 
 
+def _process_named(comm: str, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", f"import time; open('/proc/self/comm', 'w').write({comm!r}); "
+                             "time.sleep(60)", *args])
+    deadline = time.monotonic() + 10
+    while devcluster_host.comm_of(proc.pid) != comm and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_daemon_of_a_sibling_state_dir_is_not_ours(tmp_path: Path) -> None:
+    """`/x/dc` is a prefix of `/x/dc2`: the state dir must match as a whole path."""
+    root = tmp_path / "dc"
+    sibling = _process_named("slurmctld", "-f", f"{root}2/etc/slurm.conf")
+    mine = _process_named("slurmctld", "-f", f"{root}/etc/slurm.conf")
+    try:
+        assert not devcluster_host.daemon_is_ours(sibling.pid, "slurmctld", root, root / "etc" / "slurm.conf")
+        assert devcluster_host.daemon_is_ours(mine.pid, "slurmctld", root, root / "etc" / "slurm.conf")
+    finally:
+        sibling.kill()
+        mine.kill()
+
+
+@pytest.mark.parametrize("current", [False, True])
+def test_stopping_calls_no_slurm_client_unless_the_conf_is_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, current: bool
+) -> None:
+    """A conf we did not write (or that changed) could point squeue/scancel at a real cluster."""
+    cluster = DevCluster(tmp_path / "dc")
+    calls: list[list[str]] = []
+    monkeypatch.setattr(devcluster.subprocess, "run",
+                        lambda argv, **_: calls.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""))
+    monkeypatch.setattr(cluster, "_running_pid", lambda daemon: 4242)  # every daemon "running"
+    monkeypatch.setattr(cluster, "_terminate", lambda pid: None)
+    monkeypatch.setattr(cluster, "_configs_current", lambda: current)
+    assert cluster._stop_all() is True
+    assert [c[0] for c in calls] == (["squeue"] if current else [])
+
+
 def test_a_host_with_a_real_slurm_is_refused_without_force(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     conf = tmp_path / "etc-slurm.conf"
     conf.write_text("ClusterName=prod\n")

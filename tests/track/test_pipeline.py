@@ -1,12 +1,14 @@
-"""Pipeline runs on a local sqlite store: the artifacts stay next to the database."""
+"""Pipeline runs on a local sqlite store: the artifacts stay next to the database, and the
+parent run ends FINISHED or FAILED as its stages did."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from hpc.track.pipeline import create_child_run, experiment_id
+from hpc.track.pipeline import STAGE, create_child_run, experiment_id, pipeline_outcome
 
 
 def test_sqlite_artifacts_go_next_to_the_database_not_into_the_cwd(tmp_path, monkeypatch):
@@ -24,3 +26,51 @@ def test_sqlite_artifacts_go_next_to_the_database_not_into_the_cwd(tmp_path, mon
     assert (tmp_path / "db" / "mlartifacts").is_dir() and list((tmp_path / "db" / "mlartifacts").rglob("note.txt"))
     assert not (cwd / "mlruns").exists()
     assert Path(client.get_run(run).info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path / "db")
+
+
+def _stage_run(client, parent, stage: str, status: str, variant: str = "v0", n: int | None = None) -> None:
+    tags = {STAGE: stage, "dspark.config_hash": variant, **({"dspark.n": str(n)} if n else {})}
+    run = create_child_run(client, "pipe", parent, f"{stage}-{variant}", tags)
+    if status != "RUNNING":
+        client.set_terminated(run, status)
+
+
+OUTCOMES = {
+    "all finished": ([("train", "FINISHED", "v0", None), ("eval", "FINISHED", "v0", 3), ("eval", "FINISHED", "v0", 7)],
+                     "FINISHED", "every stage succeeded"),
+    "preempted, then resumed": ([("train", "KILLED", "v0", None), ("train", "FINISHED", "v0", None),
+                                 ("eval", "FINISHED", "v0", 3), ("eval", "FINISHED", "v0", 7)], "FINISHED", "every stage"),
+    "a train run failed": ([("train", "FAILED", "v0", None)], "FAILED", "failed"),
+    "a train job died": ([("train", "RUNNING", "v0", None)], "FAILED", "never ended"),
+    "a variant never resumed": ([("train", "FINISHED", "v0", None), ("train", "KILLED", "v1", None),
+                                 ("eval", "FINISHED", "v0", 3), ("eval", "FINISHED", "v0", 7)], "FAILED", "never finished"),
+    "an eval left no run": ([("train", "FINISHED", "v0", None), ("train", "FINISHED", "v1", None),
+                             ("eval", "FINISHED", "v0", 3), ("eval", "FINISHED", "v1", 3), ("eval", "FINISHED", "v0", 7)],
+                            "FAILED", "1 variant(s) have no eval run at n=7"),
+}
+
+
+@pytest.mark.parametrize("runs,status,why", list(OUTCOMES.values()), ids=list(OUTCOMES))
+def test_the_pipeline_outcome_follows_its_stages(tmp_path, runs, status, why):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = create_child_run(client, "pipe", None, "pipeline", {STAGE: "pipeline"})
+    for stage, st, variant, n in runs:
+        _stage_run(client, parent, stage, st, variant, n)
+    got, said = pipeline_outcome(client, parent, [3, 7])
+    assert got == status and why in said, said
+
+
+def test_the_report_ends_the_pipeline_run_even_when_it_fails(tmp_path):
+    from hpc.config.schema import DSparkConfig
+    from hpc.errors import UserError
+    from hpc.launch.stages import report_stage
+
+    cfg = DSparkConfig()
+    cfg.tracking.uri, cfg.tracking.experiment = f"sqlite:///{tmp_path / 'mlflow.db'}", "pipe"
+    client = MlflowClient(cfg.tracking.uri)
+    parent = create_child_run(client, "pipe", None, "pipeline", {STAGE: "pipeline"})
+    _stage_run(client, parent, "train", "FAILED")
+    with pytest.raises(UserError, match="no eval runs"):
+        report_stage(cfg, parent)  # the evals never ran: nothing to report
+    run = client.get_run(parent)
+    assert run.info.status == "FAILED" and "no eval runs" in run.data.tags["dspark.outcome"]

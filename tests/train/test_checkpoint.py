@@ -51,3 +51,18 @@ def test_no_good_checkpoint_means_a_fresh_start_said_out_loud(tmp_path):
     said: list[str] = []
     assert latest_checkpoint(tmp_path, said.append) is None
     assert "starting from scratch" in said[0]
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_damaged_newer_checkpoint_is_set_aside_not_counted_when_pruning(tmp_path, keep):
+    """keep=1, good 100, damaged 200: the run resumes at 100 and saves 150; the prune must keep
+    150 (and 100 with keep=2), not the damaged 200 alone."""
+    _save(tmp_path, 100)
+    damaged = _save(tmp_path, 200)  # keep=1 too: a job that died after the rename, before its prune
+    (damaged / "state.json").write_text("{")
+    assert latest_checkpoint(tmp_path, lambda _: None) == tmp_path / "step_00000100"
+    _save(tmp_path, 150, keep)
+    expected = ["step_00000100", "step_00000150"][-keep:]
+    assert [p.name for p in list_checkpoints(tmp_path)] == expected
+    assert latest_checkpoint(tmp_path, lambda _: None) == tmp_path / "step_00000150"
+    assert (tmp_path / ".step_00000200.damaged" / "state.json").read_text() == "{"  # kept to examine

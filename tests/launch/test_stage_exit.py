@@ -1,0 +1,94 @@
+"""A Slurm training node that fails ends with one line naming the cause (as `dspark train`
+does), with the ranks' exit codes simulated: no ranks, no Slurm, no torch world."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
+from hpc.launch import stages
+from hpc.launch.slurm_env import SlurmEnv
+
+
+class FakeRank:
+    """A rank process whose exit code is scripted: `codes` are what successive polls see."""
+
+    def __init__(self, codes: list[int | None]):
+        self.codes, self.pid, self.killed = list(codes), 4242, False
+
+    @property
+    def exitcode(self) -> int | None:
+        return -9 if self.killed else self.codes[0] if len(self.codes) == 1 else self.codes.pop(0)
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def start(self) -> None: ...
+
+    def join(self, timeout=None) -> None: ...
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """Node 1 of a 2-node allocation (verifier node 0, one trainer node of two ranks)."""
+    cfg = DSparkConfig()
+    cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, cfg.cluster.gpus_per_node = 1, 1, 2
+    cfg.train.output_dir, cfg.cluster.log_dir = str(tmp_path / "train"), str(tmp_path / "logs")
+    monkeypatch.setattr(SlurmEnv, "from_environ", classmethod(lambda cls: SlurmEnv(7, 1, 2, ["a", "b"], "7")))
+    monkeypatch.setattr(stages, "prepare_once", lambda cfg, env: None)
+    monkeypatch.setattr(stages, "_rendezvous", lambda cfg, env, master_node: ("127.0.0.1", 1))
+    monkeypatch.setattr(stages.time, "sleep", lambda s: None)
+    ranks: list[FakeRank] = []
+
+    class Context:
+        def Process(self, target, args, name):  # noqa: N802 - multiprocessing's spelling
+            return ranks[int(name.removeprefix("rank"))]
+    monkeypatch.setattr(mp, "get_context", lambda method: Context())
+    return cfg, ranks
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(node):
+    cfg, ranks = node
+    ranks += [FakeRank([-9]), FakeRank([None, 1])]  # trainer 0 OOM-killed; trainer 1 then lost its peer
+    with pytest.raises(UserError) as info:
+        stages.train_allocation(cfg)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("node 1 (trainer): rank 0 (trainer 0) was killed by SIGKILL"), line
+    assert "no checkpoint yet, a re-run starts over" in line, line
+    assert info.value.exit_code == 137  # as the shell writes a SIGKILL, not exit(-9) = 247
+
+
+def test_a_rank_this_node_stopped_is_not_blamed_and_the_resume_is_said(node, tmp_path):
+    import torch
+
+    from hpc.train.checkpoint import TrainState, save_checkpoint
+
+    cfg, ranks = node
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(tmp_path / "train" / "checkpoints", model, {}, torch.optim.SGD(model.parameters(), lr=0.1),
+                    TrainState(step=5), None, keep=2)
+    ranks += [FakeRank([1]), FakeRank([None])]  # rank 0 fails; rank 1 hangs until the node kills it
+    with pytest.raises(UserError) as info:
+        stages.train_allocation(cfg)
+    line = str(info.value)
+    assert ranks[1].killed and "SIGKILL" not in line, line
+    assert "a rank failed" in line and "checkpoint step_00000005 is saved and a re-run resumes from it" in line, line
+    assert info.value.exit_code == 1
+
+
+def test_the_stage_cli_prints_the_cause_as_its_one_error_line(node, monkeypatch, capsys):
+    from hpc.cli import main
+
+    cfg, ranks = node
+    ranks += [FakeRank([0]), FakeRank([-15])]
+    monkeypatch.setattr("hpc.launch.variants.check_variant_file", lambda path: None)
+    monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
+    monkeypatch.setattr(stages, "localize_stage", lambda c: c)
+    assert main(["stage", "train", "variant.yaml"]) == 128 + 15
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: node 1 (trainer): rank 1 (trainer 1) was killed by SIGTERM"), err

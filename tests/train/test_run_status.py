@@ -1,0 +1,89 @@
+"""Trainer rank 0's MLflow run never stays RUNNING: an exception ends it FAILED (KILLED for an
+interrupt) with its buffer sent, before rank_process's os._exit. The world, the draft and the
+logger are stand-ins; the end-to-end kill is tests/train/test_verifier_failures.py (slow)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import hpc.dist.planes
+import hpc.model.dspark
+import hpc.track.logger
+import hpc.track.pipeline
+import hpc.train.online
+import hpc.train.prepare
+import hpc.verifier.target_files
+from hpc.config.schema import DSparkConfig
+from hpc.train import driver
+
+
+class FakeLogger:
+    made: list[FakeLogger] = []
+
+    def __init__(self, *args, **kwargs):
+        self.statuses: list[str | None] = []
+        FakeLogger.made.append(self)
+
+    def log_params(self, params): ...
+
+    def log_metrics(self, metrics, step): ...
+
+    def log_artifact(self, path, artifact_path=None): ...
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.statuses)
+
+    def close(self, timeout_s: float = 30.0, status: str | None = None) -> bool:
+        self.statuses.append(status)
+        return True
+
+
+@pytest.fixture
+def rank0(tmp_path, monkeypatch):
+    """rank_main on trainer rank 0 of a 1 + 1 world, up to run_trainer (which the test sets)."""
+    FakeLogger.made.clear()
+    cfg = DSparkConfig()
+    cfg.train.output_dir = str(tmp_path / "train")
+    (tmp_path / "train").mkdir()
+    monkeypatch.setattr(hpc.dist.planes, "rank_device", lambda device, exclusive: torch.device("cpu"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # the test process keeps its handlers
+    monkeypatch.setattr(hpc.train.online, "init_world", lambda *a, **k: None)
+    monkeypatch.setattr(hpc.train.prepare, "load_prepared", lambda out: ([], None))
+    monkeypatch.setattr(hpc.model.dspark.DSparkArgs, "from_config", classmethod(lambda cls, cfg: None))
+    monkeypatch.setattr(hpc.train.online, "build_draft", lambda *a: (torch.nn.Linear(2, 2), None))
+    monkeypatch.setattr(hpc.track.logger, "RunLogger", FakeLogger)
+    monkeypatch.setattr(hpc.track.pipeline, "common_tags", lambda cfg: {})
+    monkeypatch.setattr(hpc.verifier.target_files, "architectures", lambda model: [])
+    monkeypatch.setattr(driver, "Progress", lambda *a: type("P", (), {"close": lambda self: None})())
+    return cfg
+
+
+def _trainer_raising(err: BaseException):
+    def run_trainer(*args, **kwargs):
+        raise err
+    return run_trainer
+
+
+@pytest.mark.parametrize("err,status", [(RuntimeError("a peer died"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
+def test_an_exception_on_rank_0_ends_its_run(rank0, monkeypatch, err, status):
+    monkeypatch.setattr(hpc.train.online, "run_trainer", _trainer_raising(err))
+    with pytest.raises(type(err)):
+        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1)
+    assert [log.statuses for log in FakeLogger.made] == [[status]]
+
+
+def test_an_error_after_the_run_was_closed_does_not_end_it_twice(rank0, monkeypatch):
+    monkeypatch.setattr(hpc.train.online, "run_trainer", lambda *a, **k: 0)
+
+    def finish(cfg, out, logger, export=True, status="FINISHED"):
+        logger.close(status=status)
+        raise OSError("disk full while printing")
+    monkeypatch.setattr(driver, "_finish", finish)
+    with pytest.raises(OSError):
+        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1)
+    assert [log.statuses for log in FakeLogger.made] == [["FINISHED"]]
