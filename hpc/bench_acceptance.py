@@ -12,6 +12,10 @@ length) per benchmark and the mean; the ratios DSpark/DFlash and DSpark/ngram at
 what the recipe claims (goals: >= 1.15 and >= 1.3). A miss prints with its figures: the
 loss curves and the per-position acceptance, as PNGs and in MLflow.
 
+Every 10th row is held out of all three trainings; the confidence calibration of the drafts
+with a confidence head is fitted on it (`hpc.model.calibrate`), and DSpark's ECE per position
+is printed as greedy decoding scored it on the benchmarks.
+
 Training runs in this process with an in-process HF verifier (`hpc.train.offline`), so the
 ablation measures the recipe, not the cluster. `--quick` checks the plumbing only.
 """
@@ -36,6 +40,9 @@ GOALS = {"DFlash": 1.15, PEER: 1.3}  # DSpark tau@7 over each, from the DSpark r
 # Below this the drafts barely leave their initialisation (warm-up is a tenth of the run) and
 # the ratios compare noise.
 MIN_STEPS = 20
+HOLD_OUT_EVERY = 10  # every 10th row trains nobody: the confidence calibration is fitted on it
+ECE_GOAL = 0.05
+ECE_MIN_COUNT = 30  # fewer scored slots at a position than this: too few to judge its ECE
 DEFAULT_STEPS = 600  # about 2.5 min per draft on 2 cores with the toy target; 25 min in all
 QUICK = ["eval.benchmarks=[gsm8k, humaneval]", "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
          "data.regenerate=false"]
@@ -81,7 +88,8 @@ def train_variant(config: str, overrides: list[str], name: str, out: Path, steps
     cfg = localize(_resolve(config, [*overrides, *VARIANTS[name], f"train.output_dir={out / name}"]))
     t = Trained(name, out / name / "export")
     t0 = time.monotonic()
-    ckpt = train_in_process(cfg, steps=steps, on_step=lambda _s, m: t.losses.append(float(m["loss"])))
+    ckpt = train_in_process(cfg, steps=steps, on_step=lambda _s, m: t.losses.append(float(m["loss"])),
+                            hold_out_every=HOLD_OUT_EVERY)
     t.seconds = time.monotonic() - t0
     model = cfg.verifier.model
     export_draft(load_draft(ckpt), t.export, verifier=cfg.verifier.name or model,
@@ -132,6 +140,28 @@ def format_table(table: dict, benches: list[str]) -> str:
     return "\n".join(lines)
 
 
+def calibration_lines(results: dict, label: str = "DSpark", n: int = max(NS)) -> tuple[list[str], dict[str, float]]:
+    """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
+    from hpc.evaluate.calibration import position_report
+
+    steps = [s for res in results.values() for r in res if r.label == label and r.n == n and not r.temperature
+             for s in r.calibration_steps]
+    if not steps:
+        return [], {}
+    lines, metrics = [f"{label} confidence at n={n} (greedy, calibrated on held-out rows), ECE per position:"], {}
+    for k in range(1, n + 1):
+        rep = position_report(steps, k, 10)
+        if not rep["count"]:
+            break
+        judged = rep["count"] >= ECE_MIN_COUNT
+        verdict = ("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})" if judged \
+            else f"too few to judge (< {ECE_MIN_COUNT})"
+        lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (mean confidence "
+                     f"{rep['mean_conf']:.3f}, accepted {rep['accuracy']:.3f}): {verdict}")
+        metrics[f"ece_n{n}_pos{k}"] = rep["ece"]
+    return lines, metrics
+
+
 def per_position(results: dict, n: int) -> dict[str, list[float]]:
     """Per-position acceptance at n, averaged over benchmarks, one line per draft."""
     out = {}
@@ -175,7 +205,11 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(eval_cfg, str(by["DSpark"].export), list(NS), parent_run_id=parent, quiet=True)
     table = tau_table(results)
     print(format_table(table, list(eval_cfg.eval.benchmarks)))
+    cal_lines, cal_metrics = calibration_lines(results)
+    print("\n".join(["", *cal_lines]) if cal_lines else "")
     pngs = _figures(out, trained, results)
+    for key, value in cal_metrics.items():
+        client.log_metric(parent, key, value)
     _log_summary(client, parent, table, pngs)
     print(f"\nfigures: {', '.join(str(p) for p in pngs)}")
     print(f"bench acceptance finished in {time.monotonic() - t0:.0f}s (MLflow parent run {parent})")

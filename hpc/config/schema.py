@@ -180,6 +180,7 @@ class LossConfig:
     # head for greedy serving, but its loss, fed back through the shared backbone, cost the toy
     # draft acceptance at short budgets (1.36 -> 1.12 at 60 steps): opt in until that is solved.
     confidence_target: ConfidenceTarget = ConfidenceTarget.sampling
+    confidence_detach: bool = False  # true: the confidence loss trains the head, not the backbone
 
 
 @dataclass

@@ -103,6 +103,9 @@ class DSparkDraft(nn.Module):
         )
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
+        # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
+        # become the chance its mode accepts. Not a weight: it travels beside the export.
+        self.confidence_calibration = None
 
     # -- 1. context ---------------------------------------------------------------------------
     def project_context(self, aux_TnH: torch.Tensor) -> torch.Tensor:
@@ -149,10 +152,16 @@ class DSparkDraft(nn.Module):
             feats = torch.cat([h_QH, prev_emb_Qr.to(h_QH.dtype)], dim=-1)
         return self.confidence_head.proj(feats).squeeze(-1)
 
-    def heads(self, h_QH: torch.Tensor, prev_ids_Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Teacher-forced heads: prev tokens are known (training)."""
+    def heads(self, h_QH: torch.Tensor, prev_ids_Q: torch.Tensor,
+              detach_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced heads: prev tokens are known (training). `detach_confidence`: the
+        confidence head reads its features without passing gradients back into them."""
         emb = self.markov_embed(prev_ids_Q)
-        return self.logits(h_QH, emb), self.confidence_logit(h_QH, emb)
+        if detach_confidence:
+            conf = self.confidence_logit(h_QH.detach(), emb.detach() if emb is not None else None)
+        else:
+            conf = self.confidence_logit(h_QH, emb)
+        return self.logits(h_QH, emb), conf
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -176,7 +185,8 @@ class DSparkDraft(nn.Module):
         slots and slot k predicts token anchor_pos+k+1, otherwise slot 0 is the bonus and n+1
         slots run. Attention is unmasked: one block sees the whole context and itself.
         """
-        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, lambda logits_1D: logits_1D.argmax(-1))
+        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, lambda logits_1D: logits_1D.argmax(-1),
+                                    "greedy")
         return drafts, confs
 
     @torch.no_grad()
@@ -194,14 +204,15 @@ class DSparkDraft(nn.Module):
             probs.append(p_1D[0])
             return torch.multinomial(p_1D, 1, generator=generator)[:, 0]
 
-        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, pick)
+        drafts, confs = self._chain(ctx_TH, anchor_id, anchor_pos, n, pick, "sampling")
         p_kV = torch.zeros(len(probs), self.args.target_vocab_size, device=ctx_TH.device)
         targets = self.draft_to_target(torch.arange(self.args.draft_vocab_size, device=ctx_TH.device))
         p_kV[:, targets] = torch.stack(probs)
         return drafts, confs, p_kV
 
-    def _chain(self, ctx_TH: torch.Tensor, anchor_id: int, anchor_pos: int, n: int, pick):
-        """The Markov chain left to right: `pick` turns slot logits [1, D] into a draft id [1]."""
+    def _chain(self, ctx_TH: torch.Tensor, anchor_id: int, anchor_pos: int, n: int, pick, mode: str = "greedy"):
+        """The Markov chain left to right: `pick` turns slot logits [1, D] into a draft id [1];
+        `mode` (greedy | sampling) picks the confidence calibration, when there is one."""
         a = self.args
         width = n if a.sample_from_anchor else n + 1
         if width > a.block_size:
@@ -216,6 +227,8 @@ class DSparkDraft(nn.Module):
             tok_d = pick(self.logits(h_QH[k:k + 1], emb))
             conf = self.confidence_logit(h_QH[k:k + 1], emb)
             if conf is not None:
+                if self.confidence_calibration is not None:
+                    conf = self.confidence_calibration.apply(conf.float(), mode, k - first + 1)
                 confs.append(torch.sigmoid(conf.float()))
             prev = self.draft_to_target(tok_d)
             out.append(prev)

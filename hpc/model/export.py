@@ -152,6 +152,8 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
     with atomic_dir(out) as tmp:
         save_file(export_tensors(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if model.confidence_calibration is not None:
+            model.confidence_calibration.save(tmp)
     return out
 
 
@@ -192,6 +194,9 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         raise UserError(f"{path} does not match its config.json: " + "; ".join(problems[:5]))
     check_d2t(tensors["d2t"].long(), model.args.target_vocab_size)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
+    from hpc.model.calibrate import Calibration
+
+    model.confidence_calibration = Calibration.load(path)
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 or device != "cpu" else model
 
 

@@ -30,12 +30,14 @@ class LossWeights:
     decay_gamma: float = 4.0
     confidence: float = 1.0
     confidence_target: str = "sampling"  # sampling | greedy: see the module docstring
+    confidence_detach: bool = False  # the confidence BCE trains its head only, not the backbone
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossWeights":
         target = loss_cfg.confidence_target
         return cls(ce=loss_cfg.ce_weight, tv=loss_cfg.tv_weight, kl=loss_cfg.kl_weight, decay_gamma=loss_cfg.decay_gamma,
-                   confidence=loss_cfg.confidence_weight, confidence_target=getattr(target, "value", str(target)))
+                   confidence=loss_cfg.confidence_weight, confidence_target=getattr(target, "value", str(target)),
+                   confidence_detach=bool(loss_cfg.confidence_detach))
 
     def confidence_event(self, accept_NB: torch.Tensor, logits_NBD: torch.Tensor,
                          target_logits_NBD: torch.Tensor) -> torch.Tensor:
@@ -124,17 +126,29 @@ def objective(
     return loss, parts, accept_NB
 
 
-def dspark_loss(
-    model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+@dataclass
+class BlockOutputs:
+    """The draft's and the target's view of N teacher-forced blocks of B slots."""
+
+    logits_NBD: torch.Tensor
+    target_logits_NBD: torch.Tensor
+    conf_NB: torch.Tensor | None
+    valid_NB: torch.Tensor
+    target_idx_NB: torch.Tensor  # the row position each slot's target state comes from
+
+
+def block_outputs(
+    model: DSparkDraft, row: PackedRow, head: VerifierHead, max_anchors: int,
     generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    detach_confidence: bool = False,
+) -> BlockOutputs | None:
+    """Blocks at anchors drawn from the row's loss mask, through the draft; None if none fit."""
     a = model.args
     B = a.block_size
     if anchors_N is None:
         anchors_N = select_anchors(row.loss_mask_T, B, max_anchors, generator).to(row.input_ids_T.device)
     if anchors_N.numel() == 0:
-        zero = model.fc.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
-        return zero, {"supervised_slots": torch.tensor(0.0)}
+        return None
     blocks = make_blocks(row.input_ids_T, row.loss_mask_T, row.position_ids_T, row.doc_ids_T, anchors_N, B,
                          a.mask_token_id, a.sample_from_anchor)
     ctx_TH = model.project_context(row.aux_TnH)
@@ -144,21 +158,32 @@ def dspark_loss(
         attend = tiled_sdpa_attention_fn(anchors_N, row.doc_ids_T, B)
     h_QH = model.backbone(ctx_TH, row.position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
                           attend)
-    logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten())
+    logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten(), detach_confidence)
     with torch.no_grad():
         target_logits_QD = head(row.last_hidden_TH[blocks.target_idx_NB.flatten()]).float()
-
     N = anchors_N.numel()
-    conf_NB = conf_Q.view(N, B) if conf_Q is not None else None
-    loss, parts, accept_NB = objective(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1),
-                                       blocks.valid_NB, conf_NB, weights, a.sample_from_anchor)
-    mask_NB = blocks.valid_NB.float()
+    return BlockOutputs(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1),
+                        conf_Q.view(N, B) if conf_Q is not None else None, blocks.valid_NB, blocks.target_idx_NB)
+
+
+def dspark_loss(
+    model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+    generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    a = model.args
+    out_b = block_outputs(model, row, head, max_anchors, generator, attention, anchors_N, weights.confidence_detach)
+    if out_b is None:
+        zero = model.fc.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
+        return zero, {"supervised_slots": torch.tensor(0.0)}
+    logits_NBD, target_NBD, conf_NB, valid_NB = out_b.logits_NBD, out_b.target_logits_NBD, out_b.conf_NB, out_b.valid_NB
+    loss, parts, accept_NB = objective(logits_NBD, target_NBD, valid_NB, conf_NB, weights, a.sample_from_anchor)
+    mask_NB = valid_NB.float()
     out: dict[str, torch.Tensor] = {}
     if conf_NB is not None:
-        sel = blocks.valid_NB
+        sel = valid_NB
         conf_prob = torch.sigmoid(conf_NB.detach().float())[sel]
         # Scored against the event it is trained on, so the figure means what the name says.
-        event = weights.confidence_event(accept_NB, logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1))[sel]
+        event = weights.confidence_event(accept_NB, logits_NBD, target_NBD)[sel]
         out["confidence_ece"] = M.expected_calibration_error(conf_prob, event)
         out["confidence_brier"] = M.brier(conf_prob, event)
 
@@ -170,12 +195,12 @@ def dspark_loss(
         out["loss"] = loss.detach()
         out["accept_rate"] = M.mean_acceptance(accept, mask_NB)  # over the drafted slots only
         out["accept_len"] = M.expected_acceptance_length(accept, mask_NB)
-        greedy_NB = M.greedy_acceptance(logits_QD.view(N, B, -1), target_logits_QD.view(N, B, -1))[:, first:]
+        greedy_NB = M.greedy_acceptance(logits_NBD, target_NBD)[:, first:]
         out["greedy_accept_len"] = M.expected_acceptance_length(greedy_NB, mask_NB)
         out["per_position_accept"] = M.per_position_acceptance(accept, mask_NB)
         out["supervised_slots"] = mask_NB.sum()
         if head.full_VH is not None:
-            sample = blocks.target_idx_NB.flatten()[blocks.valid_NB.flatten()][:256]
+            sample = out_b.target_idx_NB.flatten()[valid_NB.flatten()][:256]
             out["target_mass_outside_vocab"] = M.mass_outside_draft_vocab(
                 head.hidden(row.last_hidden_TH[sample]), head.full_VH, head.t2d_V)
     return loss, out

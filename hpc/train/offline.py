@@ -24,9 +24,21 @@ def target_architectures(model_dir: str) -> list[str]:
     return json.loads(cfg.read_text()).get("architectures", []) if cfg.is_file() else []
 
 
+def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:
+    """(train, held out): every `every`-th sample id is held out (none when every is 0)."""
+    if not every:
+        return rows, {}
+    held = {i: r for i, r in rows.items() if i % every == every - 1}
+    return {i: r for i, r in rows.items() if i not in held}, held
+
+
 def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None = None,
-                     on_step: Callable[[int, dict], None] | None = None) -> Path:
-    """Prepare data, train on one rank with an HF verifier, return the last checkpoint."""
+                     on_step: Callable[[int, dict], None] | None = None, hold_out_every: int = 0) -> Path:
+    """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
+
+    `hold_out_every` > 0 keeps every such row out of training, and afterwards fits the confidence
+    head's calibration on those rows' captures (`hpc.model.calibrate`), saved beside the last
+    checkpoint so that its export carries it."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
     if steps is not None:
@@ -35,6 +47,7 @@ def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None =
     train_cfg.ranks_per_node = 1
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
+    rows, held_out = split_held_out(rows, hold_out_every)
     args = DSparkArgs.from_config(cfg)
     import torch
 
@@ -49,4 +62,17 @@ def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None =
     batches = local_micro_batches(verifier, rows, trainer.micro_batch_size, 0, 1, train_cfg.seed,
                                   trainer.state.ledger, trainer.state.epoch)
     trainer.run(batches, on_step=on_step)
-    return latest_checkpoint(trainer.ckpt_dir)
+    ckpt = latest_checkpoint(trainer.ckpt_dir)
+    if held_out and model.confidence_head is not None:
+        calibrate_on(model, head, verifier, held_out).save(ckpt)
+    return ckpt
+
+
+def calibrate_on(model, head, verifier: HFVerifier, rows: dict):
+    """Fit the confidence calibration on these rows' captures (teacher-forced, as training sees them)."""
+    from hpc.model.calibrate import fit_calibration, held_out_slots
+    from hpc.train.loop import pack
+
+    model.eval()
+    packed = (pack([verifier.capture(i, *rows[i])]) for i in sorted(rows))
+    return fit_calibration(held_out_slots(model, packed, head))

@@ -55,6 +55,20 @@ def test_a_missed_goal_says_so():
     assert "DSpark / ngram at n=7: 0.800x  misses the goal (>= 1.3)" in text
 
 
+def test_calibration_lines_judge_only_positions_with_enough_slots():
+    good = [([0.5, 0.5], [1, 0])] * 20 + [([0.5], [1])] * 10 + [([0.5, 0.5], [1, 1])] * 20  # pos 1: 50 slots
+    r = result("DSpark", 7, "gsm8k", 2.0)
+    r.calibration_steps = good
+    lines, metrics = ba.calibration_lines({"eval-n7-DSpark": [r]})
+    assert lines[1].startswith("  position 1: ECE 0.500 over 50 slots") and lines[1].endswith("misses the goal (<= 0.05)")
+    assert lines[2].startswith("  position 2: ECE 0.000 over 40 slots") and "meets the goal" in lines[2]
+    assert len(lines) == 3 and metrics == {"ece_n7_pos1": 0.5, "ece_n7_pos2": 0.0}
+    few = result("DSpark", 7, "gsm8k", 2.0)
+    few.calibration_steps = [([0.9], [1])] * 5
+    assert ba.calibration_lines({"x": [few]})[0][1].endswith("too few to judge (< 30)")
+    assert ba.calibration_lines({"x": [result("DFlash", 7, "gsm8k", 2.0)]}) == ([], {})
+
+
 @pytest.mark.slow
 def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_python, toy_target, tmp_path):
     from mlflow.tracking import MlflowClient
@@ -90,3 +104,6 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
                                        .info.run_id, "loss")
     assert len(losses) == ba.MIN_STEPS
     assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
+    assert "confidence at n=7 (greedy, calibrated on held-out rows)" in text
+    assert (out / "DSpark" / "export" / "confidence_calibration.json").is_file()
+    assert not (out / "DFlash" / "export" / "confidence_calibration.json").exists()  # no head to calibrate

@@ -202,5 +202,22 @@ def test_loss_weights_come_from_the_config_by_name():
     from hpc.config.schema import LossConfig
 
     w = LossWeights.from_config(LossConfig(ce_weight=0.2, tv_weight=0.8, kl_weight=0.05, decay_gamma=7.0,
-                                           confidence_weight=0.5, confidence_target="greedy"))
-    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="greedy")
+                                           confidence_weight=0.5, confidence_target="greedy", confidence_detach=True))
+    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="greedy",
+                            confidence_detach=True)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_detached_confidence_loss_trains_its_head_and_nothing_else(detach):
+    model = tiny_model()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(D) + model.d2t] = True
+    head = VerifierHead(torch.randn(V, H), t2d)
+    only_confidence = LossWeights(ce=0.0, tv=0.0, kl=0.0, confidence=1.0, confidence_detach=detach)
+    loss, _ = dspark_loss(model, packed_row(), head, only_confidence, max_anchors=5,
+                          generator=torch.Generator().manual_seed(0), attention="sdpa")
+    loss.backward()
+    assert model.confidence_head.proj.weight.grad.abs().sum() > 0
+    backbone = [model.fc.weight.grad, model.markov_head.markov_w1.weight.grad]
+    reached = any(g is not None and g.abs().sum() > 0 for g in backbone)
+    assert reached is not detach

@@ -1,0 +1,174 @@
+"""Post-hoc calibration of the confidence head, per decoding mode and draft position.
+
+The head is trained on one event (`train.loss.confidence_target`), while serving runs in one of
+two modes: greedy decoding accepts a draft when it equals the target's argmax, speculative
+sampling with probability 1 - TV. Whatever the head was trained on, a Platt map per position,
+sigmoid(a_k * z + b_k), fitted on held-out captures against each mode's event, makes its output
+the chance that mode accepts: it is stored beside the export (`confidence_calibration.json`,
+which vLLM does not read) and applied by whoever reads the confidences.
+
+The held-out slots are weighed as decoding reaches them, because a position's confidence is
+only ever read after every earlier draft in the block was accepted: greedy counts a slot when
+all earlier drafted slots matched; sampling weighs it by the product of the earlier 1 - TV.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hpc.model import metrics as M
+from hpc.model.dspark import DSparkDraft
+
+FILE = "confidence_calibration.json"
+MODES = ("greedy", "sampling")
+# A position with fewer (effective) held-out slots than this shares the pooled map: a two-parameter
+# fit on a handful of events is noise.
+MIN_WEIGHT = 30.0
+
+
+@dataclass
+class Calibration:
+    """Per mode, one (a, b) per drafted position: p = sigmoid(a * logit + b)."""
+
+    maps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    fitted_on: int = 0  # held-out drafted slots
+
+    def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor:
+        """`position` counts drafted slots from 1; beyond the fitted ones the last map holds."""
+        maps = self.maps.get(mode)
+        if not maps:
+            return logit
+        a, b = maps[min(position, len(maps)) - 1]
+        return a * logit + b
+
+    def save(self, export_dir: str | Path) -> Path:
+        from hpc.fsio import write_text
+
+        path = Path(export_dir) / FILE
+        write_text(path, json.dumps({"maps": self.maps, "fitted_on": self.fitted_on}, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, export_dir: str | Path) -> "Calibration | None":
+        path = Path(export_dir) / FILE
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            maps = {m: [(float(a), float(b)) for a, b in d["maps"][m]] for m in d["maps"] if m in MODES}
+        except (ValueError, KeyError, TypeError) as err:
+            from hpc.errors import UserError
+
+            raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration")
+        return cls(maps, int(d.get("fitted_on", 0)))
+
+
+@dataclass
+class HeldOutSlots:
+    """Drafted slots of held-out blocks: confidence logit, both events, position, reach weights."""
+
+    logit: torch.Tensor  # [S]
+    greedy: torch.Tensor  # [S] 0/1
+    sampling: torch.Tensor  # [S] 1 - TV
+    position: torch.Tensor  # [S] from 1
+    reach: dict[str, torch.Tensor]  # mode -> [S] weight: does decoding read this slot's confidence?
+
+
+@torch.no_grad()
+def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 512) -> HeldOutSlots:
+    """Teacher-forced blocks over held-out PackedRows, as training builds them (every anchor up to
+    `max_anchors` per row)."""
+    from hpc.model.loss import block_outputs
+
+    a = model.args
+    first = 0 if a.sample_from_anchor else 1
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
+    for row in rows:
+        out = block_outputs(model, row, head, max_anchors, generator=torch.Generator().manual_seed(0))
+        if out is None or out.conf_NB is None:
+            continue
+        logits, target, valid = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:], out.valid_NB[:, first:]
+        p, q = F.softmax(logits.float(), -1), F.softmax(target.float(), -1)
+        g_NB, s_NB = M.greedy_acceptance(logits, target), M.accept_prob(p, q)
+        v = valid.float()
+        # Greedy decoding reaches slot k when every earlier draft matched the target's argmax AND
+        # the block's teacher-forced prefix is that argmax (off-policy rows may say otherwise).
+        T = row.input_ids_T.numel()
+        label_NB = row.input_ids_T[(out.target_idx_NB[:, first:] + 1).clamp(max=T - 1)]
+        on_path_NB = (model.draft_to_target(target.argmax(-1)) == label_NB).float()
+        ones = torch.ones_like(g_NB[:, :1])
+        reach_g = torch.cumprod(torch.cat([ones, (g_NB * on_path_NB * v)[:, :-1]], 1), 1) * v
+        reach_s = torch.cumprod(torch.cat([ones, (s_NB * v)[:, :-1]], 1), 1) * v
+        pos = torch.arange(1, g_NB.shape[1] + 1).expand_as(g_NB)
+        sel = v.bool()
+        for key, t in (("z", out.conf_NB[:, first:].float()), ("g", g_NB), ("s", s_NB), ("k", pos),
+                       ("rg", reach_g), ("rs", reach_s)):
+            parts[key].append(t[sel])
+    if not parts["z"]:
+        raise ValueError("no held-out slots: the draft has no confidence head, or the rows have no loss mask")
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    return HeldOutSlots(cat["z"], cat["g"], cat["s"], cat["k"], {"greedy": cat["rg"], "sampling": cat["rs"]})
+
+
+def _fit(z: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """Weighted Platt scaling: argmin over (a, b) of the weighted BCE of sigmoid(a z + b) against y."""
+    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    z, y, w = z.double(), y.double(), w.double() / w.sum()
+    opt = torch.optim.LBFGS([ab], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y, reduction="none")).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    a, b = (float(x) for x in ab.detach())
+    return a, b
+
+
+def fit_calibration(slots: HeldOutSlots) -> Calibration:
+    maps: dict[str, list[tuple[float, float]]] = {}
+    for mode, event in (("greedy", slots.greedy), ("sampling", slots.sampling)):
+        w = slots.reach[mode]
+        pooled = _fit(slots.logit, event, w)
+        per = []
+        for k in range(1, int(slots.position.max()) + 1):
+            at = slots.position == k
+            per.append(_fit(slots.logit[at], event[at], w[at]) if float(w[at].sum()) >= MIN_WEIGHT else pooled)
+        maps[mode] = per
+    return Calibration(maps, int(slots.logit.numel()))
+
+
+def weighted_ece(conf: torch.Tensor, event: torch.Tensor, weight: torch.Tensor, bins: int = 10) -> float:
+    """ECE with each slot weighed by how often decoding reaches it (equal-width bins)."""
+    idx = (conf * bins).long().clamp(max=bins - 1)
+    total = float(weight.sum())
+    ece = 0.0
+    for b in range(bins):
+        at = idx == b
+        wb = float(weight[at].sum())
+        if wb > 0:
+            ece += wb / total * abs(float((weight[at] * event[at]).sum()) / wb - float((weight[at] * conf[at]).sum()) / wb)
+    return ece
+
+
+def ece_by_position(slots: HeldOutSlots, cal: Calibration | None, mode: str) -> list[tuple[float, float]]:
+    """(ECE, effective count) per position of these slots, raw (cal None) or calibrated."""
+    event = slots.greedy if mode == "greedy" else slots.sampling
+    out = []
+    for k in range(1, int(slots.position.max()) + 1):
+        at = slots.position == k
+        z = slots.logit[at]
+        if cal is not None:
+            z = cal.apply(z, mode, k)
+        w = slots.reach[mode][at]
+        out.append((weighted_ece(torch.sigmoid(z), event[at], w) if float(w.sum()) > 0 else float("nan"),
+                    float(w.sum())))
+    return out

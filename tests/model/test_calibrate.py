@@ -1,0 +1,87 @@
+"""Post-hoc confidence calibration: the fit, the reach weights, and the export round trip."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc.model.calibrate import (FILE, Calibration, HeldOutSlots, ece_by_position, fit_calibration, held_out_slots,
+                                 weighted_ece)
+from hpc.model.export import export_draft, load_draft
+from hpc.model.loss import VerifierHead
+from tests.model import test_dspark as T
+
+
+def synthetic_slots(n: int = 4000, seed: int = 0) -> HeldOutSlots:
+    """Events drawn from a known chance, with the head's logit twice too confident and shifted."""
+    g = torch.Generator().manual_seed(seed)
+    true_logit = torch.randn(n, generator=g) * 1.5 - 0.5
+    p = torch.sigmoid(true_logit)
+    greedy = (torch.rand(n, generator=g) < p).float()
+    position = torch.randint(1, 4, (n,), generator=g)
+    logit = 2.0 * true_logit + 1.0  # what the head says
+    ones = torch.ones(n)
+    return HeldOutSlots(logit, greedy, p, position, {"greedy": ones, "sampling": ones})
+
+
+def test_the_fit_undoes_a_known_distortion_and_brings_ece_down():
+    slots = synthetic_slots()
+    cal = fit_calibration(slots)
+    for a, b in cal.maps["greedy"]:  # the inverse of 2x + 1: x/2 - 1/2
+        assert abs(a - 0.5) < 0.1 and abs(b + 0.5) < 0.15
+    before = ece_by_position(slots, None, "greedy")
+    after = ece_by_position(slots, cal, "greedy")
+    assert all(e > 0.1 for e, _ in before) and all(e < 0.05 for e, _ in after), (before, after)
+    # Sampling's event is the soft chance itself: its fit is exact up to the optimiser.
+    a, b = cal.maps["sampling"][0]
+    assert abs(a - 0.5) < 0.02 and abs(b + 0.5) < 0.02
+
+
+def test_ece_weighs_slots_by_how_often_decoding_reaches_them():
+    conf = torch.tensor([0.9, 0.9, 0.1])
+    event = torch.tensor([1.0, 1.0, 1.0])
+    assert abs(weighted_ece(conf, event, torch.tensor([1.0, 1.0, 1.0])) - (2 / 3 * 0.1 + 1 / 3 * 0.9)) < 1e-6
+    # A slot decoding never reaches does not count.
+    assert abs(weighted_ece(conf, event, torch.tensor([1.0, 1.0, 0.0])) - 0.1) < 1e-6
+
+
+def test_a_sparse_position_shares_the_pooled_map():
+    slots = synthetic_slots()
+    keep = (slots.position < 3) | (torch.arange(slots.position.numel()) < 10)  # position 3: a handful of slots
+    sparse = HeldOutSlots(slots.logit[keep], slots.greedy[keep], slots.sampling[keep], slots.position[keep],
+                          {m: w[keep] for m, w in slots.reach.items()})
+    cal = fit_calibration(sparse)
+    pooled = fit_calibration(HeldOutSlots(sparse.logit, sparse.greedy, sparse.sampling,
+                                          torch.ones_like(sparse.position), sparse.reach))
+    assert cal.maps["greedy"][2] == pooled.maps["greedy"][0]
+
+
+def test_held_out_slots_reach_greedy_only_after_matches(tmp_path):
+    model = T.tiny_model().eval()
+    torch.manual_seed(3)
+    t2d = torch.zeros(T.V, dtype=torch.bool)
+    t2d[torch.arange(T.D) + model.d2t] = True
+    head = VerifierHead(torch.randn(T.V, T.H), t2d)
+    slots = held_out_slots(model, [T.packed_row(), T.packed_row(seed=2)], head)
+    assert slots.logit.numel() > 0 and int(slots.position.min()) == 1
+    first = slots.position == 1
+    assert torch.all(slots.reach["greedy"][first] == 1) and torch.all(slots.reach["sampling"][first] == 1)
+    # Later slots are reached (greedy) only when 0/1, and (sampling) with a chance in [0, 1].
+    assert set(slots.reach["greedy"].unique().tolist()) <= {0.0, 1.0}
+    assert float(slots.reach["sampling"].min()) >= 0 and float(slots.reach["sampling"].max()) <= 1
+
+
+def test_the_export_carries_the_calibration_and_decoding_applies_it_per_mode(tmp_path):
+    model = T.tiny_model().eval()
+    ctx = torch.randn(6, model.args.hidden_size)
+    _, raw = model.propose(ctx, anchor_id=3, anchor_pos=5, n=3)
+    model.confidence_calibration = Calibration({"greedy": [(0.0, 2.0)], "sampling": [(0.0, -2.0)]}, 10)
+    out = export_draft(model, tmp_path / "export")
+    assert (out / FILE).is_file()
+    back = load_draft(out)
+    _, greedy = back.propose(ctx, anchor_id=3, anchor_pos=5, n=3)
+    assert torch.allclose(greedy, torch.sigmoid(torch.tensor(2.0)).expand(3))  # a = 0: the map alone decides
+    _, sampled, _ = back.propose_sampled(ctx, anchor_id=3, anchor_pos=5, n=3, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(sampled, torch.sigmoid(torch.tensor(-2.0)).expand(3))
+    assert not torch.allclose(raw, greedy)
+    assert load_draft(export_draft(T.tiny_model(), tmp_path / "plain")).confidence_calibration is None
