@@ -125,9 +125,10 @@ def ratios(table: dict) -> dict[str, float | None]:
 def format_table(table: dict, benches: list[str]) -> str:
     labels = [*VARIANTS, PEER]
     cols = [(lab, n) for lab in labels for n in NS]
-    head = f"{'benchmark':<18}" + "".join(f"{f'{lab} n={n}':>15}" for lab, n in cols)
+    w = 2 + max(len(f"{lab} n={n}") for lab, n in cols)
+    head = f"{'benchmark':<18}" + "".join(f"{f'{lab} n={n}':>{w}}" for lab, n in cols)
     lines = ["tau (mean acceptance length: tokens per verify step)", head]
-    cell = lambda v: f"{v:>15.2f}" if v is not None else f"{'-':>15}"  # noqa: E731
+    cell = lambda v: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     for b in benches:
         lines.append(f"{b:<18}" + "".join(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols))
     lines.append(f"{'mean':<18}" + "".join(cell(mean_tau(table, lab, n)) for lab, n in cols))
@@ -273,5 +274,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                              f"--quick: {MIN_STEPS}; at least {MIN_STEPS})")
     p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs")
     p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark demo`")
-    p.add_argument("--rows", type=int, default=160, help="--toy: conversations to train on (default 160)")
+    p.add_argument("--rows", type=int, default=640, help="--toy: conversations to train on (default 640)")
     p.add_argument("--out", default="runs/bench-acceptance")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from hpc.errors import UserError
 
+DEMO_LR = 3e-3
+
 
 def demo_stage(stage: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
     """One stage in a submitit local job (its own process, like a Slurm job)."""
@@ -55,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
                  f"train.output_dir={out / 'train'}", f"eval.output_dir={out / 'eval'}",
                  f"tracking.uri=sqlite:///{out / 'mlflow.db'}", "cluster.executor=local",
-                 f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}", *args.overrides]
+                 f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}",
+                 # A short run wants a larger step than the recipe's 1e-3 (see tests/train/test_offline.py).
+                 f"train.lr={DEMO_LR}", *args.overrides]
     cfg = resolve(args.config, overrides, check_tracking=False)
     cfg_file = out / "config.yaml"
     cfg_file.write_text(to_yaml(OmegaConf.structured(cfg)))
@@ -94,6 +98,6 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--config", default="configs/toy-cpu.yaml")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--rows", type=int, default=128, help="toy conversations to train on (default 128)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--rows", type=int, default=320, help="toy conversations to train on (default 320)")
     p.set_defaults(func=run)
