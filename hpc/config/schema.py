@@ -277,6 +277,8 @@ class TrackingConfig:
 class ScheduleConfig:
     cron: Optional[str] = None
     warm_start_from_champion: bool = True
+    # Every evaluation at the largest n registers its draft; false leaves the champion alias to
+    # a person, e.g. while the benchmarks are being changed.
     promote_if_better: bool = True
 
 
