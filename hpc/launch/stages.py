@@ -218,7 +218,9 @@ def _supervise(procs) -> tuple[int, list[int | None]]:
 
 def requeue(env: SlurmEnv) -> None:
     res = subprocess.run(["scontrol", "requeue", env.requeue_id], capture_output=True, text=True)
-    msg = "requeued" if res.returncode == 0 else f"requeue failed: {res.stderr.strip()}"
+    # scontrol's last line carries the reason; the job log keeps one line per event.
+    why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1].strip()
+    msg = "requeued" if res.returncode == 0 else f"requeue failed: {why}"
     print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
 
 
