@@ -24,11 +24,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpc.errors import UserError
+from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
 from hpc.track.server import free_port
-
-EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
 
 
 def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
