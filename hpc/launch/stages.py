@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
-from hpc.track.server import free_port
+from hpc.net import free_port
 
 
 def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:

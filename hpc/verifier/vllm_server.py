@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
+from hpc.net import free_port
 
 if TYPE_CHECKING:
     from hpc.config.schema import VerifierConfig
@@ -63,12 +63,6 @@ def server_env(v: VerifierConfig) -> dict[str, str]:
     if v.offline is not None:
         env["HF_HUB_OFFLINE"] = "1" if v.offline else "0"
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 20) -> str:

@@ -205,7 +205,7 @@ def test_mlflow_link_with_a_live_server(monkeypatch) -> None:
 
 
 def test_mlflow_link_with_a_dead_server_is_quick() -> None:
-    from hpc.track.server import free_port
+    from hpc.net import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()

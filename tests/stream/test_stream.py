@@ -9,10 +9,10 @@ import signal
 import time
 
 
-from hpc.track.server import free_port
+from hpc.net import free_port
 from hpc.train.online import EXIT_PEER_DIED
-from tests.stream import stream_worker
 from tests.fixtures.wait import wait_until
+from tests.stream import stream_worker
 from tests.train.test_resume import target_dir  # noqa: F401 - module fixture: a random Qwen3 target
 
 

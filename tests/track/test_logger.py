@@ -40,7 +40,7 @@ def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
 
 def test_run_created_late_when_the_server_starts_after_training(tmp_path):
     server = MlflowServer(tmp_path / "late")
-    from hpc.track.server import free_port
+    from hpc.net import free_port
 
     server.port = free_port()
     log = RunLogger(server.uri, "late", "train", flush_every_s=0.2, system_every_s=None)
