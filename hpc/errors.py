@@ -1,4 +1,9 @@
-"""User-facing errors: the CLI prints them as one line, without a traceback."""
+"""User-facing errors: the CLI prints them as one line, without a traceback. Stdlib only."""
+
+# EX_TEMPFAIL: a trainer that checkpointed on a stop signal exits with it, and the node's
+# launcher reads it as "requeue me". Here because both sides need it and the launcher side
+# runs on the login node, without torch.
+EXIT_REQUEUE = 75
 
 
 class UserError(Exception):

@@ -64,6 +64,34 @@ def _unknown_key(path: str, key: str, parent: DictConfig) -> str:
     return f"{full}: unknown key; {hint}"
 
 
+# Keys that were dropped because nothing read them: an old YAML that sets one is told so and
+# why, not that the key is unknown. List items are named without their index.
+REMOVED = {
+    "stream.port": "the rendezvous host picks a free port for each job",
+    "eval.concurrency": "evaluation sends one request at a time to each server, as its tok/s assume",
+    "data.sources.format": "each row is read by its `messages` or `conversations` column",
+}
+
+
+def _removed(full: str) -> str | None:
+    why = REMOVED.get(re.sub(r"\[\d+\]", "", full))
+    return f"{full}: removed, nothing read it ({why}); delete it" if why else None
+
+
+def _drop_removed(full: str, value: Any, origin: str, problems: list[str]) -> Any:
+    """A list of sections (data.sources) with the removed keys of its items reported and left out."""
+    if not isinstance(value, list):
+        return value
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, dict):
+            gone = {k for k in item if _removed(f"{full}.{k}")}
+            problems.extend(f"{_removed(f'{full}[{i}].{k}')} ({origin})" for k in sorted(gone))
+            item = {k: v for k, v in item.items() if k not in gone}
+        out.append(item)
+    return out
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -75,9 +103,10 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
         full = f"{path}.{key}" if path else key
         node = cfg if not path else OmegaConf.select(cfg, path)
         if key not in node:
-            problems.append(f"{_unknown_key(path, key, node)} ({origin})")
+            problems.append(f"{_removed(full) or _unknown_key(path, key, node)} ({origin})")
             continue
         child = node._get_node(key)
+        value = _drop_removed(full, value, origin, problems)
         if _is_struct_section(child) and isinstance(value, dict):
             _apply(cfg, value, full, origin, problems)
             continue

@@ -149,7 +149,6 @@ class DraftConfig:
 class DataSource:
     path: str = ""  # a Hugging Face dataset id, or a local .jsonl/.parquet file or directory
     split: str = "train"
-    format: str = "auto"  # auto | conversations | messages
     max_rows: Optional[int] = None
 
 
@@ -224,7 +223,6 @@ class StreamConfig:
     prefetch: int = 2  # captures a streamer prepares ahead of the network
     heartbeat_s: float = 2.0
     peer_timeout_s: float = 30.0  # a silent peer is declared dead after this long
-    port: int = 0  # 0: derived from the Slurm job id
 
 
 @dataclass
@@ -245,7 +243,6 @@ class EvalConfig:
     max_tokens: int = 2048
     code_max_tokens: int = 512  # livecodebench and speedbench_coding, as on the card
     rows: Optional[int] = None  # None: 6 for the small sets, full manifests for code sets
-    concurrency: int = 1
     # > 0: every draft is evaluated at temperature 0 AND at this temperature (speculative
     # sampling), side by side; the sampled requests are seeded from eval.seed.
     temperature: float = 0.0
@@ -278,6 +275,8 @@ class TrackingConfig:
 class ScheduleConfig:
     cron: Optional[str] = None
     warm_start_from_champion: bool = True
+    # Every evaluation at the largest n registers its draft; false leaves the champion alias to
+    # a person, e.g. while the benchmarks are being changed.
     promote_if_better: bool = True
 
 

@@ -185,7 +185,6 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
         if not src.path:
             c.fail(f"data.sources[{i}].path", src.path, "empty; give an HF dataset id or a local file")
         c.path(f"data.sources[{i}].path", src.path, "data file")
-        c.one_of(f"data.sources[{i}].format", src.format, ("auto", "conversations", "messages"))
     c.positive("data.max_seq_len", data.max_seq_len)
     if data.max_seq_len <= cfg.draft.block_size:
         c.fail("data.max_seq_len", data.max_seq_len, f"must exceed draft.block_size={cfg.draft.block_size}")
@@ -261,8 +260,6 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("stream.heartbeat_s", st.heartbeat_s)
     if st.peer_timeout_s <= st.heartbeat_s:
         c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")
-    if not 0 <= st.port <= 65535:
-        c.fail("stream.port", st.port, "must be 0 (derive from the job id) or a TCP port")
 
 
 def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
@@ -281,7 +278,6 @@ def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("eval.code_max_tokens", e.code_max_tokens)
     if e.rows is not None:
         c.positive("eval.rows", e.rows)
-    c.positive("eval.concurrency", e.concurrency)
     c.nonneg("eval.temperature", e.temperature)
     if e.temperature > 2.0:
         c.fail("eval.temperature", e.temperature, "sampling temperatures above 2 are noise; use 0 (greedy) to 2, e.g. 0.7")

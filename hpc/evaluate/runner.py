@@ -343,11 +343,13 @@ def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | Non
         # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
         if meta["stage"] == "eval" and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
                 and not meta.get("temperature"):
-            _register(client, run_dir, meta, ids[-1])
+            _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
     return ids
 
 
-def _register(client, run_dir: Path, meta: dict, run_id: str) -> None:
+def _register(client, run_dir: Path, meta: dict, run_id: str, promote: bool = True) -> None:
+    """Register the draft; with `promote`, move the champion to it when it is better. Without,
+    the version waits in the registry for a person (or a later run) to promote it."""
     import statistics
 
     from hpc.track.registry import promote_if_better, register_draft
@@ -356,6 +358,9 @@ def _register(client, run_dir: Path, meta: dict, run_id: str) -> None:
     score = statistics.mean(r.accept_len for r in res if r.accept_len is not None)
     version = register_draft(client, meta["registered_model"], run_id, "draft", score,
                              {r.benchmark: r.sha256 for r in res})
-    moved, why = promote_if_better(client, meta["registered_model"], version)
+    if promote:
+        _, why = promote_if_better(client, meta["registered_model"], version)
+    else:
+        why = "champion left as it is (schedule.promote_if_better is false)"
     print(f"registry: {meta['registered_model']} v{version} (mean acceptance length {score:.3f} at n={meta['n']}); "
           f"{why}")

@@ -2,14 +2,20 @@
 
 Fields take `*`, numbers, lists (`1,15`), ranges (`1-5`), steps (`*/15`, `0-30/10`, `5/20`) and
 month/weekday names (`jan`, `sun`); weekday 0 and 7 are both Sunday. As in Vixie cron (and
-scrontab), when both day fields are restricted a day matches if EITHER does. Times are local,
-as the Slurm controller reads `--begin` and scrontab lines.
+scrontab), when both day fields are restricted a day matches if EITHER does.
+
+The check is ours, for its one-line errors naming the field; the firing times are croniter's,
+in this host's time zone (the one the Slurm controller reads `--begin` in), so daylight-saving
+changes are handled: a time the spring change skips fires at the change (02:30 -> 03:00), and
+the hour the autumn change repeats fires in its first pass only. `--begin` takes a wall time,
+and the second pass's wall times are the first pass's too: Slurm would start such a job at once.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
@@ -17,23 +23,6 @@ DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day of month", 1, 31, ()),
           ("month", 1, 12, MONTHS), ("day of week", 0, 7, DAYS))
 HINT = "5 fields: minute hour day-of-month month day-of-week, e.g. '0 3 * * 0' (Sundays 03:00)"
-
-
-@dataclass(frozen=True)
-class Cron:
-    minutes: frozenset[int]
-    hours: frozenset[int]
-    days: frozenset[int]
-    months: frozenset[int]
-    weekdays: frozenset[int]  # 0 = Sunday, as datetime.isoweekday() % 7
-    any_day: bool  # day-of-month was `*`
-    any_weekday: bool
-
-    def day_matches(self, d: datetime.date) -> bool:
-        dom, dow = d.day in self.days, d.isoweekday() % 7 in self.weekdays
-        if self.any_day or self.any_weekday:
-            return dom and dow
-        return dom or dow
 
 
 def _value(text: str, low: int, names: tuple[str, ...]) -> int:
@@ -67,35 +56,45 @@ def _field(text: str, name: str, low: int, high: int, names: tuple[str, ...]) ->
     return out
 
 
-def parse_cron(expr: str) -> Cron:
-    """Parse `expr`; ValueError says which field is wrong."""
+def parse_cron(expr: str) -> None:
+    """Check `expr`; ValueError says which field is wrong."""
     parts = expr.split()
     if len(parts) != 5:
         raise ValueError(f"has {len(parts)} field(s), not 5")
-    sets = []
     for text, (name, low, high, names) in zip(parts, FIELDS):
         try:
-            sets.append(_field(text, name, low, high, names))
+            _field(text, name, low, high, names)
         except ValueError as err:
             msg = str(err)
             raise ValueError(msg if msg.startswith(name) else f"{name}: {msg}") from None
-    weekdays = {d % 7 for d in sets[4]}
-    return Cron(*(frozenset(s) for s in sets[:4]), frozenset(weekdays), parts[2] == "*", parts[4] == "*")
 
 
-def next_run(cron: str | Cron, after: datetime.datetime) -> datetime.datetime:
-    """The first time strictly after `after` (to the minute) at which `cron` fires."""
-    c = parse_cron(cron) if isinstance(cron, str) else cron
-    t = after.replace(second=0, microsecond=0) + datetime.timedelta(minutes=1)
-    limit = t + datetime.timedelta(days=366 * 9)  # Feb 29 can be 8 years away (2096 -> 2104)
-    while t < limit:
-        if t.month not in c.months or not c.day_matches(t.date()):
-            t = (t + datetime.timedelta(days=1)).replace(hour=0, minute=0)
-            continue
-        if t.hour not in c.hours:
-            t = (t + datetime.timedelta(hours=1)).replace(minute=0)
-            continue
-        if t.minute in c.minutes:
-            return t
-        t += datetime.timedelta(minutes=1)
-    raise ValueError("never fires (e.g. 30 February); pick a day that exists")
+def local_zone() -> datetime.tzinfo:
+    """This host's zone with its daylight-saving rules (a fixed UTC offset would have none)."""
+    name = os.environ.get("TZ", "").lstrip(":")
+    try:
+        if name:
+            return ZoneInfo(name)
+        with open("/etc/localtime", "rb") as f:
+            return ZoneInfo.from_file(f, key="localtime")
+    except (OSError, ValueError, ZoneInfoNotFoundError):
+        return datetime.timezone.utc
+
+
+def next_run(cron: str, after: datetime.datetime) -> datetime.datetime:
+    """The first time strictly after `after` (to the minute) at which `cron` fires. A naive
+    `after` is this host's wall time, and so is the answer: what `sbatch --begin` reads."""
+    # Here, not at the top: `dspark validate` checks schedule.cron with parse_cron alone.
+    from croniter import croniter
+    from croniter.croniter import CroniterBadDateError
+
+    parse_cron(cron)
+    start = after if after.tzinfo else after.replace(tzinfo=local_zone())
+    times = croniter(cron, start.replace(second=0, microsecond=0))
+    try:
+        t = times.get_next(datetime.datetime)
+        while t.fold:  # the repeated hour's second pass
+            t = times.get_next(datetime.datetime)
+    except CroniterBadDateError:
+        raise ValueError("never fires (e.g. 30 February); pick a day that exists") from None
+    return t if after.tzinfo else t.replace(tzinfo=None)

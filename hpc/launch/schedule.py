@@ -150,7 +150,7 @@ def check_cron(cron: str | None) -> str:
 
 def install(config: str, overrides: list[str], cron: str | None = None, resubmit: bool = False) -> int:
     from hpc.config import resolve
-    from hpc.launch.cron import next_run
+    from hpc.launch.cron import local_zone, next_run
     from hpc.launch.schedule_slurm import (Entry, ScrontabUnavailable, cancel_jobs, install_scrontab,
                                            schedule_jobs, submit_singleton)
 
@@ -172,7 +172,8 @@ def install(config: str, overrides: list[str], cron: str | None = None, resubmit
         print(f"schedule {e.name}: job {waiting[0].job_id} is already waiting; not resubmitting")
         return 0
     cancel_jobs(waiting)  # a re-install replaces the waiting job
-    begin = next_run(cron, datetime.datetime.now())
+    # Aware: a naive now() in the hour the autumn change repeats cannot say which pass it is in.
+    begin = next_run(cron, datetime.datetime.now(local_zone()))
     job_id = submit_singleton(e, begin)
     print(f"schedule {e.name}: job {job_id} runs `dspark retrain-tick` at {begin:%Y-%m-%d %H:%M} ('{cron}'), "
           f"then resubmits itself; logs in {e.log_dir}")

@@ -24,11 +24,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpc.errors import UserError
+from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
-from hpc.track.server import free_port
-
-EXIT_REQUEUE = 75  # same as hpc.train.loop.EXIT_REQUEUE (kept import-free for the login node)
+from hpc.net import free_port
 
 
 def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
@@ -218,7 +216,9 @@ def _supervise(procs) -> tuple[int, list[int | None]]:
 
 def requeue(env: SlurmEnv) -> None:
     res = subprocess.run(["scontrol", "requeue", env.requeue_id], capture_output=True, text=True)
-    msg = "requeued" if res.returncode == 0 else f"requeue failed: {res.stderr.strip()}"
+    # scontrol's last line carries the reason; the job log keeps one line per event.
+    why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1].strip()
+    msg = "requeued" if res.returncode == 0 else f"requeue failed: {why}"
     print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
 
 

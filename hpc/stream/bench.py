@@ -123,7 +123,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    from hpc.track.server import free_port
+    from hpc.net import free_port
 
     cfg = {k: getattr(args, k) for k in ("backend", "tokens", "hidden", "n_aux", "dtype", "samples", "repeats",
                                          "buffer", "step_ms", "addr")}

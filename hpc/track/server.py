@@ -20,12 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from hpc.net import free_port
 
 
 def _bindable(host: str, port: int) -> bool:

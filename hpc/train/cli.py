@@ -30,7 +30,7 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
 
     from hpc.config.validate import trainer_ranks
     from hpc.train.driver import rank_process
-    from hpc.track.server import free_port
+    from hpc.net import free_port
     from hpc.train.prepare import prepare_data
 
     if cfg.tracking.uri.startswith("http"):

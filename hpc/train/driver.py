@@ -181,7 +181,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
                            on_step, epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
         if w.rank == 0:
             progress.close()
-            from hpc.train.loop import EXIT_REQUEUE
+            from hpc.errors import EXIT_REQUEUE
 
             # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
             _finish(cfg, out, logger, export=code == 0,

@@ -28,8 +28,6 @@ from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint,
 from hpc.train.schedule import lr_factor
 from hpc.verifier.hf_backend import Capture
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: the launcher reads it as "checkpointed, requeue me"
-
 
 class RequeueRequested(Exception):
     """Raised after the checkpoint that a preemption/termination signal asked for."""

@@ -18,12 +18,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hpc.dist.planes import Planes, init_planes, open_pairs
+from hpc.errors import EXIT_REQUEUE
 from hpc.fsio import atomic_path
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.loss import VerifierHead
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
-from hpc.train.loop import EXIT_REQUEUE, RequeueRequested, Trainer
+from hpc.train.loop import RequeueRequested, Trainer
 from hpc.train.sources import epoch_sequence
 from hpc.train.target_weights import load_target_tensors
 

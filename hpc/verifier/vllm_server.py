@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,8 +27,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
+from hpc.net import free_port
+
+if TYPE_CHECKING:
+    from hpc.config.schema import VerifierConfig
 
 # CPU-safe defaults: vLLM sees ~10 GiB on a small host and refuses its default 0.92 utilisation;
 # cudagraph capture does not apply on CPU.
@@ -37,7 +41,7 @@ DEFAULT_ARGS = ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilizati
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # read by the CPU backend only
 
 
-def config_flags(v) -> list[str]:
+def config_flags(v: VerifierConfig) -> list[str]:
     """The vLLM flags every server of ours takes from a VerifierConfig (model shape, parallelism,
     memory, tokenizer, compilation); each caller adds its own and then `v.extra_args`, last."""
     args = ["--dtype", v.dtype, "--max-model-len", str(v.max_model_len),
@@ -52,19 +56,13 @@ def config_flags(v) -> list[str]:
     return args
 
 
-def server_env(v) -> dict[str, str]:
+def server_env(v: VerifierConfig) -> dict[str, str]:
     """The environment a server of ours gets from a VerifierConfig: `v.env`, plus offline mode
     when the config sets it (otherwise the caller's environment decides, never us)."""
     env = dict(v.env)
     if v.offline is not None:
         env["HF_HUB_OFFLINE"] = "1" if v.offline else "0"
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 20) -> str:

@@ -82,6 +82,18 @@ def test_bad_value_is_refused_naming_the_key(overrides, needle):
     assert not any("could not be converted" in p or "full_key" in p for p in problems), problems
 
 
+def test_an_old_yaml_with_removed_keys_is_told_they_were_removed(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(KIMI.read_text().replace("  sources:\n    - path: mlabonne/open-perfectblend\n",
+                                            "  sources:\n    - path: mlabonne/open-perfectblend\n"
+                                            "      format: conversations\n")
+                   + "stream:\n  port: 0\n")
+    problems = problems_for(["eval.concurrency=1"], old)
+    removed = [p.split(":")[0] for p in problems if "removed, nothing read it" in p]
+    assert removed == ["data.sources[0].format", "stream.port", "eval.concurrency"], problems
+    assert len(problems) == 3, problems  # the other keys of the source still apply
+
+
 def test_a_good_sweep_over_training_keys_passes():
     cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"], check_tracking=False)
     assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 
 from hpc.dist.planes import rendezvous_store
-from hpc.verifier.vllm_server import free_port
+from hpc.net import free_port
 from tests.verifier.test_vllm_backend import _listening_addresses
 
 

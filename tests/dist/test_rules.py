@@ -12,7 +12,7 @@ import torch
 
 from hpc.dist import rules
 from hpc.dist.rules import Checker, Message, NCCLRuleError, Plane
-from hpc.track.server import free_port
+from hpc.net import free_port
 
 pytestmark = pytest.mark.nccl_violations_expected
 

@@ -65,3 +65,50 @@ def test_never_firing_cron():
 def test_missing_cron_names_the_key_and_the_flag():
     with pytest.raises(UserError, match=r"^schedule.cron is not set: pass --cron"):
         schedule.check_cron(None)
+
+
+# Europe/Berlin: 2026-03-29 02:00 CET -> 03:00 CEST; 2026-10-25 03:00 CEST -> 02:00 CET.
+BERLIN = "Europe/Berlin"
+
+
+@pytest.fixture
+def berlin(monkeypatch):
+    from zoneinfo import ZoneInfo
+
+    monkeypatch.setenv("TZ", BERLIN)
+    return ZoneInfo(BERLIN)
+
+
+@pytest.mark.parametrize("cron, after, expected", [
+    ("30 2 * * *", D(2026, 3, 28, 12, 0), D(2026, 3, 29, 3, 0)),  # 02:30 does not exist: at the change
+    ("30 2 * * *", D(2026, 3, 29, 3, 0), D(2026, 3, 30, 2, 30)),
+    ("0 * * * *", D(2026, 3, 29, 1, 0), D(2026, 3, 29, 3, 0)),  # no 02:00 that day
+])
+def test_a_time_the_spring_change_skips_fires_at_the_change(berlin, cron, after, expected):
+    got = next_run(cron, after)
+    assert got == expected
+    aware = got.replace(tzinfo=berlin)
+    assert aware.astimezone(datetime.timezone.utc).astimezone(berlin).replace(tzinfo=None) == got  # it exists
+
+
+def test_the_hour_the_autumn_change_repeats_fires_once(berlin):
+    first_pass = D(2026, 10, 25, 2, 30, tzinfo=berlin)  # 02:30 CEST, the daily run has just fired
+    assert next_run("30 2 * * *", first_pass) == D(2026, 10, 26, 2, 30, tzinfo=berlin)
+    assert next_run("30 2 * * *", D(2026, 10, 24, 12, 0)) == D(2026, 10, 25, 2, 30)
+
+
+def test_nothing_is_scheduled_in_the_repeated_hours_second_pass(berlin):
+    # Its wall times name the first pass too: `sbatch --begin=02:15` would start the job at once.
+    second_pass = D(2026, 10, 25, 2, 10, fold=1, tzinfo=berlin)  # 02:10 CET, an hour after 02:10 CEST
+    got = next_run("*/15 * * * *", second_pass)
+    assert got == D(2026, 10, 25, 3, 0, tzinfo=berlin) and got.utcoffset() == datetime.timedelta(hours=1)
+    assert got - second_pass == datetime.timedelta(minutes=50)
+
+
+def test_the_local_zone_follows_tz_and_falls_back_to_utc(monkeypatch):
+    from hpc.launch.cron import local_zone
+
+    monkeypatch.setenv("TZ", BERLIN)
+    assert str(local_zone()) == BERLIN
+    monkeypatch.setenv("TZ", "Not/AZone")
+    assert local_zone() == datetime.timezone.utc

@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +27,7 @@ from hpc.launch import devcluster, devcluster_host
 from hpc.launch.devcluster import DevCluster
 from hpc.launch.devcluster_conf import DevClusterSpec, render_slurm_conf
 from tests.fixtures.slurm import SlurmCluster
+from tests.fixtures.wait import wait_until
 from tests.launch import slurm_jobs
 
 # Jobs unpickle these functions in a fresh interpreter that may not have the repo on its path.
@@ -46,17 +46,9 @@ def _executor(cluster: SlurmCluster, folder: Path, **params: Any) -> submitit.Au
     return executor
 
 
-def _wait_until(what: str, check: Callable[[], bool], timeout_s: float = JOB_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s")
-        time.sleep(0.25)
-
-
 def _result(job: submitit.Job[R]) -> R:
     # Job.result() blocks forever on a stuck job; bound it so a failure names the job.
-    _wait_until(f"job {job.job_id} done", job.done)
+    wait_until(job.done, JOB_TIMEOUT_S, 0.25, f"job {job.job_id} done")
     return job.result()
 
 
@@ -118,7 +110,7 @@ def test_array_parallelism_limit_holds(slurm_cluster: SlurmCluster, tmp_path: Pa
 def test_two_node_job_gloo_all_reduce(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     executor = _executor(slurm_cluster, tmp_path, nodes=2, tasks_per_node=1)
     job = executor.submit(slurm_jobs.gloo_all_reduce)
-    _wait_until(f"job {job.job_id} done", job.done)
+    wait_until(job.done, JOB_TIMEOUT_S, 0.25, f"job {job.job_id} done")
     results = sorted(job.results(), key=lambda r: r["rank"])
 
     assert [r["rank"] for r in results] == [0, 1]
@@ -147,11 +139,7 @@ def test_afterok_child_of_failed_parent_is_cancelled(
     def child_state() -> str:
         return child.get_info(mode="force").get("State", "")
 
-    _wait_until(
-        "child leaves PENDING",
-        lambda: child_state() not in {"", "PENDING", "RUNNING", "UNKNOWN"},
-        timeout_s=30,
-    )
+    wait_until(lambda: child_state() not in {"", "PENDING", "RUNNING", "UNKNOWN"}, 30, 0.25, "child leaves PENDING")
     assert child_state().startswith("CANCELLED"), child_state()
     sacct = subprocess.run(
         ["sacct", "-n", "-X", "-P", "-j", child.job_id, "-o", "State,AllocNodes,NodeList"],
@@ -274,9 +262,7 @@ def test_a_process_with_a_daemons_name_is_not_taken_for_ours(tmp_path: Path) -> 
     impostor = subprocess.Popen([sys.executable, "-c", "import time; open('/proc/self/comm', 'w').write('slurmctld'); "
                                  "time.sleep(60)"])
     try:
-        deadline = time.monotonic() + 10
-        while devcluster_host.comm_of(impostor.pid) != "slurmctld" and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: devcluster_host.comm_of(impostor.pid) == "slurmctld", 10, 0.05, "the impostor renamed")
         cluster.spec.pid_file("slurmctld").write_text(str(impostor.pid))
         assert cluster.pids()["slurmctld"] is None  # right name, but not started for this state dir
         assert cluster.down() is False and impostor.poll() is None  # so down() never signals it
@@ -287,9 +273,7 @@ def test_a_process_with_a_daemons_name_is_not_taken_for_ours(tmp_path: Path) -> 
 def _process_named(comm: str, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", f"import time; open('/proc/self/comm', 'w').write({comm!r}); "
                              "time.sleep(60)", *args])
-    deadline = time.monotonic() + 10
-    while devcluster_host.comm_of(proc.pid) != comm and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: devcluster_host.comm_of(proc.pid) == comm, 10, 0.05, f"the process renamed {comm}")
     return proc
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hpc.verifier.toy_data import write_toy_conversations
+from tests.fixtures.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # Long enough that the signal lands mid-run: progress.json is written every ~2 s, and on this
@@ -58,18 +58,23 @@ def test_usr2_checkpoints_requeues_and_the_loss_curve_continues_exactly(slurm_cl
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip().split(";")[0]
     try:
         progress = job_dir / "progress.json"
-        deadline = time.monotonic() + 600
-        while not progress.exists() or json.loads(progress.read_text())["step"] < 3:
-            assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+
+        def past_step_3() -> bool:
+            if progress.exists() and json.loads(progress.read_text())["step"] >= 3:
+                return True
             assert sacct_state(job) in ("PENDING", "RUNNING", "UNKNOWN"), log.read_text()[-3000:]
-            time.sleep(0.5)
+            return False
+
+        wait_until(past_step_3, 600, 0.5, lambda: log.read_text()[-3000:] if log.exists() else "no log")
         # What Slurm does 90 s before a preemption or the time limit (--signal=USR2@90).
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        deadline = time.monotonic() + 900
-        while sacct_state(job) != "COMPLETED":
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            assert sacct_state(job) not in ("FAILED", "CANCELLED", "TIMEOUT"), log.read_text()[-4000:]
-            time.sleep(2)
+
+        def completed() -> bool:
+            state = sacct_state(job)
+            assert state not in ("FAILED", "CANCELLED", "TIMEOUT"), log.read_text()[-4000:]
+            return state == "COMPLETED"
+
+        wait_until(completed, 900, 2, lambda: log.read_text()[-4000:])
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     text = log.read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 
 import psutil
 import pytest
@@ -15,6 +14,7 @@ from hpc.launch.job_files import job_file, publish, read_published
 from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_start_command
 from hpc.launch.slurm_env import SlurmEnv
 from hpc.verifier.regen_ray import REGEN_RESOURCE
+from tests.fixtures.wait import still_running
 
 
 def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEnv:
@@ -98,8 +98,7 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
         for key in head.auth:  # connect() made this process a token-auth driver: undo for later tests
             os.environ.pop(key, None)
         _refresh_ray_auth()
-    time.sleep(1)
-    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not still_running(family, timeout=10)
     assert not token.exists()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from hpc.verifier.toy_data import write_toy_conversations
 from tests.fixtures.slurm import SlurmCluster
+from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/toy-cpu.yaml"
@@ -47,21 +47,22 @@ def sbatch(script: str, sbatch_args: list[str], script_args: list[str], log: Pat
 
 
 def wait(job_id: str, log: Path, timeout_s: float) -> Job:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def sacct() -> list[str]:
         # sacct, not squeue: a finished job leaves squeue at once, and only sacct says how it ended.
         rows = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode,ElapsedRaw"],
                               capture_output=True, text=True, timeout=30).stdout.splitlines()
-        fields = rows[0].strip().split("|") if rows else []
-        state = fields[0].split()[0] if fields and fields[0] else ""  # "CANCELLED by 0" -> CANCELLED
-        if state in TERMINAL:
-            text = log.read_text(errors="replace") if log.exists() else ""
-            return Job(job_id, state, fields[1], int(fields[2] or 0), text)
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-            tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
-            raise AssertionError(f"job {job_id} not finished within {timeout_s:.0f} s ({fields}); cancelled\n{tail}")
-        time.sleep(1.0)
+        return rows[0].strip().split("|") if rows else []
+
+    def state(fields: list[str]) -> str:
+        return fields[0].split()[0] if fields and fields[0] else ""  # "CANCELLED by 0" -> CANCELLED
+
+    fields = poll(sacct, lambda f: state(f) in TERMINAL, timeout_s, 1.0)
+    if state(fields) in TERMINAL:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        return Job(job_id, state(fields), fields[1], int(fields[2] or 0), text)
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+    raise AssertionError(f"job {job_id} not finished within {timeout_s:.0f} s ({fields}); cancelled\n{tail}")
 
 
 def steps(job_id: str) -> dict[str, tuple[str, int]]:

@@ -16,6 +16,7 @@ import pytest
 from hpc.errors import UserError
 from hpc.launch import schedule
 from hpc.launch.cron import next_run
+from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "toy-cpu.yaml")
@@ -176,8 +177,6 @@ def test_fallback_job_on_the_real_cluster(slurm_cluster, mlflow_server, tmp_path
 
 
 def test_the_tick_job_runs_and_resubmits_itself(slurm_cluster, mlflow_server, tmp_path, monkeypatch):
-    import time
-
     name = f"loop-{uuid.uuid4().hex[:8]}"
     ov = toy_overrides(tmp_path, mlflow_server.uri, name, slurm_cluster.partition)
     fake_submit(monkeypatch)
@@ -186,12 +185,8 @@ def test_the_tick_job_runs_and_resubmits_itself(slurm_cluster, mlflow_server, tm
         res = dspark("schedule", CONFIG, *ov, "--cron", "* * * * *")
         assert res.returncode == 0, res.stderr[-2000:]
         [[first, _, _]] = queued(name)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # until the first job has ended, its successor waiting
-            ids = [j[0] for j in queued(name)]
-            if ids and first not in ids:
-                break
-            time.sleep(5)
+        # Until the first job has ended, its successor waiting.
+        poll(lambda: [j[0] for j in queued(name)], lambda ids: bool(ids) and first not in ids, 240, 5)
         [[second, start, state]] = queued(name)
         assert second != first and state == "PENDING" and D.fromisoformat(start) > D.now()
         log = (tmp_path / "slurm" / "schedule" / f"{name}-{first}.out").read_text()

@@ -92,3 +92,16 @@ def test_the_stage_cli_prints_the_cause_as_its_one_error_line(node, monkeypatch,
     assert main(["stage", "train", "variant.yaml"]) == 128 + 15
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: node 1 (trainer): rank 1 (trainer 1) was killed by SIGTERM"), err
+
+
+def test_the_requeue_code_is_the_trainers_and_the_launcher_loads_without_torch():
+    # One EXIT_REQUEUE for both sides: the launcher module must still import on a login node.
+    import subprocess
+    import sys
+
+    from hpc.train import online
+
+    assert stages.EXIT_REQUEUE == online.EXIT_REQUEUE == 75
+    probe = "import sys, hpc.launch.stages; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -20,6 +20,7 @@ from hpc.errors import UserError
 from hpc.launch import status as st
 from hpc.launch.status import JobState, cancel, expand_array_id, find_pipeline, job_states, status
 from tests.fixtures.slurm import SlurmCluster
+from tests.fixtures.wait import poll
 
 
 def _write_pipeline(root: Path, pid: str, jobs: dict[str, str], train_dirs: list[str], *,
@@ -51,12 +52,7 @@ def _sbatch(partition: str, *args: str) -> str:
 
 
 def _poll(ids: list[str], done, timeout_s: float = 20.0) -> dict[str, JobState]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = job_states(ids)
-        if done(states) or time.monotonic() > deadline:
-            return states
-        time.sleep(1.0)
+    return poll(lambda: job_states(ids), done, timeout_s, 1.0)
 
 
 @pytest.mark.timeout(120, func_only=True)
@@ -209,7 +205,7 @@ def test_mlflow_link_with_a_live_server(monkeypatch) -> None:
 
 
 def test_mlflow_link_with_a_dead_server_is_quick() -> None:
-    from hpc.track.server import free_port
+    from hpc.net import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()

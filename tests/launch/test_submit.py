@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hpc.verifier.toy_data import write_toy_conversations
+from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
@@ -70,17 +70,15 @@ def test_bad_requests_are_refused_before_anything_is_submitted(slurm_cluster, to
 
 
 def wait_terminal(job_ids: list[str], timeout_s: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def states() -> dict[str, str]:
         out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State"],
                              capture_output=True, text=True).stdout
-        states = {line.split("|")[0]: line.split("|")[1].split()[0] for line in out.splitlines() if "|" in line}
-        pending = [j for j, s in states.items() if s not in TERMINAL]
-        if states and not pending and all("[" not in j for j in states):
-            return states
-        if time.monotonic() > deadline:
-            return states
-        time.sleep(5)
+        return {line.split("|")[0]: line.split("|")[1].split()[0] for line in out.splitlines() if "|" in line}
+
+    def ended(states: dict[str, str]) -> bool:
+        return bool(states) and all(s in TERMINAL and "[" not in j for j, s in states.items())
+
+    return poll(states, ended, timeout_s, 5)
 
 
 @pytest.mark.slow
@@ -150,12 +148,11 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
     with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 2 job"):
         submit_mod.submit(str(ROOT / "configs" / "toy-cpu.yaml"), args)
     assert len(cancelled) == 2  # the regenerate job and the train array
-    deadline = time.monotonic() + 30
-    while True:
+
+    def sacct() -> tuple[str, list[str]]:
         out = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(cancelled), "-o", "JobID,State"],
                              capture_output=True, text=True).stdout
-        states = [line.split("|")[1] for line in out.splitlines() if "|" in line]
-        if states and all(st.startswith("CANCELLED") for st in states) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+        return out, [line.split("|")[1] for line in out.splitlines() if "|" in line]
+
+    out, states = poll(sacct, lambda o_s: bool(o_s[1]) and all(st.startswith("CANCELLED") for st in o_s[1]), 30, 1)
     assert states and all(st.startswith("CANCELLED") for st in states), out

@@ -9,8 +9,9 @@ import signal
 import time
 
 
-from hpc.track.server import free_port
+from hpc.net import free_port
 from hpc.train.online import EXIT_PEER_DIED
+from tests.fixtures.wait import wait_until
 from tests.stream import stream_worker
 from tests.train.test_resume import target_dir  # noqa: F401 - module fixture: a random Qwen3 target
 
@@ -55,10 +56,8 @@ def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):
 
 def test_killed_verifier_is_noticed_and_a_restart_loses_nothing(target_dir, tmp_path):  # noqa: F811
     procs = launch(2, 1, target_dir, tmp_path, 48, peer_timeout_s=5.0)
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "progress0").exists() or int((tmp_path / "progress0").read_text()) < 2:
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    progress = tmp_path / "progress0"
+    wait_until(lambda: progress.exists() and int(progress.read_text()) >= 2, 240, 0.2, "training started")
     os.kill(procs[2].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     codes = wait_all(procs[:2], timeout=120)

@@ -8,15 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from hpc.track.logger import RunLogger
 from hpc.track.server import MlflowServer
-
-
-def wait_for(cond, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.2)
-    return False
+from tests.fixtures.wait import wait_until
 
 
 def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
@@ -26,18 +18,18 @@ def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
         log.log_params({"train.lr": 3e-4})
         for step in range(5):
             log.log_metrics({"loss": 5.0 - step}, step)
-        assert wait_for(lambda: log.buffered == 0 and log.run_id is not None)
+        wait_until(lambda: log.buffered == 0 and log.run_id is not None, 60, what="first metrics sent")
         server.stop()
 
         t0 = time.monotonic()
         for step in range(5, 20):
             log.log_metrics({"loss": 5.0 - step}, step)
         assert time.monotonic() - t0 < 0.5  # training never waits on the dead server
-        assert wait_for(lambda: log.last_error is not None, 30)
+        wait_until(lambda: log.last_error is not None, 30, what="the outage noticed")
         assert log.buffered == 15
 
         server.start()
-        assert wait_for(lambda: log.buffered == 0, 90), log.last_error
+        wait_until(lambda: log.buffered == 0, 90, what=lambda: f"buffer drained (last error: {log.last_error})")
         assert log.close()
         history = MlflowClient(server.uri).get_metric_history(log.run_id, "loss")
         assert sorted(m.step for m in history) == list(range(20))
@@ -48,15 +40,16 @@ def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
 
 def test_run_created_late_when_the_server_starts_after_training(tmp_path):
     server = MlflowServer(tmp_path / "late")
-    from hpc.track.server import free_port
+    from hpc.net import free_port
 
     server.port = free_port()
     log = RunLogger(server.uri, "late", "train", flush_every_s=0.2, system_every_s=None)
     log.log_metrics({"loss": 1.0}, 0)
-    assert wait_for(lambda: log.last_error is not None, 30) and log.run_id is None
+    wait_until(lambda: log.last_error is not None, 30, what="the missing server noticed")
+    assert log.run_id is None
     server.start()
     try:
-        assert wait_for(lambda: log.buffered == 0, 90)
+        wait_until(lambda: log.buffered == 0, 90, what="buffer drained")
         assert log.close() and log.run_id is not None
     finally:
         server.stop()

@@ -7,7 +7,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hpc.errors import UserError
-from hpc.track.server import MlflowServer, free_port, is_healthy
+from hpc.net import free_port
+from hpc.track.server import MlflowServer, is_healthy
 
 
 def test_run_round_trips_params_metrics_and_artifact(mlflow_server, tmp_path):

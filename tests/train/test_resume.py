@@ -123,7 +123,7 @@ def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
 
     import torch.multiprocessing as mp
 
-    from hpc.track.server import free_port
+    from hpc.net import free_port
     from tests.train import ddp_worker
 
     mp.start_processes(ddp_worker.main, args=(2, free_port(), str(target_dir), str(tmp_path)), nprocs=2,

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hpc.verifier.toy_data import write_toy_conversations
+from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH = 40, 8
@@ -42,21 +42,28 @@ def vllm_leader(proc: subprocess.Popen) -> psutil.Process | None:
     return None
 
 
+def progress_step(out: Path) -> int:
+    """The trainer's last step, 0 before its first progress file (or while it is rewritten)."""
+    try:
+        return json.loads((out / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def start_and_break(cmd: list[str], out: Path, sig: int, at_step: int = 6) -> tuple[int, str, str]:
     """Run `dspark train`, send `sig` to vLLM's process group once training passed `at_step`."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
     leader = None
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            step = json.loads((out / "progress.json").read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            step = 0
+
+    def moment() -> str:
+        nonlocal leader
+        if proc.poll() is not None:
+            return "exited"
         leader = leader or vllm_leader(proc)
-        if leader is not None and step >= at_step:
-            os.killpg(leader.pid, sig)
-            break
-        time.sleep(0.2)
+        return "break it" if leader is not None and progress_step(out) >= at_step else ""
+
+    if poll(moment, bool, 600, 0.2) == "break it":
+        os.killpg(leader.pid, sig)
     try:
         stdout, stderr = proc.communicate(timeout=300)
     finally:
@@ -136,14 +143,7 @@ def test_a_killed_trainer_rank_is_named_in_one_line(toy_target, tmp_path):
            "train.checkpoint_interval=5", "stream.peer_timeout_s=8", "tracking.uri=sqlite:///" + str(tmp_path / "m.db"),
            "--steps", "200"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if json.loads((out / "progress.json").read_text())["step"] >= 3:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
+    poll(lambda: proc.poll() is not None or progress_step(out) >= 3, bool, 300, 0.2)
     # The rank processes, in start order (rank 0, 1, ...): multiprocessing's spawn children.
     ranks = sorted((c for c in psutil.Process(proc.pid).children()
                     if any("spawn_main" in part for part in c.cmdline())), key=lambda c: c.create_time())

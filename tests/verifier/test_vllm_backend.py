@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError
+from hpc.net import free_port
 from hpc.verifier import vllm_backend
 from hpc.verifier.data import to_messages, tokenize_conversation
 from hpc.verifier.hf_backend import HFVerifier
@@ -24,7 +25,6 @@ from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
 from hpc.verifier.toy_data import toy_conversations
 from hpc.verifier.vllm_backend import (
     CaptureError, VLLMVerifier, capture_layer_ids, read_capture, server_args, start_capture_server)
-from hpc.verifier.vllm_server import free_port
 from tests.fixtures.infra import infra_unavailable
 
 # Unsorted and holding the final layer (id == num layers = 4): vLLM returns its ids sorted and
