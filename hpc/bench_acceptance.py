@@ -69,14 +69,17 @@ def _resolve(config: str, overrides: list[str]):
 
 
 def _toy_overrides(out: Path, rows: int) -> list[str]:
-    """The demo's setting: the toy target (built or cached) and conversations drawn from its corpus."""
+    """The demo's setting: the toy target (built or cached), conversations drawn from its corpus,
+    and the demo's learning rate (the toy recipe's 1e-3 suits longer runs)."""
     from hpc.verifier.toy import build_toy_target
     from hpc.verifier.toy_data import write_toy_conversations
 
     target = build_toy_target(arch="qwen3", seed=0)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=rows, seed=1)
+    from hpc.launch.demo import DEMO_LR
+
     return [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
-            f"tracking.uri=sqlite:///{out / 'mlflow.db'}"]
+            f"tracking.uri=sqlite:///{out / 'mlflow.db'}", f"train.lr={DEMO_LR}"]
 
 
 def train_variant(config: str, overrides: list[str], name: str, out: Path, steps: int) -> Trained:
