@@ -10,6 +10,8 @@ which vLLM does not read) and applied by whoever reads the confidences.
 The held-out slots are weighed as decoding reaches them, because a position's confidence is
 only ever read after every earlier draft in the block was accepted: greedy counts a slot when
 all earlier drafted slots matched; sampling weighs it by the product of the earlier 1 - TV.
+The greedy event is read off the row (the draft's token is the row's next one), which is the
+target's greedy choice on regenerated data: fit on rows regenerated at temperature 0.
 """
 
 from __future__ import annotations
@@ -95,15 +97,18 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
             continue
         logits, target, valid = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:], out.valid_NB[:, first:]
         p, q = F.softmax(logits.float(), -1), F.softmax(target.float(), -1)
-        g_NB, s_NB = M.greedy_acceptance(logits, target), M.accept_prob(p, q)
-        v = valid.float()
-        # Greedy decoding reaches slot k when every earlier draft matched the target's argmax AND
-        # the block's teacher-forced prefix is that argmax (off-policy rows may say otherwise).
+        # Greedy decoding accepts a draft when it is the target's argmax over the WHOLE vocab. On
+        # regenerated rows (data.regen_temperature=0) that argmax is the row's next token, which
+        # may lie outside the draft vocab: the draft then fails, while an argmax over the draft
+        # vocab alone would call it a match. So the event is "the draft's token is the row's".
         T = row.input_ids_T.numel()
         label_NB = row.input_ids_T[(out.target_idx_NB[:, first:] + 1).clamp(max=T - 1)]
-        on_path_NB = (model.draft_to_target(target.argmax(-1)) == label_NB).float()
+        g_NB = (model.draft_to_target(logits.argmax(-1)) == label_NB).float()
+        s_NB = M.accept_prob(p, q)
+        v = valid.float()
+        # Slot k is read only after every earlier draft in the block was accepted.
         ones = torch.ones_like(g_NB[:, :1])
-        reach_g = torch.cumprod(torch.cat([ones, (g_NB * on_path_NB * v)[:, :-1]], 1), 1) * v
+        reach_g = torch.cumprod(torch.cat([ones, (g_NB * v)[:, :-1]], 1), 1) * v
         reach_s = torch.cumprod(torch.cat([ones, (s_NB * v)[:, :-1]], 1), 1) * v
         pos = torch.arange(1, g_NB.shape[1] + 1).expand_as(g_NB)
         sel = v.bool()

@@ -85,3 +85,17 @@ def test_the_export_carries_the_calibration_and_decoding_applies_it_per_mode(tmp
     assert torch.allclose(sampled, torch.sigmoid(torch.tensor(-2.0)).expand(3))
     assert not torch.allclose(raw, greedy)
     assert load_draft(export_draft(T.tiny_model(), tmp_path / "plain")).confidence_calibration is None
+
+
+def test_a_row_token_outside_the_draft_vocab_is_a_greedy_miss():
+    """The draft cannot emit it, so greedy decoding rejects, whatever the argmax inside the draft vocab."""
+    model = T.tiny_model().eval()
+    vocab = {int(i) + int(model.d2t[i]) for i in range(T.D)}
+    off = next(t for t in range(T.V) if t not in vocab)
+    row = T.packed_row()
+    row.input_ids_T[:] = off
+    t2d = torch.zeros(T.V, dtype=torch.bool)
+    t2d[torch.arange(T.D) + model.d2t] = True
+    slots = held_out_slots(model, [row], VerifierHead(torch.randn(T.V, T.H), t2d))
+    assert float(slots.greedy.sum()) == 0.0
+    assert float(slots.reach["greedy"][slots.position > 1].sum()) == 0.0  # never past the first miss
