@@ -48,7 +48,7 @@ from hpc.launch.devcluster_host import (
     last_line,
     process_alive,
     real_slurm_present,
-    remove_hosts_entries,
+    remove_own_hosts_entries,
     secure_state_dir,
 )
 from hpc.fsio import write_text
@@ -169,7 +169,7 @@ class DevCluster:
             # Half-up is not worth repairing: a fresh start takes a few seconds and is predictable.
             self._stop_all()
             self._write_files()
-            ensure_hosts_entries(self.spec.node_names)
+            ensure_hosts_entries(self.spec.node_names, state_dir=self.spec.root)
             self._start_munged()
             self._start_mariadb()
             self._start_slurmdbd()
@@ -181,7 +181,7 @@ class DevCluster:
         """Stop every daemon and take out the /etc/hosts line `up` added; False if nothing ran."""
         with self._locked():
             stopped = self._stop_all()
-        remove_hosts_entries()
+        remove_own_hosts_entries(self.spec.root)
         return stopped
 
     # ---- internals ---------------------------------------------------------------------------

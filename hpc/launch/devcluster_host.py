@@ -127,18 +127,36 @@ def ensure_installed() -> None:
         raise UserError(f"apt-get installed {packages} but {', '.join(still)} is still missing")
 
 
-def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts")) -> None:
-    """Node names must resolve (MASTER_ADDR=node1 in torch.distributed, srun, gloo)."""
+def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts"),
+                         state_dir: Path | None = None) -> bool:
+    """Node names must resolve (MASTER_ADDR=node1 in torch.distributed, srun, gloo). True if a
+    line was added; `state_dir` then records it, so that only this cluster's `down` takes it out."""
     known: set[str] = set()
     for line in hosts.read_text().splitlines():
         known.update(line.split("#", 1)[0].split()[1:])
     missing = [n for n in names if n not in known]
     if not missing:
-        return
+        return False
     text = hosts.read_text()
     sep = "" if text.endswith("\n") or not text else "\n"
     with hosts.open("a") as fh:  # marked, so `down` can take it out again
         fh.write(f"{sep}127.0.0.1 {' '.join(missing)}  {HOSTS_MARK}\n")
+    if state_dir is not None:
+        from hpc.fsio import write_text
+
+        write_text(state_dir / HOSTS_ADDED, f"{hosts}\n")
+    return True
+
+
+def remove_own_hosts_entries(state_dir: Path, hosts: Path = Path("/etc/hosts")) -> bool:
+    """Take out the hosts line only if this state dir's `up` added it: another dev cluster on the
+    host (a test's, say) may be using the same node names."""
+    marker = state_dir / HOSTS_ADDED
+    if not os.path.lexists(marker):
+        return False
+    removed = remove_hosts_entries(hosts)
+    marker.unlink()
+    return removed
 
 
 # ---- running as root next to other users --------------------------------------------------
@@ -147,6 +165,7 @@ def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts"))
 
 REAL_SLURM_CONFS = (Path("/etc/slurm/slurm.conf"), Path("/etc/slurm-llnl/slurm.conf"))
 HOSTS_MARK = "# dspark-devcluster"
+HOSTS_ADDED = "hosts-line-added"  # in the state dir: this cluster's `up` wrote the hosts line
 
 
 STATE_DIR_MODE = 0o711  # munged insists that everyone may traverse to its socket; nobody else lists or writes

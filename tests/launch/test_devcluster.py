@@ -328,3 +328,17 @@ def test_down_takes_out_the_hosts_line_up_added(tmp_path: Path) -> None:
     assert devcluster_host.remove_hosts_entries(hosts)
     assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.5 db\n"
     assert not devcluster_host.remove_hosts_entries(hosts)
+
+
+def test_only_the_cluster_that_added_the_hosts_line_takes_it_out(tmp_path: Path) -> None:
+    """A second dev cluster (a test's own state dir) going down must not unname the live one's nodes."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    live, other = tmp_path / "live", tmp_path / "other"
+    live.mkdir(), other.mkdir()
+    assert devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts, state_dir=live)
+    assert not devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts, state_dir=other)  # already named
+    assert not devcluster_host.remove_own_hosts_entries(other, hosts)
+    assert "node1" in hosts.read_text()
+    assert devcluster_host.remove_own_hosts_entries(live, hosts)
+    assert hosts.read_text() == "127.0.0.1 localhost\n" and not (live / devcluster_host.HOSTS_ADDED).exists()
