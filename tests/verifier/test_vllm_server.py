@@ -108,11 +108,13 @@ def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
 @pytest.mark.slow
 def test_vllm_runs_the_deepseek_toy(vllm_python, toy_deepseek):
     # Offline engine in-process: ~10x quicker to start than a second server, same model loader.
+    # CPU_MLA, the reference MLA: on a CPU with AMX tiles vLLM otherwise picks AMX_MLA, whose packed
+    # weights must be bf16/fp16, and the float32 toy fails to load.
     script = textwrap.dedent(f"""
         import json
         from vllm import LLM, SamplingParams
         llm = LLM(model={str(toy_deepseek)!r}, dtype="float32", enforce_eager=True,
-                  gpu_memory_utilization=0.5, max_model_len=512)
+                  gpu_memory_utilization=0.5, max_model_len=512, attention_backend="CPU_MLA")
         out = llm.generate([{{"prompt_token_ids": [10, 20, 30, 40]}}],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         print("RESULT", json.dumps(list(out[0].outputs[0].token_ids)))
