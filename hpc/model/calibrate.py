@@ -110,7 +110,7 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
         ones = torch.ones_like(g_NB[:, :1])
         reach_g = torch.cumprod(torch.cat([ones, (g_NB * v)[:, :-1]], 1), 1) * v
         reach_s = torch.cumprod(torch.cat([ones, (s_NB * v)[:, :-1]], 1), 1) * v
-        pos = torch.arange(1, g_NB.shape[1] + 1).expand_as(g_NB)
+        pos = torch.arange(1, g_NB.shape[1] + 1, device=g_NB.device).expand_as(g_NB)
         sel = v.bool()
         for key, t in (("z", out.conf_NB[:, first:].float()), ("g", g_NB), ("s", s_NB), ("k", pos),
                        ("rg", reach_g), ("rs", reach_s)):
@@ -124,7 +124,8 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
 def _fit(z: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
     """Weighted Platt scaling: argmin over (a, b) of the weighted BCE of sigmoid(a z + b) against y."""
     ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
-    z, y, w = z.double(), y.double(), w.double() / w.sum()
+    z, y, w = z.double().cpu(), y.double().cpu(), w.double().cpu()  # two numbers: no device needed
+    w = w / w.sum()
     opt = torch.optim.LBFGS([ab], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
 
     def closure():

@@ -22,47 +22,36 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def loss_curve_png(losses: list[float], out: str | Path, title: str = "") -> Path:
+def _lines_png(series: dict[str, list[float]], out: str | Path, xlabel: str, ylabel: str, title: str,
+               legend: bool = True, ylim: tuple[float, float] | None = None, **style) -> Path:
+    """One line per series against 1..len, on one axis."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{title} training loss".strip())
+    for name, ys in series.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, **style)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title.strip())
     ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
     path = _save(fig, Path(out))
     plt.close(fig)
     return path
+
+
+def loss_curve_png(losses: list[float], out: str | Path, title: str = "") -> Path:
+    return _lines_png({"loss": losses}, out, "step", "loss", f"{title} training loss", legend=False, lw=1.2)
 
 
 def loss_curves_png(series: dict[str, list[float]], out: str | Path, title: str = "") -> Path:
     """Several runs' training loss on one axis (an ablation at equal budget)."""
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, losses in series.items():
-        ax.plot(range(1, len(losses) + 1), losses, lw=1.0, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{title} training loss".strip())
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    path = _save(fig, Path(out))
-    plt.close(fig)
-    return path
+    return _lines_png(series, out, "step", "loss", f"{title} training loss", lw=1.0)
 
 
 def per_position_png(per_bench: dict[str, list[float]], out: str | Path, title: str = "") -> Path:
     """Acceptance rate of draft position i, one line per benchmark."""
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, rates in per_bench.items():
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", lw=1.2, label=name)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{title} per-position acceptance".strip())
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    path = _save(fig, Path(out))
-    plt.close(fig)
-    return path
+    return _lines_png(per_bench, out, "draft position", "acceptance rate", f"{title} per-position acceptance",
+                      ylim=(0, 1), marker="o", lw=1.2)
