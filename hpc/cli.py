@@ -12,13 +12,14 @@ import sys
 
 from hpc.errors import UserError
 
-# (command, module defining register(), one-line help); a module is imported only when its
-# command runs, so the top-level help never pays for torch or mlflow imports.
+# (command, "module[:function]" adding its subparser (default function: register), one-line
+# help); a module is imported only when its command runs, so the top-level help never pays for
+# torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("demo", "hpc.launch.demo", "the whole pipeline on this machine, no Slurm: toy target, train, evaluate, table"),
+    ("demo", "hpc_dev.demo", "the whole pipeline on this machine, no Slurm: toy target, train, evaluate, table"),
     ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
-    ("devcluster", "hpc.launch.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
-    ("toy-target", "hpc.verifier.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
+    ("devcluster", "hpc_dev.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
+    ("toy-target", "hpc_dev.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
     ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
@@ -26,13 +27,16 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("tracking", "hpc.track.serve_cli", "run the MLflow tracking server (with auth) that the cluster's jobs log to"),
     ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
     ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),
-    ("status", "hpc.launch.status", "state, progress and MLflow links of a submitted pipeline"),
-    ("cancel", "hpc.launch.status", "cancel every job of a submitted pipeline"),
-    ("schedule", "hpc.launch.schedule", "scheduled retraining: scrontab entry (or a self-resubmitting job) that retrains on new data"),
-    ("retrain-tick", "hpc.launch.schedule", "one scheduled retraining check: submit the pipeline if the data changed"),
+    ("status", "hpc.launch.status:register_status", "state, progress and MLflow links of a submitted pipeline"),
+    ("cancel", "hpc.launch.status:register_cancel", "cancel every job of a submitted pipeline"),
+    ("schedule", "hpc.launch.schedule:register_schedule",
+     "scheduled retraining: scrontab entry (or a self-resubmitting job) that retrains on new data"),
+    ("retrain-tick", "hpc.launch.schedule:register_tick",
+     "one scheduled retraining check: submit the pipeline if the data changed"),
     ("stage", "hpc.launch.stage_cli", "run one pipeline stage inside a Slurm job (what sbatch/ scripts call)"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
-    ("plan", "hpc.launch.plan", "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),
+    ("plan", "hpc.launch.plan",
+     "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),
 ]
 
 
@@ -44,7 +48,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, module, help_text in COMMANDS:
         if wanted == name:
-            importlib.import_module(module).register(sub)
+            path, _, func = module.partition(":")
+            getattr(importlib.import_module(path), func or "register")(sub)
         else:
             sub.add_parser(name, help=help_text)
     return parser

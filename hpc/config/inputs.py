@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
 from enum import Enum
-from typing import Any, Callable, Iterator
+from typing import Any
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"

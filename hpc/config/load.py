@@ -130,11 +130,11 @@ def _reason(err: OmegaConfBaseException, node: Any) -> str:
     from omegaconf import ValueNode
 
     if isinstance(node, ValueNode):
-        kind = getattr(node, "_metadata").ref_type
+        kind = node._metadata.ref_type
         if isinstance(kind, type) and issubclass(kind, Enum):
             return f"must be one of {', '.join(m.value for m in kind)}"
         if kind in _KINDS:
-            return f"must be {_KINDS[kind]}" + ("" if getattr(node, "_metadata").optional is False else " or null")
+            return f"must be {_KINDS[kind]}" + ("" if node._metadata.optional is False else " or null")
     if isinstance(node, ListConfig):
         return "must be a list, e.g. [1, 2]"
     if isinstance(node, DictConfig):
@@ -169,7 +169,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8")
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8") from None
     if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
         raise UserError(f"{path}: is empty; start from configs/toy-cpu.yaml or configs/kimi-k2.6-dspark.yaml")
     try:
@@ -177,7 +177,7 @@ def _read_yaml(path: Path) -> dict:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)})")
+        raise UserError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: the top level must be a mapping of sections (cluster, verifier, ...)")
     return data

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 
 class FinalHidden(str, Enum):
@@ -60,8 +60,8 @@ class ClusterConfig:
 
     executor: str = "slurm"  # slurm | local (submitit's local executor, for the CPU demo)
     partition: str = "gpu"
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    account: str | None = None
+    qos: str | None = None
     time: str = "48:00:00"
     verifier_nodes: int = 1
     trainer_nodes: int = 1
@@ -70,7 +70,7 @@ class ClusterConfig:
     ray_object_store_mb: int = 512  # per node; regeneration moves only text through it
     gpus_per_node: int = 8
     cpus_per_task: int = 16
-    mem: Optional[str] = None
+    mem: str | None = None
     signal_delay_s: int = 90  # --signal=USR2@90 so ranks can checkpoint before preemption
     sbatch_extra: list[str] = field(default_factory=list)
     log_dir: str = "runs/slurm"  # must be on a filesystem every node sees
@@ -81,13 +81,13 @@ class VerifierConfig:
     """The target model and how it is served while we capture its hidden states."""
 
     model: str = "moonshotai/Kimi-K2.6"  # a local directory, or a hub id resolved to a snapshot
-    revision: Optional[str] = None  # pin a hub id to a commit (recommended) or tag
+    revision: str | None = None  # pin a hub id to a commit (recommended) or tag
     # None: the environment decides (HF_HUB_OFFLINE); true/false overrides it for our processes.
-    offline: Optional[bool] = None
+    offline: bool | None = None
     # The target's name in exports and baseline keys; set by the launcher to the hub id when it
     # replaces `model` with the local snapshot. None: `model`.
-    name: Optional[str] = None
-    tokenizer: Optional[str] = None  # defaults to `model`
+    name: str | None = None
+    tokenizer: str | None = None  # defaults to `model`
     trust_remote_code: bool = True
     backend: VerifierBackend = VerifierBackend.vllm
     # Used when the target's config.json is not reachable from the login node.
@@ -118,7 +118,7 @@ class VerifierConfig:
     capture_dir: str = "/dev/shm"
     # Capture requests in flight per verifier node, so vLLM batches prefills; None: what
     # `dspark plan` recommends for the data's sample length.
-    capture_concurrency: Optional[int] = None
+    capture_concurrency: int | None = None
     health_timeout_s: float = 1800.0
 
 
@@ -149,7 +149,7 @@ class DraftConfig:
 class DataSource:
     path: str = ""  # a Hugging Face dataset id, or a local .jsonl/.parquet file or directory
     split: str = "train"
-    max_rows: Optional[int] = None
+    max_rows: int | None = None
 
 
 @dataclass
@@ -208,10 +208,10 @@ class TrainConfig:
     dist_backend: str = "nccl"  # gloo on CPU: same code path
     attention: str = "auto"  # auto | flex | sdpa
     # Trainer processes per trainer node; None means one per GPU (cluster.gpus_per_node).
-    ranks_per_node: Optional[int] = None
+    ranks_per_node: int | None = None
     # Warm start for a fresh run (a resumed run keeps its checkpoint): a draft export directory,
     # or `champion` = the registry's champion of tracking.registered_model.
-    init_from: Optional[str] = None
+    init_from: str | None = None
 
 
 @dataclass
@@ -242,7 +242,7 @@ class EvalConfig:
     num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 7])
     max_tokens: int = 2048
     code_max_tokens: int = 512  # livecodebench and speedbench_coding, as on the card
-    rows: Optional[int] = None  # None: 6 for the small sets, full manifests for code sets
+    rows: int | None = None  # None: 6 for the small sets, full manifests for code sets
     # > 0: every draft is evaluated at temperature 0 AND at this temperature (speculative
     # sampling), side by side; the sampled requests are seeded from eval.seed.
     temperature: float = 0.0
@@ -250,7 +250,7 @@ class EvalConfig:
     timing: EvalTiming = EvalTiming.paired
     timing_min_pairs: int = 6  # baseline/draft request pairs per benchmark (passes repeat the prompts)
     compare: list[ThirdPartyDraft] = field(default_factory=list)
-    data_dir: Optional[str] = None  # offline clusters: {data_dir}/{benchmark}.jsonl|.parquet
+    data_dir: str | None = None  # offline clusters: {data_dir}/{benchmark}.jsonl|.parquet
     datasets: dict[str, str] = field(default_factory=dict)  # per benchmark: local JSONL/parquet path
     fixtures: bool = False  # the prompts the project ships (CPU tests, demos): not the real sets
     engine: EvalEngine = EvalEngine.auto
@@ -273,7 +273,7 @@ class TrackingConfig:
 
 @dataclass
 class ScheduleConfig:
-    cron: Optional[str] = None
+    cron: str | None = None
     warm_start_from_champion: bool = True
     # Every evaluation at the largest n registers its draft; false leaves the champion alias to
     # a person, e.g. while the benchmarks are being changed.
@@ -290,14 +290,14 @@ class PlanConfig:
     # Bytes per stored target parameter: 2 for bf16; Kimi ships INT4 experts (~0.6 overall).
     target_bytes_per_param: float = 2.0
     # Verifier prefill tokens/s per node; None estimates it from active params and GPU FLOPs.
-    prefill_tok_s_per_node: Optional[float] = None
+    prefill_tok_s_per_node: float | None = None
     gpu_tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H200)
     mfu: float = 0.35  # model FLOPs utilisation assumed for prefill and for draft training
     link_gbps: float = 400.0  # verifier -> trainer network per node, gigabit/s (one NDR port)
     # Measured trainer samples/s per GPU; None estimates it from the draft's training FLOPs.
-    trainer_step_samples_s_per_gpu: Optional[float] = None
+    trainer_step_samples_s_per_gpu: float | None = None
     gpu_memory_gb: float = 141.0  # per GPU (H200)
-    avg_seq_len: Optional[int] = None  # tokens per sample; None: data.max_seq_len / 2
+    avg_seq_len: int | None = None  # tokens per sample; None: data.max_seq_len / 2
 
 
 @dataclass

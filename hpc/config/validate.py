@@ -117,7 +117,7 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         elif "/" in v.python and check_vllm:
             # A path names one venv on a shared filesystem: ask its vLLM. A bare name is looked
             # up on each node's PATH, which the login node cannot speak for.
-            from hpc.verifier.vllm_support import support_problems
+            from hpc.config.vllm_support import support_problems
 
             for key, msg in support_problems(v.python, v.model, list(shape.architectures),
                                              cfg.draft.sample_from_anchor):
@@ -230,7 +230,8 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("train.loss", "all zero", "at least one of ce_weight, tv_weight, kl_weight must be > 0")
     c.positive("train.loss.decay_gamma", loss.decay_gamma, "e.g. 4.0 for block_size 8")
     ranks = trainer_ranks(cfg)
-    if ranks > 0 and t.global_batch_size > 0 and t.grad_accumulation > 0 and t.global_batch_size % (ranks * t.grad_accumulation):
+    if (ranks > 0 and t.global_batch_size > 0 and t.grad_accumulation > 0
+            and t.global_batch_size % (ranks * t.grad_accumulation)):
         c.fail("train.global_batch_size", t.global_batch_size,
                f"not divisible by trainer ranks x grad_accumulation = {ranks} x {t.grad_accumulation}; "
                f"use a multiple of {ranks * t.grad_accumulation}")

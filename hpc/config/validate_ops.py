@@ -85,7 +85,7 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
 
 
 def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
-    from hpc.launch.cron import HINT, parse_cron
+    from hpc.config.cron import HINT, parse_cron
 
     cron = cfg.schedule.cron
     if cron is not None:

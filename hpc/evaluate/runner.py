@@ -22,8 +22,8 @@ from pathlib import Path
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
-from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
 from hpc.evaluate.hardware import hardware_id
+from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
 from hpc.evaluate.record import find_baseline, load_results, pending_runs, upload_run
 
 
@@ -44,9 +44,9 @@ class Job:
 
 def _tracking(cfg):
     """An MLflow client, or None (one warning line) when the server does not answer."""
-    import hpc.track.logger  # noqa: F401 - fail fast on a dead server instead of retrying for minutes
     from mlflow.tracking import MlflowClient
 
+    import hpc.track.logger  # noqa: F401 - fail fast on a dead server instead of retrying for minutes
     from hpc.track.server import is_healthy
 
     client = MlflowClient(cfg.tracking.uri)
@@ -63,7 +63,8 @@ def _tracking(cfg):
 
 def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches, temperature: float = 0.0) -> str:
     v = cfg.verifier
-    ident = {"target": v.name or v.model, "revision": v.revision, "engine": engine, "version": engine_version, "hardware": hardware,
+    ident = {"target": v.name or v.model, "revision": v.revision, "engine": engine, "version": engine_version,
+             "hardware": hardware,
              "manifests": {b.name: b.sha256 for b in benches}}
     if temperature > 0:  # greedy keys stay as they were, so earlier baselines are still found
         ident["temperature"] = temperature

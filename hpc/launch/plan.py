@@ -187,7 +187,7 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     link_bytes = p.link_gbps * 1e9 / 8
     link_samples = link_bytes / sample_bytes
     supply = min(prefill / seq, link_samples)
-    from hpc.verifier.vllm_support import default_capture_concurrency
+    from hpc.config.vllm_support import default_capture_concurrency
 
     in_flight = cfg.verifier.capture_concurrency or default_capture_concurrency(seq)
 

@@ -137,7 +137,7 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
 
 
 def check_cron(cron: str | None) -> str:
-    from hpc.launch.cron import HINT, parse_cron
+    from hpc.config.cron import HINT, parse_cron
 
     if not cron:
         raise UserError("schedule.cron is not set: pass --cron '0 3 * * 0' or set schedule.cron in the config")
@@ -150,9 +150,15 @@ def check_cron(cron: str | None) -> str:
 
 def install(config: str, overrides: list[str], cron: str | None = None, resubmit: bool = False) -> int:
     from hpc.config import resolve
-    from hpc.launch.cron import local_zone, next_run
-    from hpc.launch.schedule_slurm import (Entry, ScrontabUnavailable, cancel_jobs, install_scrontab,
-                                           schedule_jobs, submit_singleton)
+    from hpc.config.cron import local_zone, next_run
+    from hpc.launch.schedule_slurm import (
+        Entry,
+        ScrontabUnavailable,
+        cancel_jobs,
+        install_scrontab,
+        schedule_jobs,
+        submit_singleton,
+    )
 
     cfg = resolve(config, overrides, check_tracking=not resubmit)
     cron = check_cron(cron or cfg.schedule.cron)
@@ -219,23 +225,19 @@ def _schedule_cmd(a) -> int:
     return install(a.config, list(a.overrides), a.cron, a.resubmit)
 
 
-def register(sub, names: tuple[str, ...] | None = None) -> None:
-    """Add `schedule` and/or `retrain-tick`; by default the one hpc.cli is building (see status.py)."""
-    from hpc.cli import COMMANDS
+def register_schedule(sub) -> None:
+    p = sub.add_parser("schedule", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--cron", help="when to check for new data, e.g. '0 3 * * 0' (default: schedule.cron)")
+    p.add_argument("--list", action="store_true", help="show every installed schedule")
+    p.add_argument("--remove", metavar="NAME", help="remove the schedule of the config named NAME")
+    p.add_argument("--resubmit", action="store_true", help=argparse.SUPPRESS)  # the tick job's successor
+    p.set_defaults(func=_schedule_cmd)
 
-    helps = {n: h for n, module, h in COMMANDS if module == __name__}
-    if names is None:
-        names = tuple(n for n in helps if n not in sub.choices)[:1]
-    for name in names:
-        p = sub.add_parser(name, help=helps.get(name), description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("config", nargs="?" if name == "schedule" else None)
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-        if name == "retrain-tick":
-            p.set_defaults(func=lambda a: retrain_tick(a.config, list(a.overrides)))
-            continue
-        p.add_argument("--cron", help="when to check for new data, e.g. '0 3 * * 0' (default: schedule.cron)")
-        p.add_argument("--list", action="store_true", help="show every installed schedule")
-        p.add_argument("--remove", metavar="NAME", help="remove the schedule of the config named NAME")
-        p.add_argument("--resubmit", action="store_true", help=argparse.SUPPRESS)  # the tick job's successor
-        p.set_defaults(func=_schedule_cmd)
+
+def register_tick(sub) -> None:
+    p = sub.add_parser("retrain-tick", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(func=lambda a: retrain_tick(a.config, list(a.overrides)))

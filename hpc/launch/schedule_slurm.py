@@ -197,7 +197,8 @@ def submit_singleton(e: Entry, begin: datetime.datetime) -> str:
     Path(e.log_dir).mkdir(parents=True, exist_ok=True)
     argv = ["sbatch", "--parsable", f"--job-name={JOB_PREFIX}{e.name}", "--dependency=singleton",
             f"--begin={begin.strftime('%Y-%m-%dT%H:%M:%S')}", "-p", e.partition,
-            *(["-A", e.account] if e.account else []), "-t", TICK_TIME, "-N", "1", "-n", "1", f"--output={e.log_file()}", f"--chdir={e.cwd}",
+            *(["-A", e.account] if e.account else []), "-t", TICK_TIME, "-N", "1", "-n", "1",
+            f"--output={e.log_file()}", f"--chdir={e.cwd}",
             f"--wrap={e.resubmitting_command()}"]
     try:
         res = _run(argv)

@@ -19,7 +19,7 @@ class SlurmEnv:
     requeue_id: str  # what `scontrol requeue` takes: the array task's own id for arrays
 
     @classmethod
-    def from_environ(cls) -> "SlurmEnv":
+    def from_environ(cls) -> SlurmEnv:
         env = os.environ
         if "SLURM_JOB_ID" not in env:
             raise UserError("this stage runs inside a Slurm allocation (no SLURM_JOB_ID); use `dspark submit` "

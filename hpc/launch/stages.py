@@ -9,8 +9,9 @@ sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave
   the first trainer node: it picks a free port on its own address and publishes address and
   port in an owner-only file (hpc.launch.job_files), so concurrent allocations never collide
   and nobody can compute the port in advance. Gloo and NCCL bind the interface that holds the
-  job's address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them). A rank that dies takes its node's task down with it (non-zero exit), and
-  `srun --kill-on-bad-exit` takes the allocation down: nothing hangs.
+  job's address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them). A rank
+  that dies takes its node's task down with it (non-zero exit), and `srun --kill-on-bad-exit`
+  takes the allocation down: nothing hangs.
 - Preemption: Slurm sends USR2 (`--signal=USR2@90`); every node forwards it to its ranks,
   which checkpoint at the next step boundary and exit with EXIT_REQUEUE; node 0 then asks
   Slurm to requeue the job, and the requeued job resumes from the checkpoint.
@@ -365,30 +366,3 @@ def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float
         from hpc.config.secrets import redact_uri
 
         print(f"warning: {stage} not logged to {redact_uri(cfg.tracking.uri)}: {str(err).splitlines()[0][:160]}", flush=True)
-
-
-def run_stage(stage: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
-    """The callable `dspark submit` hands to submitit: resolve the variant's frozen YAML, run the stage.
-
-    A failing stage raises, so the task exits non-zero and Slurm's dependencies see it.
-    """
-    from hpc.config import resolve
-    from hpc.launch.variants import check_variant_file
-
-    check_variant_file(config_file)
-    cfg = resolve(config_file, [], check_tracking=False, runs_here=True)
-    if stage != "report":  # the report reads MLflow only
-        cfg = localize_stage(cfg)
-    if stage == "train":
-        code = train_allocation(cfg, parent_run_id)
-    elif stage == "eval":
-        code = eval_stage(cfg, int(n), parent_run_id)
-    elif stage == "report":
-        code = report_stage(cfg, parent_run_id)
-    elif stage == "regenerate":
-        code = regenerate_stage(cfg, parent_run_id)
-    else:
-        raise UserError(f"unknown stage {stage!r}")
-    if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already
-        raise UserError(f"stage {stage} failed with exit code {code}", exit_code=code)
-    return code

@@ -198,9 +198,14 @@ def progress_text(train_dir: str, state_file: Path, now: float | None = None) ->
 
 
 def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tuple[str, ...]]:
+    from hpc.launch.stage_table import NAMES, stage_of
+
     train_dirs = list(state.get("train_dirs") or [])
     rows = []
-    for stage, jid in state["jobs"].items():
+    # In the table's order (a state file written by an older submit may list them otherwise).
+    order = sorted(state["jobs"].items(), key=lambda kv: NAMES.index(stage_of(kv[0])) if stage_of(kv[0]) in NAMES
+                   else len(NAMES))
+    for stage, jid in order:
         jid = str(jid)
         mine = [j for k, j in jobs.items() if k == jid or k.startswith(f"{jid}_")]
         mine.sort(key=lambda j: (len(j.id), j.id))  # 12_2 before 12_10
@@ -211,7 +216,7 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
             task = j.id.partition("_")[2]
             variant = f"v{task}" if task.isdigit() else (task or "-")
             progress = ""
-            if stage == "train":
+            if stage_of(stage) == "train":
                 i = int(task) if task.isdigit() else 0
                 progress = progress_text(train_dirs[i], state_file) if i < len(train_dirs) else ""
             nodes = "-" if j.nodes.startswith("None") or not j.nodes else j.nodes
@@ -298,22 +303,18 @@ def _cancel_cmd(args) -> int:
     return 0
 
 
-def register(sub, names: tuple[str, ...] | None = None) -> None:
-    """Add `status` and/or `cancel`; with no `names`, the one hpc.cli is building the parser for.
+def _register(sub, name: str) -> None:
+    p = sub.add_parser(name, description=__doc__)
+    p.add_argument("pipeline", nargs="?", default="latest",
+                   help="pipeline.json, its directory, a pipeline id, or latest (the default)")
+    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
+                   help=f"the config's cluster.log_dir (default {DEFAULT_LOG_DIR})")
+    p.set_defaults(func=_status_cmd if name == "status" else _cancel_cmd)
 
-    hpc.cli calls register() at the running command's place in COMMANDS, after the placeholders
-    of the commands listed before it and before the ones after it: so the running command is
-    the first of ours not yet added (adding both would clash with the other's placeholder).
-    """
-    from hpc.cli import COMMANDS
 
-    helps = {n: h for n, module, h in COMMANDS if module == __name__}
-    if names is None:
-        names = tuple(n for n in helps if n not in sub.choices)[:1]
-    for name in names:
-        p = sub.add_parser(name, help=helps.get(name), description=__doc__)
-        p.add_argument("pipeline", nargs="?", default="latest",
-                       help="pipeline.json, its directory, a pipeline id, or latest (the default)")
-        p.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
-                       help=f"the config's cluster.log_dir (default {DEFAULT_LOG_DIR})")
-        p.set_defaults(func=_status_cmd if name == "status" else _cancel_cmd)
+def register_status(sub) -> None:
+    _register(sub, "status")
+
+
+def register_cancel(sub) -> None:
+    _register(sub, "cancel")

@@ -8,7 +8,8 @@ created and the jobs go in with submitit, wired by dependencies:
     train array --aftercorr--> eval-n3 array, eval-n7 array (task i evaluates variant i)
     eval arrays --afterany--> report (the comparison table, into the parent run)
 
-If a submission fails midway, the jobs already submitted are cancelled.
+The stages and their dependencies are declared once, in `hpc.launch.stage_table`. If a
+submission fails midway, the jobs already submitted are cancelled.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StageJobs:
     params: dict  # submitit executor parameters
     calls: list[tuple]  # run_stage arguments, one per array task
     after: list[tuple[str, str]] = field(default_factory=list)  # (dependency type, stage name)
+    array: bool = True  # a job array, one task per variant; else a single job
 
 
 @dataclass
@@ -90,7 +92,6 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, sweep_overrides, to_yaml
-
     from hpc.launch.variants import private_dir, variant_path
 
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
@@ -110,22 +111,17 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
         path = variant_path(root, i, text)
         write_text(path, text, mode=0o600)
         files.append(path)
-    c = cfg.cluster
+    from hpc.launch.stage_table import jobs
+
     stages = []
-    if cfg.data.regenerate:
-        regen = _base_params(cfg, f"{cfg.name}-regenerate", c.regenerate_nodes, True)
-        regen["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # node 0 drives; its death ends the Ray workers
-        stages.append(StageJobs("regenerate", regen, [("regenerate", str(files[0]))]))
-    train = _base_params(cfg, f"{cfg.name}-train", c.verifier_nodes + c.trainer_nodes, True)
-    train["slurm_srun_args"] = ["--kill-on-bad-exit=1"]  # a dead role stops the allocation, no hang
-    stages.append(StageJobs("train", train, [("train", str(f)) for f in files],
-                            [("afterok", "regenerate")] if cfg.data.regenerate else []))
-    for n in cfg.eval.num_speculative_tokens:
-        stages.append(StageJobs(f"eval-n{n}", _base_params(cfg, f"{cfg.name}-eval-n{n}", c.eval_nodes, True),
-                                [("eval", str(f), n) for f in files], [("aftercorr", "train")]))
-    evals = [s.name for s in stages if s.name.startswith("eval-")]
-    stages.append(StageJobs("report", _base_params(cfg, f"{cfg.name}-report", 1, False),
-                            [("report", str(files[0]))], [("afterany", e) for e in evals]))
+    for job in jobs(cfg):
+        s = job.stage
+        params = _base_params(cfg, f"{cfg.name}-{job.name}", s.nodes(cfg.cluster), s.gpus)
+        if s.kill_on_bad_exit:
+            params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
+        per_n = (job.n,) if job.n is not None else ()
+        calls = [(s.name, str(f), *per_n) for f in (files if s.per_variant else files[:1])]
+        stages.append(StageJobs(job.name, params, calls, list(job.after), array=s.per_variant))
     return cfg, Pipeline(pid, root, files, variants, stages)
 
 
@@ -186,7 +182,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
         return dry_run(cfg, p)
     from mlflow.tracking import MlflowClient
 
-    from hpc.launch.stages import run_stage
+    from hpc.launch.stage_table import run_stage
     from hpc.track.pipeline import create_pipeline_run
 
     client = MlflowClient(cfg.tracking.uri)
@@ -197,7 +193,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
         for s in p.stages:
             ex = _executor(p.root / "logs", s.params, _dependency(s, ids), len(s.calls))
             calls = [(*c[:2], parent, *c[2:]) for c in s.calls]  # (stage, file, parent[, n])
-            if len(calls) == 1 and s.name in ("regenerate", "report"):
+            if not s.array:
                 job = ex.submit(run_stage, *calls[0])
                 ids[s.name] = job.job_id
             else:

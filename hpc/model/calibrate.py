@@ -57,7 +57,7 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, export_dir: str | Path) -> "Calibration | None":
+    def load(cls, export_dir: str | Path) -> Calibration | None:
         path = Path(export_dir) / FILE
         if not path.is_file():
             return None
@@ -67,7 +67,7 @@ class Calibration:
         except (ValueError, KeyError, TypeError) as err:
             from hpc.errors import UserError
 
-            raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration")
+            raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration") from None
         return cls(maps, int(d.get("fitted_on", 0)))
 
 

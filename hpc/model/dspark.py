@@ -48,7 +48,7 @@ class DSparkArgs:
     aux_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
 
     @classmethod
-    def from_config(cls, cfg) -> "DSparkArgs":
+    def from_config(cls, cfg) -> DSparkArgs:
         """From a resolved DSparkConfig (draft dims + the target's dims)."""
         d, v = cfg.draft, cfg.verifier
         keys = [k for k in cls.__dataclass_fields__ if hasattr(d, k)]

@@ -166,7 +166,7 @@ def read_export_config(path: Path) -> dict:
         cfg = json.loads(cfg_file.read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{cfg_file}: not valid JSON ({err}); the file is damaged or truncated, "
-                        "re-export it or pick an earlier checkpoint")
+                        "re-export it or pick an earlier checkpoint") from None
     if not isinstance(cfg, dict) or "transformer_layer_config" not in cfg:
         raise UserError(f"{cfg_file}: not a speculators draft config (no transformer_layer_config)")
     return cfg
@@ -179,12 +179,12 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     try:
         model = DSparkDraft(args_from_export_config(read_export_config(path)))
     except KeyError as err:
-        raise UserError(f"{path / 'config.json'}: missing key {err}; the file is damaged, re-export the draft")
+        raise UserError(f"{path / 'config.json'}: missing key {err}; the file is damaged, re-export the draft") from None
     try:
         tensors = load_file(str(weights))
     except Exception as err:  # safetensors raises its own error type for a cut-short file
         raise UserError(f"{weights}: unreadable ({str(err).splitlines()[0]}); the file is damaged or truncated, "
-                        "re-export it or pick an earlier checkpoint")
+                        "re-export it or pick an earlier checkpoint") from None
     expected = model.state_dict()
     problems = [f"{k}: missing from {weights.name}" for k in expected if k not in tensors]
     problems += [f"{k}: unexpected tensor (not in the config's model)" for k in tensors if k not in expected]

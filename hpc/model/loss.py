@@ -33,7 +33,7 @@ class LossWeights:
     confidence_detach: bool = False  # the confidence BCE trains its head only, not the backbone
 
     @classmethod
-    def from_config(cls, loss_cfg) -> "LossWeights":
+    def from_config(cls, loss_cfg) -> LossWeights:
         target = loss_cfg.confidence_target
         return cls(ce=loss_cfg.ce_weight, tv=loss_cfg.tv_weight, kl=loss_cfg.kl_weight, decay_gamma=loss_cfg.decay_gamma,
                    confidence=loss_cfg.confidence_weight, confidence_target=getattr(target, "value", str(target)),

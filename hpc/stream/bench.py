@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 
 def _capture(i: int, T: int, n_aux: int, H: int):
-    from hpc.verifier.hf_backend import Capture
+    from hpc.stream.sample import Capture
 
     g = torch.Generator().manual_seed(i)
     return Capture.from_states(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hpc.dist.planes import Planes
 from hpc.dist.rules import Message, message
-from hpc.verifier.hf_backend import Capture
+from hpc.stream.sample import Capture
 
 HEADER_LEN = 8
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
@@ -64,7 +64,7 @@ class Header:
                              self.dtype, 0], dtype=torch.int64)
 
     @classmethod
-    def parse(cls, t: torch.Tensor) -> "Header":
+    def parse(cls, t: torch.Tensor) -> Header:
         v = t.tolist()
         return cls(Kind(v[0]), v[1], v[2], v[3], v[4], v[5], v[6])
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hpc.dist.planes import Planes, bind_thread
 from hpc.stream.protocol import BufferPool, Failure, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
-from hpc.train.loop import MicroBatch
+from hpc.stream.sample import MicroBatch
 
 
 class PeerDied(RuntimeError):
@@ -50,7 +50,7 @@ class StreamReceiver:
         self.wait_s = 0.0
         self._done = threading.Event()
 
-    def start(self, ledger: list[list[int]], epoch: int, share_ledger: bool) -> "StreamReceiver":
+    def start(self, ledger: list[list[int]], epoch: int, share_ledger: bool) -> StreamReceiver:
         if share_ledger:
             for s in self.streamers:
                 send_ledger(ledger, epoch, s, self.planes)

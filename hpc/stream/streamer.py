@@ -30,7 +30,7 @@ import torch
 from hpc.dist.planes import Planes
 from hpc.errors import VerifierDown
 from hpc.stream.protocol import Failure, Header, Kind, recv_header, recv_ledger, send_header, send_sample
-from hpc.verifier.hf_backend import Capture
+from hpc.stream.sample import Capture
 
 CaptureFn = Callable[[int, list[int], list[int]], Capture]
 

@@ -54,10 +54,9 @@ def experiment_id(client, name: str) -> str:
 def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
     """The parent run: resolved config as params, the pipeline's tags (plus `tags`)."""
     from mlflow.entities import Param
+    from omegaconf import OmegaConf
 
     from hpc.config import flatten
-
-    from omegaconf import OmegaConf
 
     exp = experiment_id(client, cfg.tracking.experiment)
     run = client.create_run(exp, run_name=run_name or cfg.name, tags={STAGE: "pipeline", **common_tags(cfg), **(tags or {})})

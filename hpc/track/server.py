@@ -73,7 +73,7 @@ class MlflowServer:
     def log_path(self) -> Path:
         return self.root / "server.log"
 
-    def start(self, timeout_s: float = 90.0) -> "MlflowServer":
+    def start(self, timeout_s: float = 90.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         if is_healthy(self.uri, timeout=1.0) or not _bindable(self.host, self.port):
@@ -142,7 +142,7 @@ class MlflowServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> "MlflowServer":
+    def __enter__(self) -> MlflowServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -21,9 +21,9 @@ import random
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -188,7 +188,8 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
         save_file(opt_t, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
         py_state = random.getstate()
-        (tmp / "state.json").write_text(json.dumps({**asdict(state), "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}))
+        rng = [py_state[0], list(py_state[1]), py_state[2]]
+        (tmp / "state.json").write_text(json.dumps({**asdict(state), "python_rng": rng}))
     _barrier(group)
     if rank == 0:
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}

@@ -29,8 +29,8 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
     import torch.multiprocessing as mp
 
     from hpc.config.validate import trainer_ranks
-    from hpc.train.driver import rank_process
     from hpc.net import free_port
+    from hpc.train.driver import rank_process
     from hpc.train.prepare import prepare_data
 
     if cfg.tracking.uri.startswith("http"):

@@ -29,7 +29,7 @@ def capture_concurrency(cfg: DSparkConfig) -> int:
         return 1
     if cfg.verifier.capture_concurrency:
         return cfg.verifier.capture_concurrency
-    from hpc.verifier.vllm_support import default_capture_concurrency
+    from hpc.config.vllm_support import default_capture_concurrency
 
     return default_capture_concurrency(cfg.plan.avg_seq_len or max(cfg.data.max_seq_len // 2, 1))
 
@@ -58,7 +58,8 @@ class Progress:
     """Step, loss, samples/s, data-wait share and ETA on one line (rich), for trainer rank 0."""
 
     def __init__(self, total: int, start: int, global_batch: int):
-        from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
 
         self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
@@ -339,8 +340,8 @@ def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True, status: s
 
     ckpt = latest_checkpoint(out / "checkpoints") if export else None
     if ckpt is not None:
-        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.name or cfg.verifier.model,
-                              json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"],
+        archs = json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"]
+        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.name or cfg.verifier.model, archs,
                               max(cfg.eval.num_speculative_tokens))
         losses = json.loads((ckpt / "state.json").read_text())["losses"]
         png = loss_curve_png(losses, out / "loss_curve.png", title=cfg.name)

@@ -9,12 +9,10 @@ from rank 0 tells any restart exactly which samples of the epoch are done.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -24,21 +22,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
+from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from hpc.train.schedule import lr_factor
-from hpc.verifier.hf_backend import Capture
 
 
 class RequeueRequested(Exception):
     """Raised after the checkpoint that a preemption/termination signal asked for."""
-
-
-@dataclass
-class MicroBatch:
-    mine: list[Capture]  # this rank's samples
-    consumed: list[tuple[int, int]]  # every rank's (epoch, sample id) of this micro-step, in order
-    # Called once the samples are packed into the step's row: their receive buffers are free.
-    release: Callable[[], object] | None = None
 
 
 def pack(captures: list[Capture]) -> PackedRow:

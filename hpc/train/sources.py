@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hpc.train.loop import MicroBatch
+from hpc.stream.sample import MicroBatch
 from hpc.verifier.hf_backend import HFVerifier
 
 

@@ -92,12 +92,12 @@ def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> I
         import datasets
     except ImportError:
         raise UserError(f"{path} is not a local file and the `datasets` package is missing to load it "
-                        "from the hub; pip install datasets, or point data.sources[].path at a local copy")
+                        "from the hub; pip install datasets, or point data.sources[].path at a local copy") from None
     try:
         ds = datasets.load_dataset(path, split=split, streaming=True)
     except Exception as err:  # noqa: BLE001 - offline clusters fail here with many exception types
         raise UserError(f"cannot load dataset {path!r} ({str(err).splitlines()[0]}); download it and set "
-                        "data.sources[].path to the local directory")
+                        "data.sources[].path to the local directory") from None
     for i, row in enumerate(ds):
         if max_rows is not None and i >= max_rows:
             return

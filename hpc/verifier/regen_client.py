@@ -46,7 +46,7 @@ def served_model(url: str, timeout: float = 30.0, api_key: str | None = None) ->
         return str(resp.json()["data"][0]["id"])
     except (requests.RequestException, KeyError, IndexError, ValueError) as err:
         raise UserError(f"no OpenAI-compatible server answers at {url} ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}); check --server-url or the server log")
+                        f"{str(err).splitlines()[0] if str(err) else ''}); check --server-url or the server log") from None
 
 
 @dataclass

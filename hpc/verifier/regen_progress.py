@@ -6,8 +6,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
 
@@ -46,7 +54,8 @@ class Reporter:
         self.written = 0
         if enabled:
             self._bar = Progress(
-                TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TextColumn("rows ({task.fields[written]} written)"),
+                TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("rows ({task.fields[written]} written)"),
                 RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
             self._task = self._bar.add_task("regenerate", total=total, completed=completed, written=0)
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
+
 # Temp names do not end in .jsonl: readers globbing *.jsonl never see a partial shard.
 from hpc.fsio import remove_stale_temps, write_text
 

@@ -16,9 +16,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hpc.config import resolve
-    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
-
     from hpc.config.target import localize
+    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
 
     cfg = localize(resolve(args.config, args.overrides, check_tracking=False))
     progress = sys.stderr.isatty() if args.progress is None else args.progress

@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError, VerifierDown
 from hpc.net import free_port
-from hpc.verifier.hf_backend import Capture
+from hpc.stream.sample import Capture
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
 from hpc.verifier.vllm_server import VLLMServer, config_flags, log_tail, server_env, start_vllm_server
 

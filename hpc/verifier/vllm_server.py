@@ -159,7 +159,7 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             pass
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -111,7 +111,8 @@ def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monke
 def test_ranks_per_node_null_resolves_to_one_number_everywhere():
     from hpc.launch.stages import node_ranks
 
-    cfg = resolve(KIMI, ["cluster.trainer_nodes=2", "train.ranks_per_node=null", "train.global_batch_size=32"], check_tracking=False)
+    cfg = resolve(KIMI, ["cluster.trainer_nodes=2", "train.ranks_per_node=null", "train.global_batch_size=32"],
+                  check_tracking=False)
     assert cfg.train.ranks_per_node == 8  # null in the recipe: one rank per GPU
     assert node_ranks(cfg, 2) == (list(range(8, 16)), 16, 1)
     cfg.train.ranks_per_node = None  # a config object built without resolve() still works

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from hpc.config import resolve
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -231,7 +231,8 @@ def test_the_legend_explains_only_the_marks_present():
 def test_the_verdict_says_plainly_whether_dspark_beats_each_rival_on_tau():
     from hpc.evaluate.compare import tau_verdict
 
-    evals = [EvalRecord("p", "dspark", 7, card_metrics("dspark", 7)), EvalRecord("p", "eagle3", 7, card_metrics("eagle3", 7)),
+    evals = [EvalRecord("p", "dspark", 7, card_metrics("dspark", 7)),
+             EvalRecord("p", "eagle3", 7, card_metrics("eagle3", 7)),
              EvalRecord("p", "dspark", 3, card_metrics("dspark", 3)),
              EvalRecord("p", "ngram", 7, {"gsm8k/accept_len": 5.0, "aime/accept_len": 5.5})]
     lines = tau_verdict(evals).strip().splitlines()

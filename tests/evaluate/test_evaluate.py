@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hpc.config import resolve
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
@@ -24,7 +24,7 @@ BENCHES = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench
 
 def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Path:
     from hpc.model.export import export_draft, load_draft
-    from hpc.train.offline import target_architectures, train_in_process
+    from hpc_dev.offline import target_architectures, train_in_process
 
     data = write_toy_conversations(tmp / f"{name}.jsonl", n=64, seed=1)
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",

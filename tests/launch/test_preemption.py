@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

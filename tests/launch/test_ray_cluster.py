@@ -22,7 +22,8 @@ def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEn
 
 
 def test_head_and_worker_commands():
-    head, worker = ray_start_command(env(0), 45678, object_store_mb=256), ray_start_command(env(1), 45678, object_store_mb=256)
+    head = ray_start_command(env(0), 45678, object_store_mb=256)
+    worker = ray_start_command(env(1), 45678, object_store_mb=256)
     port = "45678"
     assert head[head.index("--port") + 1] == port and "--head" in head and "--address" not in head
     assert worker[worker.index("--address") + 1] == f"127.0.0.1:{port}" and "--head" not in worker

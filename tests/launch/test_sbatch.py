@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.slurm import SlurmCluster
 from tests.fixtures.wait import poll
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hpc.config.cron import next_run
 from hpc.errors import UserError
 from hpc.launch import schedule
-from hpc.launch.cron import next_run
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]

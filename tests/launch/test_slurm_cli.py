@@ -105,7 +105,8 @@ def test_requeue_says_requeued(slurm, capsys):
 def test_a_refused_requeue_is_one_line_with_scontrols_reason(slurm, capsys):
     slurm(lambda argv: done(argv, 1, err="scontrol: warning: x\nslurm_requeue error: Job is no longer pending\n"))
     stages.requeue(SlurmEnv(812, 0, 2, ["a", "b"], "812"))
-    assert capsys.readouterr().out == "job 812: checkpointed; requeue failed: slurm_requeue error: Job is no longer pending\n"
+    assert capsys.readouterr().out == ("job 812: checkpointed; requeue failed: "
+                                       "slurm_requeue error: Job is no longer pending\n")
 
 
 # ---- squeue, sbatch and scrontab behind `dspark schedule` ---------------------------------
@@ -179,7 +180,8 @@ def test_scrontab_missing_means_the_job_fallback(slurm):
 
 
 def test_scrontab_failing_otherwise_is_one_line(slurm):
-    slurm(lambda argv: done(argv, 1, err="scrontab: error: x\nslurm_load_ctl_conf error: Unable to contact slurm controller\n"))
+    err = "scrontab: error: x\nslurm_load_ctl_conf error: Unable to contact slurm controller\n"
+    slurm(lambda argv: done(argv, 1, err=err))
     with pytest.raises(UserError) as info:
         ss.read_scrontab()
     assert one_line(info.value) == ("scrontab -l failed: slurm_load_ctl_conf error: Unable to contact slurm controller; "

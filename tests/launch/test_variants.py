@@ -36,7 +36,7 @@ def test_pipeline_directories_and_variant_files_are_private(tmp_path):
 
 
 def test_a_job_refuses_a_variant_file_edited_after_submit(tmp_path):
-    from hpc.launch.stages import run_stage
+    from hpc.launch.stage_table import run_stage
 
     p = _plan(tmp_path)
     f = p.variant_files[1]

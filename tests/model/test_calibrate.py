@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from hpc.model.calibrate import (FILE, Calibration, HeldOutSlots, ece_by_position, fit_calibration, held_out_slots,
-                                 weighted_ece)
+from hpc.model.calibrate import (
+    FILE,
+    Calibration,
+    HeldOutSlots,
+    ece_by_position,
+    fit_calibration,
+    held_out_slots,
+    weighted_ece,
+)
 from hpc.model.export import export_draft, load_draft
 from hpc.model.loss import VerifierHead
 from tests.model import test_dspark as T

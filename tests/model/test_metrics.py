@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from hpc.model.metrics import (
-    accept_prob, brier, expected_acceptance_length, expected_calibration_error, greedy_acceptance,
-    mass_outside_draft_vocab, mean_acceptance, per_position_acceptance,
+    accept_prob,
+    brier,
+    expected_acceptance_length,
+    expected_calibration_error,
+    greedy_acceptance,
+    mass_outside_draft_vocab,
+    mean_acceptance,
+    per_position_acceptance,
 )
 
 

@@ -30,7 +30,7 @@ import torch
 from hpc.config import resolve
 from hpc.evaluate.reference import SpecStats, greedy_generate, speculative_generate
 from hpc.model.export import export_draft, load_draft
-from hpc.verifier.toy_data import toy_conversations
+from hpc_dev.toy_data import toy_conversations
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "peers" / "vllm_dflash_spec.py"
@@ -77,7 +77,7 @@ def onpolicy_conversations(target, tok, out: Path, n: int, seed: int) -> Path:
 
 
 def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
-    from hpc.train.offline import target_architectures, train_in_process
+    from hpc_dev.offline import target_architectures, train_in_process
 
     cfg = resolve(REPO / "configs" / "toy-cpu.yaml",
                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",

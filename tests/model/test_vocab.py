@@ -7,8 +7,12 @@ import torch
 
 from hpc.errors import UserError
 from hpc.model.vocab import (
-    build_vocab_mapping, check_d2t, count_assistant_tokens, mapping_from_selected,
-    select_draft_vocab, selected_from_d2t,
+    build_vocab_mapping,
+    check_d2t,
+    count_assistant_tokens,
+    mapping_from_selected,
+    select_draft_vocab,
+    selected_from_d2t,
 )
 
 

@@ -19,9 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 import speculators.models.dspark.core as spec_core
+import torch
 from speculators.losses import eager as spec_eager
 from speculators.losses import resolve_loss_config
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hpc.stream.protocol import BufferPool
-from hpc.verifier.hf_backend import Capture
+from hpc.stream.sample import Capture
 
 
 def test_released_buffers_take_the_next_sample_and_held_ones_do_not():

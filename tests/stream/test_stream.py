@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-
 from hpc.net import free_port
 from hpc.train.online import EXIT_PEER_DIED
 from tests.fixtures.wait import wait_until

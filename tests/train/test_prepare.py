@@ -49,7 +49,7 @@ def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_
 
     from hpc.errors import UserError
     from hpc.train.prepare import prepare_data, prepared_hash
-    from hpc.verifier.toy_data import write_toy_conversations
+    from hpc_dev.toy_data import write_toy_conversations
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=24, seed=2)
     cfg = _cfg(tmp_path, toy_target, data)

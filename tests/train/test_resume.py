@@ -137,8 +137,7 @@ def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
 
 def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_path):
     from hpc.errors import UserError
-    from hpc.train.loop import MicroBatch
-    from hpc.verifier.hf_backend import Capture
+    from hpc.stream.sample import Capture, MicroBatch
 
     trainer, verifier = make_trainer(target_dir, tmp_path, init_seed=0)
     good = verifier.capture(0, *rows()[0])

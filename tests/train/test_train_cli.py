@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200
@@ -26,7 +26,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
            f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
-           "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}", "tracking.experiment=train-cli",
+           "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}",
+           "tracking.experiment=train-cli",
            "verifier.env={VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: hf_not_for_logs}", "--steps", str(STEPS)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]

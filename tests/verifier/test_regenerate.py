@@ -23,7 +23,7 @@ from hpc.errors import UserError
 from hpc.verifier.regen_client import ChatClient
 from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
 from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir, start_regen_server
-from hpc.verifier.toy_data import toy_conversations
+from hpc_dev.toy_data import toy_conversations
 from tests.fixtures.infra import infra_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]

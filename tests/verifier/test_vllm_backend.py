@@ -22,9 +22,15 @@ from hpc.verifier import vllm_backend
 from hpc.verifier.data import to_messages, tokenize_conversation
 from hpc.verifier.hf_backend import HFVerifier
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
-from hpc.verifier.toy_data import toy_conversations
 from hpc.verifier.vllm_backend import (
-    CaptureError, VLLMVerifier, capture_layer_ids, read_capture, server_args, start_capture_server)
+    CaptureError,
+    VLLMVerifier,
+    capture_layer_ids,
+    read_capture,
+    server_args,
+    start_capture_server,
+)
+from hpc_dev.toy_data import toy_conversations
 from tests.fixtures.infra import infra_unavailable
 
 # Unsorted and holding the final layer (id == num layers = 4): vLLM returns its ids sorted and

@@ -11,9 +11,9 @@ import pytest
 import requests
 
 from hpc.errors import UserError
-from hpc.verifier.toy_train import greedy_ids
 from hpc.verifier.vllm_env import MARKER, ensure_vllm_venv
 from hpc.verifier.vllm_server import DEFAULT_ENV, start_vllm_server
+from hpc_dev.toy_train import greedy_ids
 
 PROMPTS = [
     "def ",

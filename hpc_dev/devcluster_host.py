@@ -1,6 +1,6 @@
 """Host preparation for the dev cluster: packages, /etc/hosts, and process checks.
 
-Kept apart from hpc/launch/devcluster.py because it is about the machine, not the cluster.
+Kept apart from hpc_dev/devcluster.py because it is about the machine, not the cluster.
 """
 
 from __future__ import annotations

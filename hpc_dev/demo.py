@@ -17,24 +17,16 @@ from hpc.errors import UserError
 DEMO_LR = 3e-3
 
 
-def demo_stage(stage: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
-    """One stage in a submitit local job (its own process, like a Slurm job)."""
+def demo_stage(stage_name: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
+    """One stage in a submitit local job (its own process, like a Slurm job): the entry the
+    pipeline's Slurm job runs, in its one-machine form (`local=True`)."""
     from hpc.config import resolve
-    from hpc.launch import stages
+    from hpc.launch.stage_table import stage
 
     cfg = resolve(config_file, [], check_tracking=False)
-    if stage == "regenerate":
-        return stages.regenerate_stage(cfg, parent_run_id, local=True)
-    if stage == "train":
-        from hpc.train.cli import train_local
-
-        code = train_local(cfg, parent_run_id)
-    elif stage == "eval":
-        code = stages.eval_stage(cfg, int(n), parent_run_id)
-    else:
-        code = stages.report_stage(cfg, parent_run_id)
+    code = stage(stage_name).entry(cfg, parent_run_id, n, True)
     if code:
-        raise RuntimeError(f"{stage} failed with exit code {code}")
+        raise RuntimeError(f"{stage_name} failed with exit code {code}")
     return code
 
 
@@ -44,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, to_yaml
+    from hpc.launch.stage_table import jobs
     from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
-    from hpc.verifier.toy import build_toy_target
-    from hpc.verifier.toy_data import write_toy_conversations
+    from hpc_dev.toy import build_toy_target
+    from hpc_dev.toy_data import write_toy_conversations
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()
@@ -67,13 +60,12 @@ def run(args: argparse.Namespace) -> int:
     parent = create_pipeline_run(client, cfg, f"{cfg.name}-demo")
     ex = submitit.LocalExecutor(folder=str(out / "jobs" / "%j"))
     ex.update_parameters(timeout_min=60)
-    plan = ([("regenerate", None)] if cfg.data.regenerate else []) + [("train", None)] + \
-        [("eval", n) for n in cfg.eval.num_speculative_tokens] + [("report", None)]
-    for i, (stage, n) in enumerate(plan, start=1):
-        name = f"{stage}-n{n}" if n else stage
+    plan = jobs(cfg)  # the pipeline's stages in the order a submit would wire them
+    for i, step in enumerate(plan, start=1):
+        stage, name = step.stage.name, step.name
         started = time.monotonic()
         print(f"[{started - t0:5.0f}s] stage {i}/{len(plan)}: {name}", flush=True)
-        job = ex.submit(demo_stage, stage, str(cfg_file), parent, n)
+        job = ex.submit(demo_stage, stage, str(cfg_file), parent, step.n)
         try:
             job.result()
         except Exception as err:  # noqa: BLE001 - the job's own log says why

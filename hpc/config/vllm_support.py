@@ -64,7 +64,9 @@ def probe(python: str, archs: list[str], timeout_s: float = 600) -> dict | None:
         return json.loads(cached.read_text())
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")}
     try:
-        out = subprocess.run([python, str(PROBE_FILE), *archs], capture_output=True, text=True,
+        # -I: the probe's directory must not lead sys.path, where hpc/config/secrets.py would
+        # shadow the stdlib `secrets` that vLLM's dependencies import.
+        out = subprocess.run([python, "-I", str(PROBE_FILE), *archs], capture_output=True, text=True,
                              timeout=timeout_s, env=env)
     except (OSError, subprocess.SubprocessError) as err:
         raise ProbeError(f"probing vLLM in {python} failed: {err}") from err

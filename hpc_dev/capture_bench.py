@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, python = args.model, args.python
     if model is None:
-        from hpc.verifier.toy import build_toy_target
+        from hpc_dev.toy import build_toy_target
 
         model = str(build_toy_target(arch="qwen3"))
     if python is None:

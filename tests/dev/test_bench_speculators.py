@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc import bench
 from hpc.cli import main
+from hpc_dev import bench_speculators as bench
 from tests.fixtures.speculators import speculators_python  # noqa: F401  (fixture)
 
 
@@ -13,7 +13,7 @@ def test_missing_speculators_venv_is_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("DSPARK_SPECULATORS_VENV", str(tmp_path / "absent"))
     assert main(["bench", "train-step"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "tests.peers.speculators_env" in err
+    assert len(err.splitlines()) == 1 and "hpc_dev.speculators_env" in err
 
 
 def test_table_and_ratios():

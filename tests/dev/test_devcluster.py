@@ -23,9 +23,9 @@ from submitit.core.utils import FailedJobError
 
 from hpc.cli import main
 from hpc.errors import UserError
-from hpc.launch import devcluster, devcluster_host
-from hpc.launch.devcluster import DevCluster
-from hpc.launch.devcluster_conf import DevClusterSpec, render_slurm_conf
+from hpc_dev import devcluster, devcluster_host
+from hpc_dev.devcluster import DevCluster
+from hpc_dev.devcluster_conf import DevClusterSpec, render_slurm_conf
 from tests.fixtures.slurm import SlurmCluster
 from tests.fixtures.wait import wait_until
 from tests.launch import slurm_jobs

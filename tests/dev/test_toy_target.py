@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from hpc.verifier import toy, toy_train
-from hpc.verifier.toy import MASK, ToyConfig, build_info, build_toy_target
+from hpc_dev import toy
+from hpc_dev.toy import MASK, ToyConfig, build_info, build_toy_target
 
 pytestmark = pytest.mark.slow  # builds models (tiny ones in seconds; the session toys ~2 min cold)
 
@@ -63,7 +62,7 @@ def test_mask_token_is_reserved(toy_target):
     assert 0 <= tok.mask_token_id < config["vocab_size"]
     assert tok(MASK, add_special_tokens=False)["input_ids"] == [tok.mask_token_id]
     # Ordinary text (even text that spells the marker's pieces) never produces the mask id.
-    from hpc.verifier.toy_corpus import exchanges
+    from hpc_dev.toy_corpus import exchanges
 
     text = " ".join(a for _, a in exchanges(50)) + " <|mask |> mask <| |>"
     assert tok.mask_token_id not in tok(text, add_special_tokens=False)["input_ids"]
@@ -96,7 +95,7 @@ def hf_toy(toy_target):
 def test_greedy_replies_on_the_eval_fixtures_do_not_loop(toy_target):
     # The issue-12 guard, on the session's toy (fixed seed 0): no reply repeats one token more
     # than 8 times in a row, and replies are mostly distinct tokens, not a cycle.
-    from hpc.verifier.toy_report import report
+    from hpc_dev.toy_report import report
 
     r = report(toy_target, benchmarks=["gsm8k", "humaneval"])
     for name, b in r["benchmarks"].items():
@@ -107,7 +106,7 @@ def test_greedy_replies_on_the_eval_fixtures_do_not_loop(toy_target):
 
 
 def test_report_figures_by_hand():
-    from hpc.verifier.toy_report import longest_run, lookup_hits, lookup_prediction
+    from hpc_dev.toy_report import longest_run, lookup_hits, lookup_prediction
 
     assert longest_run([1, 2, 2, 2, 3, 3]) == 3 and longest_run([]) == 0
     # After [5, 6, 7, 5, 6] the longest earlier match of a suffix is [5, 6] -> predicts 7.

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc import bench_acceptance as ba
 from hpc.cli import main
 from hpc.evaluate.harness import BenchResult
+from hpc_dev import bench_acceptance as ba
 
 ROOT = Path(__file__).resolve().parents[2]
 

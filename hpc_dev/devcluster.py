@@ -8,7 +8,7 @@ Every fresh start wipes the controller state and the accounting database, so job
 at 1 and no job from an earlier session can resurface. There is no systemd here: daemons are
 started detached by hand and stopped by their pid files.
 
-It runs as root next to other users, so (hpc.launch.devcluster_host): the state directory must
+It runs as root next to other users, so (hpc_dev.devcluster_host): the state directory must
 be ours and not a link (0711: munged needs others to traverse it, nobody else lists or writes);
 files in it are opened without following links; a pid counts as our daemon only if it runs as
 us, has the daemon's name and was started for this state dir; no Slurm client runs against a
@@ -31,14 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.devcluster_conf import (
+from hpc.fsio import write_text
+from hpc_dev.devcluster_conf import (
     ACCOUNTING_DB,
     DevClusterSpec,
     render_gres_conf,
     render_slurm_conf,
     render_slurmdbd_conf,
 )
-from hpc.launch.devcluster_host import (
+from hpc_dev.devcluster_host import (
     DEVCLUSTER_ENV,
     SEARCH_PATH,
     daemon_is_ours,
@@ -51,7 +52,6 @@ from hpc.launch.devcluster_host import (
     remove_own_hosts_entries,
     secure_state_dir,
 )
-from hpc.fsio import write_text
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Every 10th row is held out of all three trainings; the confidence calibration of
 with a confidence head is fitted on it (`hpc.model.calibrate`), and DSpark's ECE per position
 is printed as greedy decoding scored it on the benchmarks.
 
-Training runs in this process with an in-process HF verifier (`hpc.train.offline`), so the
+Training runs in this process with an in-process HF verifier (`hpc_dev.offline`), so the
 ablation measures the recipe, not the cluster. `--quick` checks the plumbing only.
 """
 
@@ -71,22 +71,21 @@ def _resolve(config: str, overrides: list[str]):
 def _toy_overrides(out: Path, rows: int) -> list[str]:
     """The demo's setting: the toy target (built or cached), conversations drawn from its corpus,
     and the demo's learning rate (the toy recipe's 1e-3 suits longer runs)."""
-    from hpc.verifier.toy import build_toy_target
-    from hpc.verifier.toy_data import write_toy_conversations
+    from hpc_dev.toy import build_toy_target
+    from hpc_dev.toy_data import write_toy_conversations
 
     target = build_toy_target(arch="qwen3", seed=0)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=rows, seed=1)
-    from hpc.launch.demo import DEMO_LR
+    from hpc_dev.demo import DEMO_LR
 
     return [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
             f"tracking.uri=sqlite:///{out / 'mlflow.db'}", f"train.lr={DEMO_LR}"]
 
 
 def train_variant(config: str, overrides: list[str], name: str, out: Path, steps: int) -> Trained:
-    from hpc.model.export import export_draft, load_draft
-    from hpc.train.offline import target_architectures, train_in_process
-
     from hpc.config.target import localize
+    from hpc.model.export import export_draft, load_draft
+    from hpc_dev.offline import target_architectures, train_in_process
 
     cfg = localize(_resolve(config, [*overrides, *VARIANTS[name], f"train.output_dir={out / name}"]))
     t = Trained(name, out / name / "export")

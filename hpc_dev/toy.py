@@ -19,12 +19,9 @@ import importlib.metadata
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.errors import UserError
-
-ARCHS = ("qwen3", "deepseek_v3")
+from hpc_dev.toy_config import ToyConfig
 
 # Kimi-style chat markers, so chat-template code written against the toy also fits the real target.
 PAD, SYSTEM, USER, ASSISTANT, MIDDLE, END, MASK = (
@@ -41,62 +38,6 @@ CHAT_TEMPLATE = (
 # Versions whose changes alter the built files (tokenizer format, weight layout, numerics).
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 READY = ".toy-ready"
-
-
-@dataclass(frozen=True)
-class ToyConfig:
-    """Everything that determines a toy build; its hash names the cache entry."""
-
-    arch: str = "qwen3"
-    seed: int = 0
-    steps: int = 300
-    vocab_size: int = 3072
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 384
-    # DeepseekV3 only. vLLM's CPU MLA path needs kv_lora_rank=512 and qk_rope_head_dim=64.
-    kv_lora_rank: int = 512
-    qk_rope_head_dim: int = 64
-    qk_nope_head_dim: int = 32
-    v_head_dim: int = 32
-    n_routed_experts: int = 4
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 96
-    first_k_dense_replace: int = 1
-    # Training.
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 3e-3
-    unlikelihood: float = 1.0  # weight of the anti-repetition term (toy_train.objective); 0 = plain LM
-    unlikelihood_window: int = 48
-    corpus_limit: int = 0  # first N exchanges only (0: all); keeps tiny test builds quick
-    max_position_embeddings: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise UserError(f"toy arch {self.arch!r} unknown; choose one of {', '.join(ARCHS)}")
-
-    @classmethod
-    def preset(cls, arch: str, seed: int = 0, steps: int | None = None) -> "ToyConfig":
-        """The default build per arch; the DeepseekV3 toy only needs non-random hidden states."""
-        # qwen3: ~3 min on 2 cores; at 400-800 steps (or without the unlikelihood term) greedy
-        # replies still fell into loops on some eval prompts (toy-target --report).
-        default_steps = {"qwen3": 1200, "deepseek_v3": 60}[arch] if arch in ARCHS else 0
-        cfg = cls(arch=arch, seed=seed, steps=default_steps if steps is None else steps)
-        if arch == "deepseek_v3":
-            cfg = dataclasses.replace(cfg, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)
-        return cfg
-
-    @classmethod
-    def tiny(cls, arch: str = "qwen3", seed: int = 0, steps: int = 4) -> "ToyConfig":
-        """A seconds-long build for tests of the build itself (determinism, caching)."""
-        return dataclasses.replace(
-            cls.preset(arch, seed, steps), vocab_size=512, hidden_size=64, num_layers=2,
-            intermediate_size=128, seq_len=32, batch_size=2, corpus_limit=200,
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,14 +114,14 @@ def default_cache_dir() -> Path:
 def build_key(cfg: ToyConfig) -> str:
     """A hash of the config, the key packages, the corpus sources and the build's own code:
     cheap to compute (no corpus parsing), so a cache hit returns at once."""
-    from hpc.verifier import toy_corpus, toy_train
+    from hpc_dev import toy_config, toy_corpus, toy_train
 
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
     for pkg in KEY_PACKAGES:
         h.update(f"{pkg}=={importlib.metadata.version(pkg)}".encode())
     h.update(toy_corpus.fingerprint())
-    for module in (toy_train, __import__(__name__)):
+    for module in (toy_config, toy_train, __import__(__name__)):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -191,8 +132,8 @@ HELD_OUT = "held_out.jsonl"  # the exchanges training never saw: the report's pe
 def _build_into(cfg: ToyConfig, pairs: list, out: Path, progress: bool) -> dict:
     import torch
 
-    from hpc.verifier.toy_corpus import split
-    from hpc.verifier.toy_train import greedy_sample, train
+    from hpc_dev.toy_corpus import split
+    from hpc_dev.toy_train import greedy_sample, train
 
     train_pairs, held_out = split(pairs)
     tok = train_tokenizer([f"{q}\n{a}" for q, a in train_pairs], cfg.vocab_size)
@@ -231,7 +172,7 @@ def build_toy_target(
     With ``out_dir`` the cached directory is copied there and ``out_dir`` is returned;
     otherwise the cache path itself is returned (treat it as read-only).
     """
-    from hpc.verifier.toy_corpus import exchanges
+    from hpc_dev.toy_corpus import exchanges
 
     cfg = config or ToyConfig.preset(arch, seed, steps)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from hpc.config.cron import next_run, parse_cron
 from hpc.errors import UserError
 from hpc.launch import schedule
-from hpc.launch.cron import next_run, parse_cron
 
 D = datetime.datetime
 
@@ -88,7 +88,7 @@ def test_a_time_the_spring_change_skips_fires_at_the_change(berlin, cron, after,
     got = next_run(cron, after)
     assert got == expected
     aware = got.replace(tzinfo=berlin)
-    assert aware.astimezone(datetime.timezone.utc).astimezone(berlin).replace(tzinfo=None) == got  # it exists
+    assert aware.astimezone(datetime.UTC).astimezone(berlin).replace(tzinfo=None) == got  # it exists
 
 
 def test_the_hour_the_autumn_change_repeats_fires_once(berlin):
@@ -106,9 +106,9 @@ def test_nothing_is_scheduled_in_the_repeated_hours_second_pass(berlin):
 
 
 def test_the_local_zone_follows_tz_and_falls_back_to_utc(monkeypatch):
-    from hpc.launch.cron import local_zone
+    from hpc.config.cron import local_zone
 
     monkeypatch.setenv("TZ", BERLIN)
     assert str(local_zone()) == BERLIN
     monkeypatch.setenv("TZ", "Not/AZone")
-    assert local_zone() == datetime.timezone.utc
+    assert local_zone() == datetime.UTC

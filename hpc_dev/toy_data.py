@@ -12,7 +12,7 @@ import os
 import random
 from pathlib import Path
 
-from hpc.verifier.toy_corpus import exchanges, split
+from hpc_dev.toy_corpus import exchanges, split
 
 
 def toy_conversations(n: int, seed: int = 0) -> list[dict]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hpc.verifier.toy import ToyConfig
+    from hpc_dev.toy_config import ToyConfig
 
 
 def token_stream(tok, texts: list[str]) -> torch.Tensor:
@@ -24,13 +24,13 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def sample_batch(stream: torch.Tensor, cfg: "ToyConfig", gen: torch.Generator) -> torch.Tensor:
+def sample_batch(stream: torch.Tensor, cfg: ToyConfig, gen: torch.Generator) -> torch.Tensor:
     """cfg.batch_size random windows of cfg.seq_len ids from the stream of rendered exchanges."""
     starts = torch.randint(0, len(stream) - cfg.seq_len, (cfg.batch_size,), generator=gen)
     return torch.stack([stream[int(i): int(i) + cfg.seq_len] for i in starts])
 
 
-def lr_at(step: int, cfg: "ToyConfig") -> float:
+def lr_at(step: int, cfg: ToyConfig) -> float:
     """Linear warmup, then cosine down to a tenth."""
     warmup = max(1, cfg.steps // 10)
     if step < warmup:
@@ -69,7 +69,7 @@ def objective(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, special_V: torch.T
     return ce + unlikelihood * ul, ce
 
 
-def train(model, tok, texts: list[str], cfg: "ToyConfig", progress: bool = False) -> float:
+def train(model, tok, texts: list[str], cfg: ToyConfig, progress: bool = False) -> float:
     """Train in place; return the mean cross-entropy over the last few steps (nan for steps=0)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -1,4 +1,4 @@
-"""Layout and config files of the local dev Slurm cluster (see hpc/launch/devcluster.py).
+"""Layout and config files of the local dev Slurm cluster (see hpc_dev/devcluster.py).
 
 Everything lives under one private state directory so that the cluster never touches the
 host's /etc/slurm, /etc/munge or system MariaDB, and `rm -rf` of that directory resets it.

@@ -1,6 +1,6 @@
 """`dspark devcluster up|down|status`: the local multi-node Slurm cluster.
 
-The cluster itself is in hpc/launch/devcluster.py.
+The cluster itself is in hpc_dev/devcluster.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from hpc.launch.devcluster import DevCluster
+from hpc_dev.devcluster import DevCluster
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

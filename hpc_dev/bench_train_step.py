@@ -1,6 +1,6 @@
 """Worker of `dspark bench train-step`: runs inside the speculators venv (PYTHONPATH=<repo>).
 
-    python -m hpc.bench_train_step '<json config>'  ->  one JSON line: per-iteration seconds
+    python -m hpc_dev.bench_train_step '<json config>'  ->  one JSON line: per-iteration seconds
 
 One DSpark draft is exported once and loaded by both sides (identical weights); both train on
 the same packed row (batch x seq_len tokens, `anchors` per sequence) with CE 0.1 + TV 0.9 +
@@ -42,7 +42,7 @@ def draft_args(c: dict) -> DSparkArgs:
 def random_draft(args: DSparkArgs, g: torch.Generator) -> DSparkDraft:
     model = DSparkDraft(args)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02, generator=g)
         kept = torch.sort(torch.randperm(args.target_vocab_size - 1, generator=g)[:args.draft_vocab_size]).values

@@ -9,7 +9,7 @@ safetensors. Cold build ~3 min (177 s measured), warm lookup ~0.1 s.
 
 The venv is marked ready by a file written last, so an interrupted build is redone, not trusted.
 
-    .venv/bin/python -m tests.peers.speculators_env      # builds if needed, prints the python
+    .venv/bin/python -m hpc_dev.speculators_env      # builds if needed, prints the python
 """
 
 from __future__ import annotations

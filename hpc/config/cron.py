@@ -78,7 +78,7 @@ def local_zone() -> datetime.tzinfo:
         with open("/etc/localtime", "rb") as f:
             return ZoneInfo.from_file(f, key="localtime")
     except (OSError, ValueError, ZoneInfoNotFoundError):
-        return datetime.timezone.utc
+        return datetime.UTC
 
 
 def next_run(cron: str, after: datetime.datetime) -> datetime.datetime:

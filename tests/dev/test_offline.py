@@ -9,10 +9,10 @@ import torch
 
 from hpc.config import resolve
 from hpc.evaluate.reference import mean_acceptance_length
+from hpc.model.dspark import DSparkArgs
 from hpc.model.export import load_draft
 from hpc.train.online import build_draft
-from hpc.model.dspark import DSparkArgs
-from hpc.verifier.toy_data import write_toy_conversations
+from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 # The toy target talks, so a draft has a real distribution to learn, not a repeat loop: 60 steps
@@ -40,7 +40,7 @@ def chat_prompts(tok, n: int, path: Path) -> list[list[int]]:
 def test_short_training_beats_the_untrained_draft(toy_target, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc.train.offline import train_in_process
+    from hpc_dev.offline import train_in_process
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=160, seed=1)
     cfg = toy_cfg(toy_target, data, tmp_path / "run", "train.lr=3e-3")

@@ -1,0 +1,135 @@
+"""The pipeline's stages, declared once: name, entry, dependencies, resources.
+
+`dspark submit` lays its Slurm jobs out from `jobs(cfg)`; inside a job, submitit's pickled
+call (`run_stage`) and `dspark stage NAME` (what sbatch/ runs) dispatch through `STAGES`;
+`dspark demo` runs the same entries in the same order on one machine (`local=True`); and
+`dspark status` lists a pipeline's jobs in this order. docs/pipeline-dag.md explains the
+dependency types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hpc.errors import EXIT_REQUEUE, UserError
+
+# entry(cfg, parent_run_id, n, local) -> exit code; n is set for per-n stages only
+Entry = Callable[[object, str | None, int | None, bool], int]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    entry: Entry
+    after: tuple[tuple[str, str], ...] = ()  # (Slurm dependency type, stage name)
+    nodes: Callable[[object], int] = lambda cluster: 1  # from the config's `cluster` section
+    gpus: bool = True
+    kill_on_bad_exit: bool = False  # srun ends the allocation when one node's task fails
+    per_variant: bool = True  # an array task per sweep variant; else one job (variant 0)
+    per_n: bool = False  # one job per eval.num_speculative_tokens, named NAME-nN
+    localize: bool = True  # stage the target/data on node-local storage first
+    enabled: Callable[[object], bool] = lambda cfg: True
+
+
+def _regenerate(cfg, parent_run_id, n, local):
+    from hpc.launch.stages import regenerate_stage
+
+    return regenerate_stage(cfg, parent_run_id, local=local)
+
+
+def _train(cfg, parent_run_id, n, local):
+    if local:  # one machine: every rank a local process, no allocation
+        from hpc.train.cli import train_local
+
+        return train_local(cfg, parent_run_id)
+    from hpc.launch.stages import train_allocation
+
+    return train_allocation(cfg, parent_run_id)
+
+
+def _eval(cfg, parent_run_id, n, local):
+    from hpc.launch.stages import eval_stage
+
+    if n is None:
+        raise UserError("the eval stage needs n (num_speculative_tokens): `dspark stage eval CONFIG --n 7`")
+    return eval_stage(cfg, int(n), parent_run_id)
+
+
+def _report(cfg, parent_run_id, n, local):
+    from hpc.launch.stages import report_stage
+
+    return report_stage(cfg, parent_run_id)
+
+
+STAGES: tuple[Stage, ...] = (
+    # node 0 drives Ray; its death must end the workers, hence kill_on_bad_exit
+    Stage("regenerate", _regenerate, nodes=lambda c: c.regenerate_nodes, kill_on_bad_exit=True,
+          per_variant=False, enabled=lambda cfg: bool(cfg.data.regenerate)),
+    # V verifier + T trainer nodes; a dead role stops the allocation instead of hanging it
+    Stage("train", _train, after=(("afterok", "regenerate"),),
+          nodes=lambda c: c.verifier_nodes + c.trainer_nodes, kill_on_bad_exit=True),
+    Stage("eval", _eval, after=(("aftercorr", "train"),), nodes=lambda c: c.eval_nodes, per_n=True),
+    # the report reads MLflow only, and runs whatever the evals did
+    Stage("report", _report, after=(("afterany", "eval"),), gpus=False, per_variant=False, localize=False),
+)
+NAMES = tuple(s.name for s in STAGES)
+
+
+def stage(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise UserError(f"unknown stage {name!r}; one of {', '.join(NAMES)}")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # the stage's name, or NAME-nN for a per-n stage
+    stage: Stage
+    n: int | None = None
+    after: tuple[tuple[str, str], ...] = ()  # (dependency type, job name), enabled jobs only
+
+
+def jobs(cfg) -> list[Job]:
+    """The pipeline's jobs in submission order, with dependencies resolved to job names."""
+    out: list[Job] = []
+    for s in STAGES:
+        if not s.enabled(cfg):
+            continue
+        ns = list(cfg.eval.num_speculative_tokens) if s.per_n else [None]
+        after = tuple((kind, j.name) for kind, dep in s.after for j in out if j.stage.name == dep)
+        out += [Job(f"{s.name}-n{n}" if n is not None else s.name, s, n, after) for n in ns]
+    return out
+
+
+def stage_of(job_name: str) -> str:
+    """`eval-n7` -> `eval`: which stage a job of a pipeline ran."""
+    for s in STAGES:
+        if job_name == s.name or (s.per_n and job_name.startswith(f"{s.name}-n")):
+            return s.name
+    return job_name
+
+
+def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ...] = (),
+               parent_run_id: str | None = None, n: int | None = None) -> int:
+    """One stage inside its Slurm job, from the variant's frozen YAML: its exit code."""
+    from hpc.config import resolve
+    from hpc.launch import stages
+    from hpc.launch.variants import check_variant_file
+
+    s = stage(name)
+    check_variant_file(config_file)  # before a single key is read
+    cfg = resolve(config_file, list(overrides), check_tracking=False, runs_here=True)
+    if s.localize:
+        cfg = stages.localize_stage(cfg)
+    return s.entry(cfg, parent_run_id, n, False)
+
+
+def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
+    """The callable `dspark submit` hands to submitit. A failing stage raises, so the task
+    exits non-zero and Slurm's dependencies see it."""
+    code = run_in_job(stage_name, config_file, (), parent_run_id, n)
+    if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already
+        raise UserError(f"stage {stage_name} failed with exit code {code}", exit_code=code)
+    return code

@@ -1,0 +1,12 @@
+"""Development tooling: the CPU proving ground that stands in for a GPU cluster.
+
+- `devcluster*`: a real 3-node Slurm cluster on one host (munge, slurmdbd + MariaDB, fake GPU gres);
+- `toy*`: the tiny Qwen3/DeepseekV3-shaped target models, trained on local text;
+- `offline`: single-process training with an in-process verifier (tests, ablations, parity);
+- `demo`, `bench_acceptance`, `capture_bench`, `toy_bench`, `bench_speculators`: what runs on it;
+- `speculators_env`: the venv of the peer implementation the train-step bench measures against.
+
+`hpc` (the production package) never imports this package; only the command-line tables
+(`hpc.cli.COMMANDS`, `hpc.bench.BENCHMARKS`) name its modules, so `dspark devcluster` and
+`dspark toy-target` keep working. tests/test_layers.py enforces both directions.
+"""

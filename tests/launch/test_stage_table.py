@@ -1,0 +1,75 @@
+"""One declaration of the pipeline's stages drives submit, the demo, `dspark stage` and status."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hpc.errors import UserError
+from hpc.launch import stage_table
+from hpc.launch.stage_table import NAMES, jobs, stage, stage_of
+
+
+def _cfg(regenerate: bool, ns=(3, 7)):
+    return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate),
+                           eval=SimpleNamespace(num_speculative_tokens=list(ns)))
+
+
+def test_jobs_in_order_with_dependencies_resolved_to_job_names():
+    got = [(j.name, j.n, j.after) for j in jobs(_cfg(regenerate=True))]
+    assert got == [
+        ("regenerate", None, ()),
+        ("train", None, (("afterok", "regenerate"),)),
+        ("eval-n3", 3, (("aftercorr", "train"),)),
+        ("eval-n7", 7, (("aftercorr", "train"),)),
+        ("report", None, (("afterany", "eval-n3"), ("afterany", "eval-n7"))),
+    ]
+
+
+def test_a_disabled_stage_drops_out_with_its_dependencies():
+    got = {j.name: j.after for j in jobs(_cfg(regenerate=False, ns=(5,)))}
+    assert list(got) == ["train", "eval-n5", "report"]
+    assert got["train"] == ()  # no afterok on a job that is not submitted
+
+
+def test_stage_of_maps_job_names_back():
+    assert [stage_of(j.name) for j in jobs(_cfg(True))] == ["regenerate", "train", "eval", "eval", "report"]
+    assert stage_of("something-else") == "something-else"
+
+
+def test_an_unknown_stage_names_the_known_ones():
+    with pytest.raises(UserError, match="unknown stage 'evaluate'; one of regenerate, train, eval, report"):
+        stage("evaluate")
+
+
+def test_the_stage_cli_offers_exactly_the_tables_stages(capsys):
+    from hpc.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["stage", "nope", "x.yaml"])
+    assert "choose from " + ", ".join(repr(n) for n in NAMES) in capsys.readouterr().err
+
+
+def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
+    # A stage added to the table reaches submit with no other edit.
+    from hpc.launch import submit
+
+    extra = stage_table.Stage("lint", lambda *a: 0, after=(("afterok", "train"),), gpus=False, per_variant=False)
+    monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
+    cfg = SimpleNamespace(
+        name="t", data=SimpleNamespace(regenerate=False), eval=SimpleNamespace(num_speculative_tokens=[3]),
+        cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
+                                qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
+                                trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
+        train=SimpleNamespace(output_dir=str(tmp_path / "train")), tracking=SimpleNamespace(uri="http://x"),
+    )
+    monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
+    monkeypatch.setattr("hpc.config.sweep_overrides", lambda c: [[]])
+    monkeypatch.setattr("hpc.config.to_yaml", lambda c: "name: t\n")
+    monkeypatch.setattr("omegaconf.OmegaConf.structured", lambda c: c)
+    _, p = submit.plan_pipeline("cfg.yaml", [])
+    assert [(s.name, s.after, s.array) for s in p.stages] == [
+        ("train", [], True), ("eval-n3", [("aftercorr", "train")], True),
+        ("report", [("afterany", "eval-n3")], False), ("lint", [("afterok", "train")], False)]
+    assert p.stages[0].params["nodes"] == 2 and p.stages[0].params["slurm_srun_args"] == ["--kill-on-bad-exit=1"]

@@ -1,0 +1,107 @@
+"""Imports go one way: down the layers the README's Layout section draws.
+
+Every `import` in hpc/ (module level or inside a function: a lazy import is still a
+dependency) must name a module of a lower layer or of its own package. Development tooling
+(hpc_dev) sits above the production package, which never imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Top to bottom. A package may import its own modules and any package of a LOWER layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("hpc.__main__",),  # `python -m hpc`
+    ("hpc.cli", "hpc.bench"),  # the command line: tables naming every command and benchmark
+    ("hpc.launch",),  # the Slurm launcher: submit, stages, status, schedule, plan
+    ("hpc.train",),  # the trainer (online: verifier + stream + DDP)
+    ("hpc.evaluate",),  # spec-decode evaluation, compare
+    ("hpc.verifier",),  # vLLM / HF capture, regeneration
+    ("hpc.stream",),  # streamer -> trainer transport; Capture, MicroBatch
+    ("hpc.track",),  # MLflow
+    ("hpc.model",),  # the draft, its loss, export
+    ("hpc.config",),  # schema, loading, login-node validation
+    ("hpc.dist",),  # the NCCL-rules checker and the two planes
+    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net"),  # no dependencies inside hpc
+]
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def _layer(module: str) -> int:
+    pkg = _package(module)
+    for i, members in enumerate(LAYERS):
+        if pkg in members:
+            return i
+    raise AssertionError(f"{module}: no layer in tests/test_layers.py LAYERS; add its package there "
+                         f"and to the README's Layout section")
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from hpc import x` imports the module hpc.x
+            found += [(node.lineno, f"{node.module}.{a.name}" if node.module in ("hpc", "hpc_dev") else node.module)
+                      for a in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] in ("hpc", "hpc_dev")]
+
+
+def _modules(top: str) -> list[tuple[Path, str]]:
+    out = []
+    for path in sorted((ROOT / top).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out.append((path, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)))
+    return out
+
+
+def violations(top: str = "hpc") -> list[str]:
+    bad = []
+    for path, module in _modules(top):
+        for line, name in _imports(path, module):
+            where = f"{path.relative_to(ROOT)}:{line} imports {name}"
+            if top == "hpc" and name.startswith("hpc_dev"):
+                bad.append(f"{where}: production code never imports development tooling")
+            elif top == "hpc" and _package(name) != _package(module) and _layer(name) <= _layer(module):
+                bad.append(f"{where}: against the layer order")
+    return bad
+
+
+def test_production_imports_go_down_the_layers():
+    assert violations("hpc") == []
+
+
+def test_every_module_has_a_layer():
+    for _, module in _modules("hpc"):
+        _layer(module)
+
+
+def test_the_check_catches_an_import_against_the_grain(tmp_path):
+    (tmp_path / "hpc" / "model").mkdir(parents=True)
+    (tmp_path / "hpc" / "model" / "bad.py").write_text(
+        "def f():\n    from hpc.train.loop import Trainer\n    from hpc_dev.toy import build_toy_target\n")
+    (tmp_path / "hpc" / "model" / "ok.py").write_text("from hpc.config import resolve\nimport torch\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = violations("hpc")
+    finally:
+        ROOT = saved
+    assert [v.split(": ")[-1] for v in found] == ["against the layer order",
+                                                  "production code never imports development tooling"]
+
+
+@pytest.mark.parametrize("pkg", [p for layer in LAYERS for p in layer])
+def test_each_layer_package_exists(pkg):
+    rel = Path(*pkg.split("."))
+    assert (ROOT / rel).is_dir() or (ROOT / rel).with_suffix(".py").is_file(), pkg
