@@ -32,7 +32,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import hpc, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" 2>/dev/null; then
+if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" 2>/dev/null; then
   log "installing the project into .venv (pinned by requirements/lock-cpu.txt)"
   .venv/bin/pip install -q --upgrade pip
   # The lock pins every transitive package, so pip does no resolver backtracking.

@@ -28,6 +28,18 @@ os.environ.setdefault(rules.LOG_ENV, tempfile.mkstemp(prefix="dspark-nccl-rules-
 rules.install()
 
 
+# A test that needs a real service or a model build is slow by definition: the fast suite
+# (`-m "not slow"`, under 2 minutes) never starts Slurm, vLLM, an MLflow server or a toy build.
+INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "mlflow_server", "speculators_python",
+                  "toy_target", "toy_deepseek"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INFRA_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def nccl_rules_hold(request):
     """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""

@@ -46,6 +46,7 @@ class StreamReceiver:
         self.pool = BufferPool(planes.device, max_free=capacity + len(self.streamers))
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
+        self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected
         self.error: str | None = None
         self.wait_s = 0.0
         self._done = threading.Event()
@@ -69,9 +70,22 @@ class StreamReceiver:
         self.pool.release(cap)
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """Training is over: tell every streamer to stop sending here, wait for their goodbyes."""
+        """Training is over: tell every streamer to stop sending here, wait for their goodbyes.
+
+        A streamer silent for `peer_timeout_s` is dead, whatever the control thread is doing: it
+        may itself be stuck in a send to that peer, so the wait watches the clock too.
+        """
         self._events.put(("close", -1, ""))
-        self._done.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self._done.wait(0.2) and time.monotonic() < deadline:
+            now = time.monotonic()
+            silent = [s for s in self.streamers
+                      if s not in self._said_stop and now - self._last_seen[s] > self.timeout]
+            if silent and self.error is None:
+                self.error = (f"{self._name(silent[0])} sent nothing for {self.timeout:.0f} s "
+                              "(no sample, no heartbeat): it died or hangs")
+            if silent:
+                return False
         return self._done.is_set()
 
     def _name(self, rank: int) -> str:
@@ -87,6 +101,7 @@ class StreamReceiver:
                     self.samples.put((s, h.epoch, recv_sample_body(h, s, self.planes, self.pool)))
                     self._last_seen[s] = time.monotonic()
                 elif h.kind == Kind.STOP:
+                    self._said_stop.add(s)
                     self._events.put(("stop", s, ""))
                     return
                 elif h.kind == Kind.FAILED:

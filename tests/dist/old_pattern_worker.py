@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hpc.dist import rules
 from hpc.dist.rules import CHECKER, Message, NCCLRuleError, Plane
+from tests.fixtures.wait import wait_until
 
 
 def main(rank: int, port: int, out_dir: str) -> None:
@@ -38,9 +39,7 @@ def main(rank: int, port: int, out_dir: str) -> None:
             pass
 
     threading.Thread(target=recv_loop, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not CHECKER.owned(world, peer) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: CHECKER.owned(world, peer), 30, 0.01, "the receive thread owns the pair")
     try:  # the old _control_loop (trainer) / main loop (streamer): a header to the same peer
         dist.send(torch.zeros(8, dtype=torch.int64), dst=peer)
     except NCCLRuleError as err:

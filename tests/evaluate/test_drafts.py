@@ -64,6 +64,7 @@ def test_ngram_speculative_config_has_no_model():
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3 and "model" not in spec
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_draft_before_anything_starts(tmp_path):
     # Hub-style ids: a clean checkout has no runs/toy-target for the config's local paths.
     res = subprocess.run([sys.executable, "-m", "hpc", "evaluate", "configs/toy-cpu.yaml", "verifier.model=toy/qwen3",

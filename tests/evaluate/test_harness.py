@@ -38,6 +38,7 @@ def bench(name: str, prompts: list[str]):
     return SimpleNamespace(name=name, prompts=prompts, max_tokens=12, source="test", sha256="0" * 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_requests_alternate_until_the_pairs_are_there(tmp_path, temperature):
     target = random_target()

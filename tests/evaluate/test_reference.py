@@ -175,6 +175,7 @@ def sampled_counts(target, draft, runs: int) -> tuple[list[list[int]], int, int]
     return counts, accepted, drafted
 
 
+@pytest.mark.slow
 def test_sampled_speculative_output_is_distributed_as_the_target():
     target = peaked_target()
     draft = random_draft(target, [1, 2, 3])  # the target's head on its own hidden states: right ~25%
@@ -184,6 +185,7 @@ def test_sampled_speculative_output_is_distributed_as_the_target():
         assert chi_square_p(counts[i], probs) > 1e-3, (i, counts[i], probs.tolist())
 
 
+@pytest.mark.slow
 def test_the_chi_square_check_catches_a_lossy_rule(monkeypatch):
     # Accepting every draft serves the draft's distribution, not the target's: the same check must fail.
     import hpc.evaluate.reference as ref

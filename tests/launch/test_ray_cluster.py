@@ -16,6 +16,8 @@ from hpc.launch.slurm_env import SlurmEnv
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 from tests.fixtures.wait import still_running
 
+pytestmark = pytest.mark.slow  # real Ray workers
+
 
 def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEnv:
     return SlurmEnv(job, node, len(hosts), list(hosts), str(job))

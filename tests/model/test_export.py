@@ -91,6 +91,7 @@ def test_kimi_inventory_is_the_published_44_tensors_6_3_gb():
     assert dict((r[0], r[1]) for r in rows)["markov_head.markov_w1.weight"] == (163840, 256)
 
 
+@pytest.mark.slow
 def test_cli_export_and_shapes_only(tmp_path):
     ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
     run = subprocess.run([sys.executable, "-m", "hpc", "export", str(ckpt), str(tmp_path / "out")],
@@ -118,6 +119,7 @@ def _export_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hpc", "export", *args], capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
     ckpt = export_draft(tiny_model(), tmp_path / "run" / "checkpoints" / "step_00000001")
     precious = tmp_path / "run" / "notes.txt"

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check"
 
 
+@pytest.mark.slow
 def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--json", str(out)],

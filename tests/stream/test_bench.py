@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_bench_stream_prints_ratio_and_wait():
     res = subprocess.run([sys.executable, "-m", "hpc", "bench", "stream", "--samples", "4", "--repeats", "1",
                           "--tokens", "64", "--hidden", "64", "--step-ms", "5"],

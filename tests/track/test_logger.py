@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from hpc.track.logger import RunLogger
@@ -11,6 +12,7 @@ from hpc.track.server import MlflowServer
 from tests.fixtures.wait import wait_until
 
 
+@pytest.mark.slow
 def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
@@ -38,6 +40,7 @@ def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_run_created_late_when_the_server_starts_after_training(tmp_path):
     server = MlflowServer(tmp_path / "late")
     from hpc.net import free_port

@@ -118,6 +118,7 @@ def test_signal_checkpoints_and_asks_for_requeue(target_dir, tmp_path):
     assert [p.name for p in list_checkpoints(trainer.ckpt_dir)] == ["step_00000003"]
 
 
+@pytest.mark.slow
 def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
     import json
 

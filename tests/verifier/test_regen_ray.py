@@ -20,6 +20,8 @@ from hpc.verifier.regen_shards import read_shards
 from hpc.verifier.regenerate import regenerate, regenerated_dir
 from tests.verifier.test_regenerate import FakeChat, fake_rows, fake_url, make_cfg  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # real Ray workers
+
 
 @pytest.fixture(scope="module")
 def ray_two_slots():

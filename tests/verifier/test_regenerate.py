@@ -25,6 +25,7 @@ from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
 from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir, start_regen_server
 from hpc_dev.toy_data import toy_conversations
 from tests.fixtures.infra import infra_unavailable
+from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
@@ -182,9 +183,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
         m = out / MANIFEST
         return len(json.loads(m.read_text())["shards"]) if m.exists() else 0
 
-    deadline = time.monotonic() + 120
-    while not shards_in_manifest() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    poll(lambda: shards_in_manifest() or proc.poll() is not None, bool, 120, 0.01)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # mid-shard 1: as a preempted Slurm job dies
     log = proc.communicate()[0].decode(errors="replace")
