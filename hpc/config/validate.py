@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
-from hpc.config.schema import DSparkConfig, FinalHidden
+from hpc.config.schema import BENCHMARKS, DSparkConfig, FinalHidden
 from hpc.errors import UserError
 
-BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")

@@ -13,10 +13,10 @@ import io
 import os
 from dataclasses import dataclass, field
 
+from hpc.config.schema import BENCHMARKS
 from hpc.errors import UserError
 from hpc.evaluate.harness import NOISE_SLACK, implausible
 
-CARD_BENCHMARKS = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
 OUR_DRAFT = "dspark"
 MISSING = "-"
 
@@ -52,7 +52,7 @@ def _draft_title(draft: str) -> str:
 
 def _benchmarks(evals: list[EvalRecord]) -> list[str]:
     seen = {k.split("/", 1)[0] for e in evals for k in e.metrics if "/" in k} - {"mean"}
-    return [b for b in CARD_BENCHMARKS if b in seen] + sorted(seen - set(CARD_BENCHMARKS))
+    return [b for b in BENCHMARKS if b in seen] + sorted(seen - set(BENCHMARKS))
 
 
 def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None,

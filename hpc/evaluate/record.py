@@ -14,15 +14,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from hpc.config.schema import BENCHMARKS
 from hpc.evaluate.harness import BenchResult, write_json_atomic
 from hpc.track.pipeline import STAGE, create_child_run
-
-CARD_ORDER = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
 
 
 def load_results(run_dir: Path) -> list[BenchResult]:
     out = [BenchResult.from_json(json.loads(p.read_text())) for p in run_dir.glob("*.json") if p.name != "run.json"]
-    order = {b: i for i, b in enumerate(CARD_ORDER)}
+    order = {b: i for i, b in enumerate(BENCHMARKS)}
     return sorted(out, key=lambda r: (order.get(r.benchmark, len(order)), r.benchmark))
 
 
