@@ -83,9 +83,11 @@ def fsync_tree(root: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, exclusive: bool = False) -> Iterator[Path]:
     """A temp path to write `path` through (for writers that take a file name: safetensors,
-    matplotlib); on success it is fsynced and renamed over `path`, on failure removed."""
+    matplotlib); on success it is fsynced and renamed over `path`, on failure removed. With
+    `exclusive`, `path` is created but never replaced: FileExistsError if it exists (a hard link
+    checks and creates in one step, so of two writers exactly one wins)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
@@ -96,23 +98,28 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            tmp.unlink()
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 
 
-def write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `path` so that a reader sees the old content or the new, never a mix or a gap."""
-    with atomic_path(path) as tmp:
+def write_bytes(path: str | Path, data: bytes, mode: int = 0o644, exclusive: bool = False) -> None:
+    """Write `path` so that a reader sees the old content or the new, never a mix or a gap;
+    `exclusive`: see atomic_path."""
+    with atomic_path(path, exclusive) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 
 
-def write_text(path: str | Path, text: str, mode: int = 0o644) -> None:
-    write_bytes(path, text.encode("utf-8"), mode)
+def write_text(path: str | Path, text: str, mode: int = 0o644, exclusive: bool = False) -> None:
+    write_bytes(path, text.encode("utf-8"), mode, exclusive)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -234,9 +234,10 @@ def _parent_run(cfg, steps: int, quick: bool):
 def _log_variant(client, cfg, parent: str, t: Trained) -> None:
     from mlflow.entities import Metric
 
+    from hpc.track.keys import DRAFT
     from hpc.track.pipeline import create_child_run
 
-    run = create_child_run(client, cfg.tracking.experiment, parent, f"train-{t.name}", {"dspark.draft": t.name})
+    run = create_child_run(client, cfg.tracking.experiment, parent, f"train-{t.name}", {DRAFT: t.name})
     now = int(time.time() * 1000)
     metrics = [Metric("loss", v, now, i) for i, v in enumerate(t.losses, start=1)]
     for i in range(0, len(metrics), 1000):

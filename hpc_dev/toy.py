@@ -21,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hpc.fsio import replace_dir
 from hpc_dev.toy_config import ToyConfig
 
 # Kimi-style chat markers, so chat-template code written against the toy also fits the real target.
@@ -188,8 +189,7 @@ def build_toy_target(
                 tmp.mkdir()
                 _build_into(cfg, exchanges(cfg.corpus_limit), tmp, progress)
                 (tmp / READY).write_text("")
-                shutil.rmtree(entry, ignore_errors=True)
-                tmp.rename(entry)
+                replace_dir(tmp, entry)
     if out_dir is None:
         return entry
     out = Path(out_dir)

@@ -8,10 +8,10 @@ regeneration stage replaces the assistant turns with the toy target's own output
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
+from hpc.fsio import write_text
 from hpc_dev.toy_corpus import exchanges, split
 
 
@@ -30,10 +30,5 @@ def toy_conversations(n: int, seed: int = 0) -> list[dict]:
 def write_toy_conversations(out: str | Path, n: int = 256, seed: int = 0) -> Path:
     """JSONL in the open-perfectblend shape, written atomically."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for row in toy_conversations(n, seed):
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(out)
+    write_text(out, "".join(json.dumps(row) + "\n" for row in toy_conversations(n, seed)))
     return out

@@ -68,9 +68,8 @@ def report(model_dir: str | Path, max_new_tokens: int = 128, benchmarks: list[st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc.config.schema import EvalConfig
+    from hpc.config.schema import BENCHMARKS, EvalConfig
     from hpc.evaluate.benchmarks import load_benchmark
-    from hpc.evaluate.compare import CARD_BENCHMARKS
     from hpc.evaluate.harness import chat_ids
 
     model_dir = Path(model_dir)
@@ -78,7 +77,7 @@ def report(model_dir: str | Path, max_new_tokens: int = 128, benchmarks: list[st
     model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
     eval_cfg = EvalConfig(fixtures=True, max_tokens=max_new_tokens, code_max_tokens=max_new_tokens)
     per_bench = {}
-    for name in benchmarks or CARD_BENCHMARKS:
+    for name in benchmarks or BENCHMARKS:
         outs = []
         for text in load_benchmark(name, eval_cfg).prompts:
             prompt = chat_ids(tok, text)

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
-from hpc.config.schema import DSparkConfig, FinalHidden
+from hpc.config.schema import BENCHMARKS, DSparkConfig, FinalHidden
+from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
 
-BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
 
 
 @dataclass
@@ -63,8 +62,10 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("cluster.cpus_per_task", cl.cpus_per_task)
     if cl.ray_object_store_mb < 80:  # Ray refuses less than ~75 MiB
         c.fail("cluster.ray_object_store_mb", cl.ray_object_store_mb, "Ray needs at least 80 (MiB)")
-    if not _SLURM_TIME.match(cl.time):
-        c.fail("cluster.time", cl.time, "not a Slurm time; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00")
+    try:
+        parse_slurm_time(cl.time)
+    except ValueError:
+        c.fail("cluster.time", cl.time, f"not a Slurm time; {TIME_FIX}")
     if not 0 <= cl.signal_delay_s <= 65535:
         c.fail("cluster.signal_delay_s", cl.signal_delay_s, "must be 0..65535 seconds")
     if not cl.partition:

@@ -13,10 +13,25 @@ import io
 import os
 from dataclasses import dataclass, field
 
+from hpc.config.schema import BENCHMARKS
 from hpc.errors import UserError
 from hpc.evaluate.harness import NOISE_SLACK, implausible
+from hpc.track.keys import (
+    DRAFT,
+    ENGINE,
+    MEAN,
+    MEAN_ACCEPT_LEN,
+    MEAN_SPEEDUP,
+    METHOD,
+    PARENT_RUN_ID,
+    SPEC_N,
+    STAGE,
+    STAGE_EVAL,
+    STAGE_PIPELINE,
+    TEMPERATURE,
+    metric,
+)
 
-CARD_BENCHMARKS = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
 OUR_DRAFT = "dspark"
 MISSING = "-"
 
@@ -51,8 +66,8 @@ def _draft_title(draft: str) -> str:
 
 
 def _benchmarks(evals: list[EvalRecord]) -> list[str]:
-    seen = {k.split("/", 1)[0] for e in evals for k in e.metrics if "/" in k} - {"mean"}
-    return [b for b in CARD_BENCHMARKS if b in seen] + sorted(seen - set(CARD_BENCHMARKS))
+    seen = {k.split("/", 1)[0] for e in evals for k in e.metrics if "/" in k} - {MEAN}
+    return [b for b in BENCHMARKS if b in seen] + sorted(seen - set(BENCHMARKS))
 
 
 def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None,
@@ -104,15 +119,15 @@ def card_table(evals: list[EvalRecord]) -> Table:
     totals: dict[str, list[float]] = {}
     per_record: list[dict[str, list[float]]] = [{"tok_s": [], "speedup": [], "accept_len": []} for _ in records]
     for bench in _benchmarks(evals):
-        n_rows, baseline = _first(ordered, f"{bench}/rows"), _first(ordered, f"{bench}/baseline_tok_s")
+        n_rows, baseline = _first(ordered, metric(bench, "rows")), _first(ordered, metric(bench, "baseline_tok_s"))
         if n_rows is not None:
             totals.setdefault("rows", []).append(n_rows)
         if baseline is not None:
             totals.setdefault("baseline", []).append(baseline)
         cells, scores = [], []
         for rec, acc in zip(records, per_record):
-            vals = {m: rec.metrics.get(f"{bench}/{m}") for m in ("tok_s", "speedup", "accept_len", "speedup_lo",
-                                                                 "speedup_hi")}
+            vals = {m: rec.metrics.get(metric(bench, m)) for m in ("tok_s", "speedup", "accept_len", "speedup_lo",
+                                                                   "speedup_hi")}
             for m, v in vals.items():
                 if v is not None:
                     acc.setdefault(m, []).append(v)
@@ -124,8 +139,8 @@ def card_table(evals: list[EvalRecord]) -> Table:
 
     mean_cells, mean_scores = [], []
     for rec, acc in zip(records, per_record):
-        vals = {"speedup": rec.metrics.get("mean/speedup", _mean(acc["speedup"])),
-                "accept_len": rec.metrics.get("mean/accept_len", _mean(acc["accept_len"])),
+        vals = {"speedup": rec.metrics.get(MEAN_SPEEDUP, _mean(acc["speedup"])),
+                "accept_len": rec.metrics.get(MEAN_ACCEPT_LEN, _mean(acc["accept_len"])),
                 "speedup_lo": _mean(acc.get("speedup_lo", [])), "speedup_hi": _mean(acc.get("speedup_hi", []))}
         mean_cells.append(_cell(_mean(acc["tok_s"]), vals["speedup"], vals["accept_len"], vals["speedup_lo"],
                                 vals["speedup_hi"]))
@@ -191,10 +206,10 @@ def find_pipelines(client, experiment, selectors: list[str]) -> list:
     """The pipeline runs asked for (id, run name or id prefix; a name means its latest run),
     or the latest pipeline of the experiment when none is asked for."""
     where = f"experiment '{experiment.name}'"
-    runs = _search_all(client, experiment.experiment_id, "tags.`dspark.stage` = 'pipeline'",
+    runs = _search_all(client, experiment.experiment_id, f"tags.`{STAGE}` = '{STAGE_PIPELINE}'",
                        ["attributes.start_time DESC"])
     if not runs:
-        raise UserError(f"no pipeline run (tag dspark.stage=pipeline) in {where}; run a pipeline or pass --experiment")
+        raise UserError(f"no pipeline run (tag {STAGE}={STAGE_PIPELINE}) in {where}; run a pipeline or pass --experiment")
     if not selectors:
         return [runs[0]]
     chosen = []
@@ -220,19 +235,19 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
     labels = pipeline_labels(pipelines)
     out: list[EvalRecord] = []
     for p in pipelines:
-        where = f"tags.`mlflow.parentRunId` = '{p.info.run_id}' and tags.`dspark.stage` = 'eval'"
+        where = f"tags.`{PARENT_RUN_ID}` = '{p.info.run_id}' and tags.`{STAGE}` = '{STAGE_EVAL}'"
         for run in _search_all(client, p.info.experiment_id, where, ["attributes.start_time ASC"]):
             tags = run.data.tags
             try:
-                n = int(tags.get("dspark.n", ""))
+                n = int(tags.get(SPEC_N, ""))
             except ValueError:
                 continue  # not an eval this table can place; the runner always sets n
             # Our --draft is one column; other drafts, our ablations among them, keep their names.
-            label = tags.get("dspark.draft", OUR_DRAFT)
-            draft = OUR_DRAFT if tags.get("dspark.method") == "dspark" and label.lower() == OUR_DRAFT else label
+            label = tags.get(DRAFT, OUR_DRAFT)
+            draft = OUR_DRAFT if tags.get(METHOD) == "dspark" and label.lower() == OUR_DRAFT else label
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
-                                  dict(run.data.metrics), tags.get("dspark.method", ""),
-                                  tags.get("dspark.engine", ""), float(tags.get("dspark.temperature") or 0)))
+                                  dict(run.data.metrics), tags.get(METHOD, ""),
+                                  tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0)))
     return out
 
 
@@ -282,10 +297,10 @@ def card_markdown(table: Table, evals: list[EvalRecord]) -> str:
 
 
 def _mean_tau(rec: EvalRecord) -> float | None:
-    logged = rec.metrics.get("mean/accept_len")
+    logged = rec.metrics.get(MEAN_ACCEPT_LEN)
     if logged is not None:
         return logged
-    return _mean([v for k, v in rec.metrics.items() if k.endswith("/accept_len") and not k.startswith("mean/")])
+    return _mean([v for k, v in rec.metrics.items() if k.endswith("/accept_len") and k != MEAN_ACCEPT_LEN])
 
 
 def tau_verdict(evals: list[EvalRecord]) -> str:

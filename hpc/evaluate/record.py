@@ -14,15 +14,15 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from hpc.config.schema import BENCHMARKS
 from hpc.evaluate.harness import BenchResult, write_json_atomic
-from hpc.track.pipeline import STAGE, create_child_run
-
-CARD_ORDER = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
+from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, metric
+from hpc.track.pipeline import create_child_run
 
 
 def load_results(run_dir: Path) -> list[BenchResult]:
     out = [BenchResult.from_json(json.loads(p.read_text())) for p in run_dir.glob("*.json") if p.name != "run.json"]
-    order = {b: i for i, b in enumerate(CARD_ORDER)}
+    order = {b: i for i, b in enumerate(BENCHMARKS)}
     return sorted(out, key=lambda r: (order.get(r.benchmark, len(order)), r.benchmark))
 
 
@@ -30,21 +30,22 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
     m: dict[str, float] = {}
     for r in results:
         b = r.benchmark
-        m[f"{b}/tok_s"], m[f"{b}/rows"], m[f"{b}/output_tokens"] = r.tok_s, r.rows, r.output_tokens
+        m[metric(b, "tok_s")], m[metric(b, "rows")], m[metric(b, "output_tokens")] = r.tok_s, r.rows, r.output_tokens
         if r.baseline_tok_s is not None:
-            m[f"{b}/baseline_tok_s"] = r.baseline_tok_s
+            m[metric(b, "baseline_tok_s")] = r.baseline_tok_s
         if r.speedup is not None:
-            m[f"{b}/speedup"] = r.speedup
+            m[metric(b, "speedup")] = r.speedup
         if r.speedup_lo is not None:  # paired timing: the quartiles of the per-pair ratios
-            m[f"{b}/speedup_lo"], m[f"{b}/speedup_hi"], m[f"{b}/pairs"] = r.speedup_lo, r.speedup_hi, r.pairs
+            m[metric(b, "speedup_lo")], m[metric(b, "speedup_hi")], m[metric(b, "pairs")] = \
+                r.speedup_lo, r.speedup_hi, r.pairs
         if r.accept_len is not None:
-            m[f"{b}/accept_len"] = r.accept_len
+            m[metric(b, "accept_len")] = r.accept_len
         for i, p in enumerate(r.per_position, start=1):
-            m[f"{b}/accept_pos_{i}"] = p
+            m[metric(b, f"accept_pos_{i}")] = p
     for key in ("accept_len", "speedup", "tok_s"):
         vals = [getattr(r, key) for r in results if getattr(r, key) is not None]
         if vals:
-            m[f"mean/{key}"] = statistics.mean(vals)
+            m[metric(MEAN, key)] = statistics.mean(vals)
     return m
 
 
@@ -57,7 +58,7 @@ def upload_run(client, run_dir: Path, extra_artifacts: list[tuple[str, str | Non
         return meta["mlflow_run_id"]
     results = load_results(run_dir)
     tags = {STAGE: meta["stage"], **meta["tags"],
-            "dspark.manifests": json.dumps({r.benchmark: r.sha256 for r in results}, sort_keys=True)}
+            MANIFESTS: json.dumps({r.benchmark: r.sha256 for r in results}, sort_keys=True)}
     run_id = create_child_run(client, meta["experiment"], meta.get("parent_run_id"), meta["name"], tags)
     metrics = [Metric(k, float(v), 0, 0) for k, v in run_metrics(results).items()]
     params = [Param(k, str(v)) for k, v in meta.get("params", {}).items()]
@@ -91,7 +92,7 @@ def find_baseline(client, experiment: str, key: str) -> dict[str, float] | None:
     if exp is None:
         return None
     runs = client.search_runs([exp.experiment_id], filter_string=(
-        f"tags.`{STAGE}` = 'baseline' and tags.`dspark.baseline_key` = '{key}'"),
+        f"tags.`{STAGE}` = '{STAGE_BASELINE}' and tags.`{BASELINE_KEY}` = '{key}'"),
         order_by=["attributes.start_time DESC"], max_results=1)
     if not runs:
         return None

@@ -25,6 +25,21 @@ from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_expor
 from hpc.evaluate.hardware import hardware_id
 from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
 from hpc.evaluate.record import find_baseline, load_results, pending_runs, upload_run
+from hpc.track.keys import (
+    BASELINE_KEY,
+    DRAFT,
+    DRAFT_SHA256,
+    ENGINE,
+    ENGINE_VERSION,
+    HARDWARE,
+    METHOD,
+    SPEC_N,
+    STAGE_BASELINE,
+    STAGE_EVAL,
+    TEMPERATURE,
+    TIMING,
+    VLLM_VERSION,
+)
 
 
 @dataclass
@@ -216,9 +231,9 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
 
             shutil.rmtree(run_dir)
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
-        _write_meta(run_dir, cfg, job, "baseline", parent_run_id, {**tags, "dspark.baseline_key": key,
-                    "dspark.engine": engine, "dspark.engine_version": version, "dspark.hardware": hardware,
-                    "dspark.temperature": f"{temp:g}"})
+        _write_meta(run_dir, cfg, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
+                    ENGINE: engine, ENGINE_VERSION: version, HARDWARE: hardware,
+                    TEMPERATURE: f"{temp:g}"})
         baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
         results[job.name] = res
         ran.append(run_dir.name)
@@ -235,13 +250,13 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
                 attach_baseline(res, baselines[job.engine, job.temperature])
                 for r in res:  # the baseline is known now: the files carry the speedup too
                     write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
-            job_tags = {**tags, "dspark.draft": job.draft.label, "dspark.method": job.draft.method,
-                        "dspark.draft_sha256": prints[job.draft.label],
-                        "dspark.n": str(job.n), "dspark.engine": job.engine, "dspark.engine_version": version,
-                        "dspark.hardware": hardware, "dspark.vllm_version": vllm_version,
-                        "dspark.temperature": f"{job.temperature:g}", "dspark.timing": _value(cfg.eval.timing)}
+            job_tags = {**tags, DRAFT: job.draft.label, METHOD: job.draft.method,
+                        DRAFT_SHA256: prints[job.draft.label],
+                        SPEC_N: str(job.n), ENGINE: job.engine, ENGINE_VERSION: version,
+                        HARDWARE: hardware, VLLM_VERSION: vllm_version,
+                        TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
             artifacts = [(job.draft.model, "draft")] if job.draft.ours else []
-            _write_meta(run_dir, cfg, job, "eval", parent_run_id, job_tags, artifacts)
+            _write_meta(run_dir, cfg, job, STAGE_EVAL, parent_run_id, job_tags, artifacts)
             _plots(run_dir, res, job, cfg)
             results[job.name] = res
             ran.append(run_dir.name)
@@ -342,7 +357,7 @@ def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | Non
         if not quiet:
             print(f"logged {meta['name']} to MLflow run {ids[-1]}")
         # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
-        if meta["stage"] == "eval" and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
+        if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
                 and not meta.get("temperature"):
             _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
     return ids

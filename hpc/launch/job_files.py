@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.fsio import fsync_dir, temp_name
+from hpc.fsio import write_text
 
 
 def attempt(job_id: int) -> str:
@@ -31,22 +31,11 @@ def job_file(root: str | Path, kind: str, job_id: int) -> Path:
 
 def publish(path: Path, payload: dict) -> None:
     """Create `path` (0600) holding `payload`; refuse if it exists already."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise UserError(f"{path} exists already: another process of this job (or someone else) wrote "
-                            "it first; remove it if no job of yours is running") from None
-        fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_text(path, json.dumps(payload), mode=0o600, exclusive=True)
+    except FileExistsError:
+        raise UserError(f"{path} exists already: another process of this job (or someone else) wrote "
+                        "it first; remove it if no job of yours is running") from None
 
 
 def visible(path: Path) -> bool:

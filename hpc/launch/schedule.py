@@ -82,15 +82,15 @@ class LastRun:
 
 def last_scheduled_run(client, cfg) -> LastRun | None:
     """The newest scheduled pipeline run of this config in the experiment."""
-    from hpc.track.pipeline import STAGE
+    from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
 
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], f"tags.`{SCHEDULED}` = 'true' and tags.`{STAGE}` = 'pipeline'",
+    runs = client.search_runs([exp.experiment_id], f"tags.`{SCHEDULED}` = 'true' and tags.`{STAGE}` = '{STAGE_PIPELINE}'",
                               order_by=["attributes.start_time DESC"], max_results=200)
     for run in runs:
-        if run.data.tags.get("dspark.config_name") == cfg.name:
+        if run.data.tags.get(CONFIG_NAME) == cfg.name:
             return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, run.data.tags.get(FINGERPRINT))
     return None
 

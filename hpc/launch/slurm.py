@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
 
 SINFO_MISSING = ("sinfo not found: run dspark submit on a Slurm login node "
                  "(or `dspark devcluster up` for the local test cluster)")
-TIME_FIX = "use MM, HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00"
 TIMEOUT_S = 30.0
 # The keys that set each stage's node count, for messages; train spans two roles.
 NODE_KEYS = {
@@ -70,32 +70,6 @@ def requests_for(cfg: DSparkConfig) -> list[JobRequest]:
     # The report only reads eval results and the tracking store: no GPU to hold idle.
     reqs.append(job("report", 1, 0))
     return reqs
-
-
-def parse_slurm_time(s: str) -> int | None:
-    """A Slurm time limit in minutes, seconds rounded up as Slurm does; None means no limit.
-
-    Accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED and infinite. Like
-    Slurm, fields are not range-checked (90:00 is 90 minutes). Raises ValueError otherwise.
-    """
-    text = str(s).strip()
-    if text.lower() in {"unlimited", "infinite"}:
-        return None
-    days, sep, rest = text.partition("-")
-    if not sep:
-        days, rest = "0", text
-    parts = rest.split(":")
-    if not days.isdigit() or not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"not a Slurm time: {s!r}")
-    nums = [int(p) for p in parts]
-    if sep:  # after a day count the first field is hours: D-HH, D-HH:MM, D-HH:MM:SS
-        h, m, sec = (nums + [0, 0])[:3]
-    elif len(nums) == 3:
-        h, m, sec = nums
-    else:  # MM or MM:SS
-        h, m, sec = 0, nums[0], (nums[1] if len(nums) == 2 else 0)
-    seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
-    return -(-seconds // 60)
 
 
 def format_minutes(minutes: int) -> str:
@@ -192,7 +166,7 @@ def _check_one(req: JobRequest, parts: dict[str, Partition]) -> list[str]:
         want = parse_slurm_time(req.time)
     except ValueError:
         problems.append(f"cluster.time = {req.time!r}: not a Slurm time; {TIME_FIX}")
-        want = None
+        want = -1  # already reported
     part = parts.get(req.partition)
     if part is None:
         listed = ", ".join(sorted(parts))
@@ -204,8 +178,8 @@ def _check_one(req: JobRequest, parts: dict[str, Partition]) -> list[str]:
                         "it is down, drained or inactive); choose another or ask the admins")
     if req.nodes > part.nodes:
         problems.append(_nodes_problem(req, part))
-    if part.max_time is not None and want is not None and (want == 0 or want > part.max_time):
-        # 0 asks for no limit, which a partition with a MaxTime refuses just the same.
+    if part.max_time is not None and want != -1 and (want is None or want == 0 or want > part.max_time):
+        # 0 and UNLIMITED ask for no limit, which a partition with a MaxTime refuses just the same.
         problems.append(f"cluster.time = {req.time!r}: over partition {part.name!r}'s MaxTime "
                         f"{format_minutes(part.max_time)}; set cluster.time <= "
                         f"{format_minutes(part.max_time)}")

@@ -44,7 +44,7 @@ class Pipeline:
 
 
 def _minutes(time: str) -> int:
-    from hpc.launch.slurm import parse_slurm_time
+    from hpc.config.slurm_time import parse_slurm_time
 
     minutes = parse_slurm_time(time)
     if minutes is None:

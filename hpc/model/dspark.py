@@ -24,6 +24,9 @@ from torch import nn
 from hpc.errors import UserError
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
+# draft.* keys (hpc.config.schema.DraftConfig) that are not the model's, so from_config leaves them.
+NOT_MODEL_KEYS: frozenset[str] = frozenset()
+
 
 @dataclass
 class DSparkArgs:
@@ -49,11 +52,20 @@ class DSparkArgs:
 
     @classmethod
     def from_config(cls, cfg) -> DSparkArgs:
-        """From a resolved DSparkConfig (draft dims + the target's dims)."""
+        """From a resolved DSparkConfig (draft dims + the target's dims). Every draft.* key is
+        passed here by name or listed in NOT_MODEL_KEYS; tests/model/test_dspark.py holds the two
+        to DraftConfig."""
         d, v = cfg.draft, cfg.verifier
-        keys = [k for k in cls.__dataclass_fields__ if hasattr(d, k)]
-        return cls(**{k: getattr(d, k) for k in keys}, target_hidden_size=v.hidden_size,
-                   target_vocab_size=v.vocab_size, aux_layer_ids=list(v.aux_layer_ids))
+        return cls(
+            hidden_size=d.hidden_size, num_hidden_layers=d.num_hidden_layers,
+            num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim, intermediate_size=d.intermediate_size, rope_theta=d.rope_theta,
+            rms_norm_eps=d.rms_norm_eps, block_size=d.block_size, draft_vocab_size=d.draft_vocab_size,
+            mask_token_id=d.mask_token_id, sample_from_anchor=d.sample_from_anchor, markov_rank=d.markov_rank,
+            markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
+            confidence_head_with_markov=d.confidence_head_with_markov,
+            target_hidden_size=v.hidden_size, target_vocab_size=v.vocab_size, aux_layer_ids=list(v.aux_layer_ids),
+        )
 
     @property
     def is_dflash(self) -> bool:

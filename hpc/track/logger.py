@@ -13,6 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from hpc.track.keys import PARENT_RUN_ID, RUN_NAME
+
 # A dead server must fail fast in the background thread, not retry for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -75,9 +77,9 @@ class RunLogger:
         from hpc.track.pipeline import experiment_id
 
         exp_id = experiment_id(self.client, self.experiment)
-        tags = {"mlflow.runName": self.run_name}
+        tags = {RUN_NAME: self.run_name}
         if self.parent_run_id:
-            tags["mlflow.parentRunId"] = self.parent_run_id
+            tags[PARENT_RUN_ID] = self.parent_run_id
         self.run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
 
     def flush(self) -> bool:

@@ -10,7 +10,18 @@ import os
 import subprocess
 from pathlib import Path
 
-STAGE = "dspark.stage"
+from hpc.track.keys import (
+    CONFIG_HASH,
+    CONFIG_NAME,
+    OUTCOME,
+    PARENT_RUN_ID,
+    RUN_NAME,
+    SPEC_N,
+    STAGE,
+    STAGE_EVAL,
+    STAGE_PIPELINE,
+    STAGE_TRAIN,
+)
 
 
 def git_sha() -> str:
@@ -34,8 +45,8 @@ def common_tags(cfg) -> dict[str, str]:
 
     from hpc.config import config_hash
 
-    return {"git.sha": git_sha(), "dspark.config_hash": config_hash(OmegaConf.structured(cfg)),
-            "dspark.config_name": cfg.name, **slurm_tags()}
+    return {"git.sha": git_sha(), CONFIG_HASH: config_hash(OmegaConf.structured(cfg)),
+            CONFIG_NAME: cfg.name, **slurm_tags()}
 
 
 def experiment_id(client, name: str) -> str:
@@ -59,7 +70,8 @@ def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str
     from hpc.config import flatten
 
     exp = experiment_id(client, cfg.tracking.experiment)
-    run = client.create_run(exp, run_name=run_name or cfg.name, tags={STAGE: "pipeline", **common_tags(cfg), **(tags or {})})
+    run = client.create_run(exp, run_name=run_name or cfg.name,
+                            tags={STAGE: STAGE_PIPELINE, **common_tags(cfg), **(tags or {})})
     from hpc.config.secrets import redacted
 
     params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(redacted(cfg))).items()]
@@ -69,14 +81,14 @@ def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str
 
 
 def create_child_run(client, experiment: str, parent_run_id: str | None, name: str, tags: dict[str, str]) -> str:
-    all_tags = {"mlflow.runName": name, **tags}
+    all_tags = {RUN_NAME: name, **tags}
     if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
+        all_tags[PARENT_RUN_ID] = parent_run_id
     return client.create_run(experiment_id(client, experiment), run_name=name, tags=all_tags).info.run_id
 
 
 def _children(client, parent) -> list:
-    where = f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    where = f"tags.`{PARENT_RUN_ID}` = '{parent.info.run_id}'"
     runs, token = [], None
     while True:
         page = client.search_runs([parent.info.experiment_id], where, max_results=1000, page_token=token)
@@ -98,14 +110,14 @@ def pipeline_outcome(client, parent_run_id: str, ns: list[int]) -> tuple[str, st
             return "FAILED", f"stage run {r.info.run_name} ({r.info.run_id}) {what}"
     finished: dict[str, bool] = {}
     for r in runs:
-        if r.data.tags.get(STAGE) == "train":
-            variant = r.data.tags.get("dspark.config_hash", r.info.run_id)
+        if r.data.tags.get(STAGE) == STAGE_TRAIN:
+            variant = r.data.tags.get(CONFIG_HASH, r.info.run_id)
             finished[variant] = finished.get(variant, False) or r.info.status == "FINISHED"
     if not all(finished.values()):
         return "FAILED", f"{sum(not f for f in finished.values())} training variant(s) never finished"
     for n in ns:
-        evaluated = {r.data.tags.get("dspark.config_hash") for r in runs
-                     if r.data.tags.get(STAGE) == "eval" and r.data.tags.get("dspark.n") == str(n)}
+        evaluated = {r.data.tags.get(CONFIG_HASH) for r in runs
+                     if r.data.tags.get(STAGE) == STAGE_EVAL and r.data.tags.get(SPEC_N) == str(n)}
         if len(evaluated) < max(len(finished), 1):
             return "FAILED", f"{max(len(finished), 1) - len(evaluated)} variant(s) have no eval run at n={n}"
     return "FINISHED", "every stage succeeded"
@@ -115,7 +127,7 @@ def end_pipeline_run(client, parent_run_id: str, status: str, why: str) -> None:
     """Set the parent run's final status (and why, as a tag); a tracking outage is a warning, not
     a second error on top of the one being reported."""
     try:
-        client.set_tag(parent_run_id, "dspark.outcome", why)
+        client.set_tag(parent_run_id, OUTCOME, why)
         client.set_terminated(parent_run_id, status)
     except Exception as err:  # noqa: BLE001
         print(f"warning: pipeline run {parent_run_id} not marked {status}: {str(err).splitlines()[0][:160]}",

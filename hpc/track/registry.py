@@ -18,10 +18,11 @@ import json
 import math
 
 from hpc.errors import UserError
+from hpc.track.keys import MANIFESTS
 
 CHAMPION = "champion"
 SCORE_TAG = "dspark.mean_accept_len_n7"
-MANIFESTS_TAG = "dspark.manifests"
+MANIFESTS_TAG = MANIFESTS  # the key the eval run carries them under
 
 
 def canonical_manifests(manifests: dict[str, str]) -> str:

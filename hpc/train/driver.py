@@ -145,11 +145,12 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     try:
         if w.rank == 0:
             from hpc.config import flatten
+            from hpc.track.keys import STAGE, STAGE_TRAIN
             from hpc.track.logger import RunLogger
-            from hpc.track.pipeline import STAGE, common_tags
+            from hpc.track.pipeline import common_tags
 
             logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
-                               tags={STAGE: "train", **common_tags(cfg)})
+                               tags={STAGE: STAGE_TRAIN, **common_tags(cfg)})
             from hpc.config.secrets import redacted
 
             logger.log_params(flatten(_as_dictconfig(redacted(cfg))))

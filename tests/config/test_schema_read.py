@@ -125,23 +125,14 @@ class _Scope:
         return bool(bases) and any(ast.unparse(b) in self.aliases(section, cls_name) for b in bases)
 
 
-def _generic_reads() -> set[str]:
-    """Keys read by name from a list rather than by attribute: DSparkArgs.from_config copies every
-    draft key that DSparkArgs also declares."""
-    tree = ast.parse((HPC / "model" / "dspark.py").read_text())
-    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DSparkArgs")
-    return {f"draft.{s.target.id}" for s in args.body if isinstance(s, ast.AnnAssign)}
-
-
 def unread_keys(root: type = schema.DSparkConfig) -> list[str]:
     scopes = [_Scope(n) for p in sorted(HPC.rglob("*.py")) if p.relative_to(HPC).as_posix() not in NOT_READERS
               for tree in [ast.parse(p.read_text())]
               for n in tree.body + [tree] if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Module))]
     sections = _sections(root)
-    generic = _generic_reads()
     unread = []
     for key, section, leaf in schema_keys(root):
-        if key in generic or key in UNREAD_ON_PURPOSE:
+        if key in UNREAD_ON_PURPOSE:
             continue
         parent = key.rpartition(".")[0]
         cls_name = sections[parent][0].__name__ if parent else root.__name__

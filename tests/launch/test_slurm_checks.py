@@ -216,6 +216,39 @@ def test_zero_time_means_unlimited_and_partition_with_max_refuses_it(
         "inactive); choose another or ask the admins"]
 
 
+def test_unlimited_is_refused_by_a_partition_with_max_as_zero_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_slurm(monkeypatch, sinfo=SINFO, sacctmgr=(0, "", ""))
+    for text in ("UNLIMITED", "infinite"):
+        assert check_requests([replace(REQ, time=text)]) == [
+            f"cluster.time = {text!r}: over partition 'gpu''s MaxTime 2-00:00:00; set cluster.time <= 2-00:00:00"]
+    assert check_requests([replace(REQ, partition="maint", time="UNLIMITED", account=None)]) == [
+        "cluster.partition = 'maint': partition is not up (sinfo says it is down, drained or "
+        "inactive); choose another or ask the admins"]
+
+
+@pytest.mark.parametrize("text", ["UNLIMITED", "infinite", ""])
+def test_the_validator_the_slurm_check_and_submit_read_a_time_alike(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    from hpc.config.validate import validate
+    from hpc.launch.submit import _minutes
+
+    cfg = _toy("open", SPLITS)
+    cfg.cluster.time = text
+    by_validator = any(p.startswith("cluster.time") for p in validate(cfg, check_tracking=False, check_vllm=False))
+    _fake_slurm(monkeypatch, sinfo=(0, "open|4|infinite|up\n", ""), sacctmgr=(0, "", ""))
+    problems = check_requests([replace(REQ, partition="open", time=text)])
+    by_slurm_check = any("not a Slurm time" in p for p in problems)
+    try:
+        _minutes(text)  # submitit's timeout_min
+        by_submit = False
+    except ValueError:
+        by_submit = True
+    refused = text == ""  # no limit is a Slurm time; nothing at all is not
+    assert by_validator == by_slurm_check == by_submit == refused, (by_validator, by_slurm_check, by_submit)
+    assert problems == ([f"cluster.time = '': not a Slurm time; {slurm.TIME_FIX}"] if refused else [])
+
+
 def test_report_job_too_big_names_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_slurm(monkeypatch, sinfo=(0, "empty|0|infinite|up\n", ""))
     problems = check_requests([JobRequest("report", "empty", 1, "10", None, 0, 1)])

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from enum import Enum
 
 import pytest
 import torch
 
 from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, training_mask
-from hpc.model.dspark import DSparkArgs, DSparkDraft, sdpa_attention
+from hpc.model.dspark import NOT_MODEL_KEYS, DSparkArgs, DSparkDraft, sdpa_attention
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss, objective
 
 V, H, D = 64, 32, 48
@@ -205,6 +207,58 @@ def test_loss_weights_come_from_the_config_by_name():
                                            confidence_weight=0.5, confidence_target="greedy", confidence_detach=True))
     assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="greedy",
                             confidence_detach=True)
+
+
+def _distinct(cls) -> dict:
+    """A value for every field of the config dataclass `cls`: none its default, no two alike."""
+    out = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        d = f.default
+        if isinstance(d, Enum):
+            out[f.name] = next(m for m in type(d) if m != d)
+        elif isinstance(d, bool):
+            out[f.name] = not d
+        elif isinstance(d, (int, float)):
+            out[f.name] = type(d)(1000 + i)
+        else:
+            out[f.name] = f"value-{i}"
+    return out
+
+
+def _draft_keys_not_passed(draft_cls) -> list[str]:
+    from hpc.config.schema import DSparkConfig
+
+    draft = draft_cls(**_distinct(draft_cls))
+    args = DSparkArgs.from_config(DSparkConfig(draft=draft))
+    return [f.name for f in dataclasses.fields(draft_cls)
+            if f.name not in NOT_MODEL_KEYS and getattr(args, f.name, None) != getattr(draft, f.name)]
+
+
+def test_every_draft_key_reaches_the_model_or_is_listed_as_not_its():
+    from hpc.config.schema import DraftConfig, DSparkConfig
+
+    assert _draft_keys_not_passed(DraftConfig) == [], "pass it in DSparkArgs.from_config or list it in NOT_MODEL_KEYS"
+    assert NOT_MODEL_KEYS <= {f.name for f in dataclasses.fields(DraftConfig)}
+    v, args = DSparkConfig().verifier, DSparkArgs.from_config(DSparkConfig())
+    assert (args.target_hidden_size, args.target_vocab_size, args.aux_layer_ids) == (
+        v.hidden_size, v.vocab_size, list(v.aux_layer_ids))
+
+    @dataclasses.dataclass
+    class _Draft(DraftConfig):
+        new_knob: int = 0
+
+    assert _draft_keys_not_passed(_Draft) == ["new_knob"]  # the check sees a key nothing passes
+
+
+def test_every_loss_key_reaches_one_weight_and_the_defaults_agree():
+    from hpc.config.schema import LossConfig
+
+    cfg = LossConfig(**_distinct(LossConfig))
+    w = LossWeights.from_config(cfg)
+    given = [v.value if isinstance(v, Enum) else v for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg))]
+    got = [getattr(w, f.name) for f in dataclasses.fields(w)]
+    assert sorted(map(repr, got)) == sorted(map(repr, given))  # one weight per key, none dropped or doubled
+    assert LossWeights.from_config(LossConfig()) == LossWeights()
 
 
 @pytest.mark.parametrize("detach", [False, True])
