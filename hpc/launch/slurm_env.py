@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hpc.errors import UserError
 
 
+# Kept hand-written (issue 13): submitit.JobEnvironment works only in jobs submitit pickled, not under sbatch/'s srun.
 @dataclass
 class SlurmEnv:
     job_id: int
