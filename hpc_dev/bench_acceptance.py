@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.tables import text_table
 
 DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
           "draft.confidence_head_with_markov=false"]
@@ -127,14 +128,11 @@ def ratios(table: dict) -> dict[str, float | None]:
 def format_table(table: dict, benches: list[str]) -> str:
     labels = [*VARIANTS, PEER]
     cols = [(lab, n) for lab in labels for n in NS]
-    w = 2 + max(len(f"{lab} n={n}") for lab, n in cols)
-    head = f"{'benchmark':<18}" + "".join(f"{f'{lab} n={n}':>{w}}" for lab, n in cols)
-    lines = ["tau (mean acceptance length: tokens per verify step)", head]
-    cell = lambda v: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-    for b in benches:
-        lines.append(f"{b:<18}" + "".join(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols))
-    lines.append(f"{'mean':<18}" + "".join(cell(mean_tau(table, lab, n)) for lab, n in cols))
-    lines.append("")
+    cell = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+    rows = [[b, *(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols)] for b in benches]
+    rows.append(["mean", *(cell(mean_tau(table, lab, n)) for lab, n in cols)])
+    lines = ["tau (mean acceptance length: tokens per verify step)",
+             *text_table(["benchmark", *(f"{lab} n={n}" for lab, n in cols)], rows, right=range(1, len(cols) + 1)), ""]
     for rival, r in ratios(table).items():
         goal = GOALS.get(rival)
         verdict = "" if goal is None or r is None else (f"  meets the goal (>= {goal})" if r >= goal

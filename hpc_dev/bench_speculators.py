@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import hpc
+from hpc.tables import text_table
 from hpc_dev import speculators_env
 
 REPO = Path(hpc.__file__).resolve().parents[1]
@@ -71,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
 
 def format_train_step(result: dict) -> str:
     tokens = result["tokens_per_step"]
-    lines = [f"train-step: {result['config']}",
-             f"{'impl':<12}{'median s':>10}{'min s':>9}{'max s':>9}{'tokens/s':>11}  n"]
-    rate = {}
+    rows, rate = [], {}
     for impl in ("ours", "speculators"):
         times = result["times"][impl]
         med = statistics.median(times)
         rate[impl] = tokens / med
-        lines.append(f"{impl:<12}{med:>10.3f}{min(times):>9.3f}{max(times):>9.3f}{rate[impl]:>11.0f}  {len(times)}")
+        rows.append([impl, f"{med:.3f}", f"{min(times):.3f}", f"{max(times):.3f}", f"{rate[impl]:.0f}", str(len(times))])
+    lines = [f"train-step: {result['config']}",
+             *text_table(["impl", "median s", "min s", "max s", "tokens/s", "n"], rows, right={1, 2, 3, 4})]
     best = min(result["times"]["speculators"]) / min(result["times"]["ours"])
     # On a shared machine the best iteration is the least disturbed estimate; both are shown.
     lines.append(f"ratio ours/speculators (tokens/s): {rate['ours'] / rate['speculators']:.2f} median, {best:.2f} best")

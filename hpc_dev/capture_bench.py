@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from hpc.config.schema import VerifierConfig
+    from hpc.tables import text_table
     from hpc.verifier.target_files import text_config
     from hpc.verifier.vllm_backend import VLLMVerifier
 
@@ -67,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 rates[c].append(_level(verifier, prompts, c))
     base = statistics.median(rates[levels[0]])
     print(f"capture bench: {args.samples} samples x {args.tokens} tokens, {model} (medians of {2 * args.repeats})")
-    print(f"{'in flight':>9}  {'tok/s':>10}  {'ratio':>6}")
-    for c in levels:
-        med = statistics.median(rates[c])
-        print(f"{c:>9}  {med:>10,.0f}  {med / base:>6.2f}")
+    rows = [[str(c), f"{statistics.median(rates[c]):,.0f}", f"{statistics.median(rates[c]) / base:.2f}"]
+            for c in levels]
+    print("\n".join(text_table(["in flight", "tok/s", "ratio"], rows, right={0, 1, 2})))
     return 0

@@ -51,17 +51,22 @@ def process_alive(pid: int) -> bool:
 
     `kill -0` is not enough: PID 1 on these hosts reaps late and a zombie still answers it.
     """
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False
-    return bool(fields) and fields[0] not in {"Z", "X"}
 
 
 def comm_of(pid: int) -> str:
+    """The process's name (/proc/PID/comm; psutil completes it from argv only past 15 characters,
+    longer than any daemon name we compare it with)."""
+    import psutil
+
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
+        return psutil.Process(pid).name()
+    except psutil.Error:
         return ""
 
 
@@ -203,15 +208,17 @@ def fake_device(path: Path) -> None:
 def daemon_is_ours(pid: int, comm: str, root: Path, slurm_conf: Path) -> bool:
     """The process runs as us, has the daemon's name, and was started for this state dir (its
     command line names the dir, or its SLURM_CONF is ours). A name alone is not enough."""
-    proc = Path(f"/proc/{pid}")
+    import psutil
+
     try:
-        if comm_of(pid) != comm or os.stat(proc).st_uid != os.geteuid():
+        proc = psutil.Process(pid)
+        if proc.name() != comm or proc.uids().effective != os.geteuid():
             return False
-        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
-        environ = (proc / "environ").read_bytes().split(b"\0")
-    except OSError:
+        cmdline = os.fsencode(" ".join(proc.cmdline()))
+        environ = proc.environ()
+    except psutil.Error:
         return False
-    return _names_path(cmdline, root) or f"SLURM_CONF={slurm_conf}".encode() in environ
+    return _names_path(cmdline, root) or environ.get("SLURM_CONF") == str(slurm_conf)
 
 
 def _names_path(cmdline: bytes, root: Path) -> bool:

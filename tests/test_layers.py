@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hpc.model",),  # the draft, its loss, export
     ("hpc.config",),  # schema, loading, login-node validation
     ("hpc.dist",),  # the NCCL-rules checker and the two planes
-    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net"),  # no dependencies inside hpc
+    ("hpc.proc",),  # a server in a subprocess: spawn, health, stop (VLLMServer, MlflowServer)
+    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables"),  # no dependencies inside hpc
 ]
 
 

@@ -97,6 +97,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Kept hand-written (issue 13): OmegaConf's merge stops at the first bad key; leaf by leaf, one run lists every problem.
 def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[str]) -> None:
     for key, value in data.items():
         key = str(key)

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.tables import text_table
 
 Step = tuple[list[float], list[int]]
 THRESHOLDS = [round(0.05 * j, 2) for j in range(1, 20)]  # 0.05 .. 0.95
@@ -122,22 +123,21 @@ def _choice(p: dict) -> str:
 
 def format_report(report: dict) -> str:
     lines = [f"confidence head calibration ({report['bins']} bins; a drafted token costs "
-             f"{report['cost']:g} of a verify step)", "",
-             f"{'pos':>3}  {'drafted':>8}  {'ECE':>6}  {'Brier':>6}  {'conf':>6}  {'acc':>6}"]
-    for p in report["positions"]:
-        lines.append(f"{p['position']:>3}  {p['count']:>8}  {_num(p['ece']):>6}  {_num(p['brier']):>6}  "
-                     f"{_num(p['mean_conf']):>6}  {_num(p['accuracy']):>6}")
-    width = max([9, *(len(b) for b in report["benchmarks"])])
-    lines += ["", "objective = (1 + E[accepted]) / (1 + cost * drafted); cells: objective / E[accepted]",
-              f"{'benchmark':<{width}}  {'steps':>6}  {'full n':<32}  {'best n':<32}  best threshold"]
+             f"{report['cost']:g} of a verify step)", ""]
+    lines += text_table(["pos", "drafted", "ECE", "Brier", "conf", "acc"], [
+        [str(p["position"]), str(p["count"]), *(_num(p[k]) for k in ("ece", "brier", "mean_conf", "accuracy"))]
+        for p in report["positions"]], right=range(6))
+    rows = []
     for bench, b in report["benchmarks"].items():
         if not b["steps"]:
-            lines.append(f"{bench:<{width}}  {0:>6}  {'-':<32}  {'-':<32}  -")
+            rows.append([bench, "0", "-", "-", "-"])
             continue
         full = f"n={b['full']['n']} {_choice(b['full'])}"
         best_n = f"n={b['best_n']['n']} {_choice(b['best_n'])}"
         best_t = f"t={b['best_threshold']['threshold']:.2f} {_choice(b['best_threshold'])}"
-        lines.append(f"{bench:<{width}}  {b['steps']:>6}  {full:<32}  {best_n:<32}  {best_t}")
+        rows.append([bench, str(b["steps"]), full, best_n, best_t])
+    lines += ["", "objective = (1 + E[accepted]) / (1 + cost * drafted); cells: objective / E[accepted]"]
+    lines += text_table(["benchmark", "steps", "full n", "best n", "best threshold"], rows, right={1})
     return "\n".join(lines)
 
 

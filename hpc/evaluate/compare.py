@@ -172,6 +172,7 @@ def _best(titles: list[str], scores: list[dict]) -> str:
     return titles[max(plausible, key=lambda i: scores[i]["speedup"])] if plausible else MISSING
 
 
+# Kept hand-written (issue 13): six lines make the exact GitHub pipe table; rich's MARKDOWN box wraps to a console width.
 def to_markdown(table: Table) -> str:
     widths = [max(len(c), *(len(r[i]) for r in table.rows)) for i, c in enumerate(table.columns)]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
+from hpc.tables import text_table
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -306,11 +307,11 @@ def format_plan(pl: Plan) -> str:
             ("KV-cache headroom", _bytes(pl.kv_headroom_bytes), "verifier.gpu_memory_utilization x node - weights"),
         ]),
     ]
-    rows = [r for _, rs in sections for r in rs]
-    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    # One table for all sections, so their columns line up; each title then goes above its rows.
+    table = iter(text_table(None, [r for _, rs in sections for r in rs], right={1}))
     lines = [f"{pl.name}: capacity plan (estimates; set plan.* to measured values to refine)"]
     for title, rs in sections:
-        lines += ["", title] + [f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rs]
+        lines += ["", title] + ["  " + next(table) for _ in rs]
     return "\n".join(lines)
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import datetime
 import os
 import shlex
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.launch.slurm import cancel
+from hpc.launch.slurm import SlurmMissing, cancel, run_slurm, slurm_why
 
 JOB_PREFIX = "dspark-schedule-"
 TICK_TIME = "00:30:00"  # a tick only fingerprints the data and submits: minutes at most
@@ -58,15 +57,6 @@ class Entry:
         return str(Path(self.log_dir) / f"{self.name}-%j.out")
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-
-
-def _why(res: subprocess.CompletedProcess[str]) -> str:
-    text = (res.stderr.strip() or res.stdout.strip() or f"exit {res.returncode}").splitlines()[-1]
-    return text.strip()
-
-
 # ---- scrontab --------------------------------------------------------------------------------
 
 
@@ -81,30 +71,30 @@ def end_marker(name: str) -> str:
 def read_scrontab() -> str:
     """This user's table ('' when there is none); ScrontabUnavailable where scrontab is off."""
     try:
-        res = _run(["scrontab", "-l"])
-    except FileNotFoundError:
+        res = run_slurm(["scrontab", "-l"], check=False, timeout=TIMEOUT_S)
+    except SlurmMissing:
         raise ScrontabUnavailable("scrontab is not installed") from None
     if res.returncode == 0:
         return res.stdout
     out = res.stdout + res.stderr
     if "disabled" in out:
-        raise ScrontabUnavailable(_why(res))
+        raise ScrontabUnavailable(slurm_why(res))
     if "no crontab" in out:
         return ""
-    raise UserError(f"scrontab -l failed: {_why(res)}; check `scrontab -l` on this login node")
+    raise UserError(f"scrontab -l failed: {slurm_why(res)}; check `scrontab -l` on this login node")
 
 
 def write_scrontab(table: str) -> None:
     with tempfile.NamedTemporaryFile("w", prefix="dspark-scrontab-", suffix=".txt", delete=False) as f:
         f.write(table)
     try:
-        res = _run(["scrontab", f.name])
+        res = run_slurm(["scrontab", f.name], check=False, timeout=TIMEOUT_S)
     finally:
         os.unlink(f.name)
     if res.returncode != 0:
         if "disabled" in res.stdout + res.stderr:
-            raise ScrontabUnavailable(_why(res))
-        raise UserError(f"scrontab refused the table: {_why(res)}; check the schedule's config and cron")
+            raise ScrontabUnavailable(slurm_why(res))
+        raise UserError(f"scrontab refused the table: {slurm_why(res)}; check the schedule's config and cron")
 
 
 def scrontab_block(e: Entry) -> list[str]:
@@ -157,9 +147,8 @@ def remove_scrontab(name: str) -> bool:
     if rest.strip():
         write_scrontab(rest)
     else:
-        res = _run(["scrontab", "-r"])
-        if res.returncode != 0:
-            raise UserError(f"scrontab -r failed: {_why(res)}; remove the block by hand with scrontab -e")
+        run_slurm(["scrontab", "-r"], timeout=TIMEOUT_S,
+                  failed="scrontab -r failed: {why}; remove the block by hand with scrontab -e")
     return True
 
 
@@ -176,12 +165,8 @@ class ScheduleJob:
 
 def schedule_jobs(name: str | None = None) -> list[ScheduleJob]:
     """This user's dspark-schedule-* jobs (only NAME's when given)."""
-    try:
-        res = _run(["squeue", "--me", "-h", "-o", "%i|%j|%T|%S"])
-    except FileNotFoundError:
-        raise UserError("squeue not found; run dspark schedule on a Slurm login node") from None
-    if res.returncode != 0:
-        raise UserError(f"squeue failed: {_why(res)}")
+    res = run_slurm(["squeue", "--me", "-h", "-o", "%i|%j|%T|%S"], timeout=TIMEOUT_S,
+                    missing="squeue not found; run dspark schedule on a Slurm login node", failed="squeue failed: {why}")
     jobs = []
     for line in res.stdout.splitlines():
         parts = line.strip().split("|")
@@ -200,12 +185,8 @@ def submit_singleton(e: Entry, begin: datetime.datetime) -> str:
             *(["-A", e.account] if e.account else []), "-t", TICK_TIME, "-N", "1", "-n", "1",
             f"--output={e.log_file()}", f"--chdir={e.cwd}",
             f"--wrap={e.resubmitting_command()}"]
-    try:
-        res = _run(argv)
-    except FileNotFoundError:
-        raise UserError("sbatch not found; run dspark schedule on a Slurm login node") from None
-    if res.returncode != 0:
-        raise UserError(f"sbatch refused the schedule job: {_why(res)}; check cluster.partition / cluster.account")
+    res = run_slurm(argv, timeout=TIMEOUT_S, missing="sbatch not found; run dspark schedule on a Slurm login node",
+                    failed="sbatch refused the schedule job: {why}; check cluster.partition / cluster.account")
     return res.stdout.strip().split(";")[0]
 
 

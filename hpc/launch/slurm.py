@@ -5,6 +5,9 @@ too many nodes, a time over the partition's MaxTime, an unknown account) would o
 surface only after the first jobs are queued. `check_requests` asks `sinfo` and `sacctmgr`
 up front and returns every problem at once, one line each, naming the config key to change.
 `cancel` undoes a submission that failed midway so nothing is left half-submitted.
+
+`run_slurm` is the one way this package runs a Slurm client (sbatch, squeue, sacct, scancel,
+scontrol, sinfo, sacctmgr, scrontab): a missing program, no answer or a refusal is one UserError.
 """
 
 from __future__ import annotations
@@ -79,11 +82,48 @@ def format_minutes(minutes: int) -> str:
     return f"{days}-{hm}" if days else hm
 
 
-def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+class SlurmMissing(UserError):
+    """The Slurm client program is not installed here: not a Slurm node."""
+
+
+def run_slurm(argv: Sequence[str], *, check: bool = True, timeout: float = TIMEOUT_S,
+              missing: str = "{prog} not found: run this on a Slurm login node",
+              no_answer: str = "{prog} did not answer within {timeout} s: is slurmctld up? "
+                               "(check with `scontrol ping`)",
+              failed: str = "{prog} failed (exit {rc}): {why}") -> subprocess.CompletedProcess[str]:
+    """Run one Slurm client command, its output captured as text.
+
+    What goes wrong is one line of UserError: `missing` (as SlurmMissing) when the program is not
+    installed, `no_answer` when it does not answer within `timeout` seconds and, with `check`, `failed`
+    when it exits non-zero, with {prog}, {timeout} (whole seconds), {rc} and {why} (slurm_why) filled in.
+    Without `check` the caller judges the exit code and output itself.
+    """
+    def say(template: str, res: subprocess.CompletedProcess[str] | None = None) -> str:
+        # Not str.format: the caller's own text (job ids, paths) may hold braces.
+        fields = {"prog": argv[0], "timeout": f"{timeout:.0f}"}
+        if res is not None:
+            fields.update(rc=str(res.returncode), why=slurm_why(res))
+        for key, value in fields.items():
+            template = template.replace("{" + key + "}", value)
+        return template
+
     # SINFO_PARTITION and friends from the user's shell would silently filter what we see.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SINFO_", "SACCTMGR_"))}
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=env, check=False)
+    try:
+        res = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except FileNotFoundError:
+        raise SlurmMissing(say(missing)) from None
+    except subprocess.TimeoutExpired:
+        raise UserError(say(no_answer)) from None
+    if check and res.returncode != 0:
+        raise UserError(say(failed, res))
+    return res
+
+
+def slurm_why(res: subprocess.CompletedProcess[str]) -> str:
+    """The last line a Slurm command printed, stderr first (where Slurm puts its reason), else its exit code."""
+    text = (res.stderr.strip() or res.stdout.strip() or f"exit {res.returncode}").splitlines()[-1]
+    return text.strip()
 
 
 def _last_line(text: str) -> str:
@@ -93,16 +133,8 @@ def _last_line(text: str) -> str:
 def partitions() -> dict[str, Partition]:
     """Every partition `sinfo` knows (hidden ones too), by name; raises UserError if it can't say."""
     argv = ["sinfo", "-h", "-a", "-o", "%P|%D|%l|%a"]
-    try:
-        res = _run(argv)
-    except FileNotFoundError:
-        raise UserError(SINFO_MISSING) from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"sinfo did not answer within {TIMEOUT_S:.0f} s: is slurmctld up? "
-                        "(check with `scontrol ping`)") from None
-    if res.returncode != 0:
-        raise UserError(f"sinfo failed (exit {res.returncode}): {_last_line(res.stderr)}; "
-                        "check SLURM_CONF and `scontrol ping`")
+    res = run_slurm(argv, missing=SINFO_MISSING,
+                    failed="sinfo failed (exit {rc}): {why}; check SLURM_CONF and `scontrol ping`")
     found: dict[str, Partition] = {}
     for line in filter(str.strip, res.stdout.splitlines()):
         try:
@@ -133,10 +165,8 @@ def _parse_sinfo_line(line: str) -> Partition:
 def account_exists(name: str) -> bool | None:
     """Whether the accounting database knows `name`; None if there is no accounting to ask."""
     try:
-        res = _run(["sacctmgr", "-nP", "show", "account", name, "format=account"])
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return None
-    if res.returncode != 0:  # no slurmdbd, or accounting_storage/none
+        res = run_slurm(["sacctmgr", "-nP", "show", "account", name, "format=account"])
+    except UserError:  # not installed, no answer, no slurmdbd, or accounting_storage/none
         return None
     # Slurm stores account names lower-cased and matches them case-insensitively.
     return name.strip().lower() in {ln.strip().lower() for ln in res.stdout.splitlines()}
@@ -202,12 +232,8 @@ def cancel(job_ids: Sequence[str]) -> None:
     if not ids:
         return
     by_hand = f"cancel them by hand: scancel {' '.join(ids)}"
-    try:
-        res = _run(["scancel", *ids])
-    except FileNotFoundError:
-        raise UserError(f"scancel not found; {by_hand} on a Slurm login node") from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"scancel did not answer within {TIMEOUT_S:.0f} s; {by_hand}") from None
+    res = run_slurm(["scancel", *ids], check=False, missing=f"scancel not found; {by_hand} on a Slurm login node",
+                    no_answer=f"scancel did not answer within {{timeout}} s; {by_hand}")
     if res.returncode == 0:
         return
     errors = [ln for ln in res.stderr.splitlines() if ln.strip() and not _ALREADY_GONE.search(ln)]

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
 from hpc.net import free_port
 
@@ -216,10 +216,12 @@ def _supervise(procs) -> tuple[int, list[int | None]]:
 
 
 def requeue(env: SlurmEnv) -> None:
-    res = subprocess.run(["scontrol", "requeue", env.requeue_id], capture_output=True, text=True)
-    # scontrol's last line carries the reason; the job log keeps one line per event.
-    why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1].strip()
-    msg = "requeued" if res.returncode == 0 else f"requeue failed: {why}"
+    try:
+        # scontrol's last line carries the reason; the job log keeps one line per event.
+        run_slurm(["scontrol", "requeue", env.requeue_id], failed="requeue failed: {why}")
+        msg = "requeued"
+    except UserError as err:
+        msg = str(err)
     print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -106,21 +105,18 @@ def load_pipeline(state_file: Path) -> dict:
 
 def job_states(job_ids: list[str]) -> dict[str, JobState]:
     """Every job and array task of `job_ids` that accounting knows, by id ("12", "12_0")."""
+    from hpc.launch.slurm import run_slurm
+
     ids = [str(j) for j in job_ids]
     if not ids:
         return {}
     by_hand = f"squeue -j {','.join(ids)} shows the queued and running ones"
     argv = ["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", SACCT_FIELDS]
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except FileNotFoundError:
-        raise UserError(f"sacct not found: run dspark status on a Slurm login node ({by_hand})") from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"sacct did not answer within {TIMEOUT_S:.0f} s: is slurmdbd up? ({by_hand})") from None
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1].strip()
-        raise UserError(f"sacct failed: {last}; dspark status needs job accounting (slurmdbd) enabled, "
-                        f"otherwise {by_hand}")
+    res = run_slurm(argv, timeout=TIMEOUT_S,
+                    missing=f"sacct not found: run dspark status on a Slurm login node ({by_hand})",
+                    no_answer=f"sacct did not answer within {{timeout}} s: is slurmdbd up? ({by_hand})",
+                    failed=f"sacct failed: {{why}}; dspark status needs job accounting (slurmdbd) enabled, "
+                           f"otherwise {by_hand}")
     states: dict[str, JobState] = {}
     for line in res.stdout.splitlines():
         for job in parse_sacct_line(line):

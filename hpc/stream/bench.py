@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
     from hpc.net import free_port
+    from hpc.tables import text_table
 
     cfg = {k: getattr(args, k) for k in ("backend", "tokens", "hidden", "n_aux", "dtype", "samples", "repeats",
                                          "buffer", "step_ms", "addr")}
@@ -137,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     wait = statistics.median(res["wait"])
     print(f"stream bench: {args.backend}, {args.samples} samples x {nbytes / args.samples / 1e6:.1f} MB, "
           f"{args.repeats} repeats (medians)")
-    print(f"raw send      {nbytes / raw_s / 1e9:8.3f} GB/s")
-    print(f"streamer      {nbytes / stream_s / 1e9:8.3f} GB/s   ratio to raw {raw_s / stream_s:.2f} (goal >= 0.8)")
+    print("\n".join(text_table(None, [
+        ["raw send", f"{nbytes / raw_s / 1e9:.3f} GB/s", ""],
+        ["streamer", f"{nbytes / stream_s / 1e9:.3f} GB/s", f"ratio to raw {raw_s / stream_s:.2f} (goal >= 0.8)"],
+    ], right={1})))
     print(f"trainer data-wait fraction at {args.step_ms:.0f} ms/sample: {wait:.1%} (goal <= 5%)")
     return 0

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
 from hpc.net import free_port
+from hpc.proc import SubprocessServer, http_ok, spawn
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -34,29 +31,12 @@ def _bindable(host: str, port: int) -> bool:
             return False
 
 
-def group_alive(pgid: int) -> bool:
-    """Any live (non-zombie) process in the group? `kill -0` says yes to zombies that a slow
-    init has not reaped yet, so read /proc instead."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
 def is_healthy(uri: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return http_ok(uri.rstrip("/") + "/health", timeout)
 
 
 @dataclass
-class MlflowServer:
+class MlflowServer(SubprocessServer):
     root: Path
     host: str = "127.0.0.1"
     port: int = 0
@@ -64,10 +44,18 @@ class MlflowServer:
     # MLflow's basic-auth app: every API call needs this admin's (or another user's) password.
     auth_password: str | None = None
     auth_user: str = "dspark"
+    stop_grace = 10.0  # a class attribute (no annotation): SIGTERM to SIGKILL
 
     @property
     def uri(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def what(self) -> str:
+        return "mlflow server"
+
+    def healthy(self) -> bool:
+        return is_healthy(self.uri)
 
     @property
     def log_path(self) -> Path:
@@ -91,19 +79,10 @@ class MlflowServer:
             env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._auth_config()), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth_password,
                        # CSRF key of the auth app's forms: one server, so a fresh one per start is consistent.
                        MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))
-        with open(self.log_path, "ab") as log:
-            # Own session: stop() signals the whole group (the server forks workers).
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=self.root)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise UserError(f"mlflow server exited with {self.proc.returncode}: {self._tail()}")
-            if is_healthy(self.uri):
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise UserError(f"mlflow server not healthy after {timeout_s:.0f} s: {self._tail()}")
+        # Own session: stop() signals the whole group (the server forks workers).
+        self.proc = spawn(cmd, self.log_path, env=env, cwd=self.root, append=True)
+        self.wait_healthy(timeout_s)
+        return self
 
     def _auth_config(self) -> Path:
         """MLflow's auth settings: users in their own SQLite file next to ours; nobody but a
@@ -115,35 +94,5 @@ class MlflowServer:
                         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
         return path
 
-    def _tail(self, lines: int = 5) -> str:
-        try:
-            return " | ".join(self.log_path.read_text().strip().splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
-        # The server forks uvicorn and job workers into the same group: wait until all are gone.
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not group_alive(pgid):
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
     def __enter__(self) -> MlflowServer:
         return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -1,18 +1,19 @@
 """Chat completions against an OpenAI-compatible server (vLLM), with retries.
 
 A failed request is retried with exponential backoff when the cause may pass (connection
-errors, timeouts, 5xx, 429); a 4xx is the row's own fault (e.g. a prompt longer than
-max_model_len) and is not retried. Either way the caller gets RequestFailed and skips that
-row only.
+errors, timeouts, 5xx, 429): urllib3's Retry on the session, which also honours Retry-After.
+A 4xx is the row's own fault (e.g. a prompt longer than max_model_len) and is not retried.
+Either way the caller gets RequestFailed and skips that row only.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util import Retry
 
 from hpc.errors import UserError
 
@@ -57,15 +58,23 @@ class ChatClient:
     temperature: float = 0.0
     timeout: float = 600.0  # one long generation on a busy server may take minutes
     retries: int = 3
-    backoff: float = 1.0  # seconds before the first retry; doubles each time
+    backoff: float = 1.0  # urllib3's backoff_factor: the first retry at once, then 2x, 4x ... this many seconds
     api_key: str | None = field(default=None, repr=False)  # the server's key, sent with every request
     # requests.Session is not documented as thread-safe: one per worker thread.
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._local.session.headers.update(auth_headers(self.api_key))
+            session = requests.Session()
+            session.headers.update(auth_headers(self.api_key))
+            # allowed_methods=None: POST is retried too, even after the server may have read it, as
+            # a chat completion changes nothing on the server: asking again only costs its compute.
+            # raise_on_status=False: the last retryable reply comes back, so its body names the cause.
+            retry = Retry(total=self.retries, backoff_factor=self.backoff, status_forcelist=RETRYABLE_STATUS,
+                          allowed_methods=None, respect_retry_after_header=True, raise_on_status=False)
+            session.mount("http://", HTTPAdapter(max_retries=retry))
+            session.mount("https://", HTTPAdapter(max_retries=retry))
+            self._local.session = session
         return self._local.session
 
     def complete(self, messages: list[dict], seed: int | None = None) -> Reply:
@@ -73,26 +82,20 @@ class ChatClient:
                          "temperature": self.temperature}
         if seed is not None:
             payload["seed"] = seed
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                resp = self._session().post(f"{self.url.rstrip('/')}/v1/chat/completions",
-                                            json=payload, timeout=self.timeout)
-            except requests.RequestException as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if resp.status_code in RETRYABLE_STATUS:
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                continue
-            if resp.status_code >= 400:
-                raise RequestFailed("rejected", f"HTTP {resp.status_code}: {resp.text[:200]}")
-            try:
-                choice = resp.json()["choices"][0]
-                content = choice["message"].get("content") or ""
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
-                last = f"malformed response ({err!r}): {resp.text[:200]}"
-                continue
-            return Reply(content, choice.get("finish_reason") == "length")
-        raise RequestFailed("request_failed", f"{self.retries + 1} attempts, last: {last}")
+        attempts = f"{self.retries + 1} attempts, last"
+        try:
+            resp = self._session().post(f"{self.url.rstrip('/')}/v1/chat/completions",
+                                        json=payload, timeout=self.timeout)
+        except requests.RequestException as err:
+            raise RequestFailed("request_failed", f"{attempts}: {type(err).__name__}: {err}") from None
+        if resp.status_code in RETRYABLE_STATUS:
+            raise RequestFailed("request_failed", f"{attempts}: HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status_code >= 400:
+            raise RequestFailed("rejected", f"HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            choice = resp.json()["choices"][0]
+            content = choice["message"].get("content") or ""
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+            # A 200 the server could not form is its bug, not load: asking again would not mend it.
+            raise RequestFailed("request_failed", f"malformed response ({err!r}): {resp.text[:200]}") from None
+        return Reply(content, choice.get("finish_reason") == "length")

@@ -35,9 +35,10 @@ from safetensors import SafetensorError, safe_open
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError, VerifierDown
 from hpc.net import free_port
+from hpc.proc import log_tail
 from hpc.stream.sample import Capture
 from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
-from hpc.verifier.vllm_server import VLLMServer, config_flags, log_tail, server_env, start_vllm_server
+from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
 
 # capture_connector.py imports vllm, which lives only in vLLM's venv: refer to it by file and
 # name here (tests/verifier/test_vllm_backend.py checks these match the module).

@@ -19,18 +19,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
 from hpc.net import free_port
+from hpc.proc import SubprocessServer, http_ok, spawn
 
 if TYPE_CHECKING:
     from hpc.config.schema import VerifierConfig
@@ -65,13 +63,6 @@ def server_env(v: VerifierConfig) -> dict[str, str]:
     return env
 
 
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def port_owned_by(pid: int, port: int) -> bool:
     """Whether `pid` or one of its descendants listens on TCP `port`."""
     import psutil
@@ -92,7 +83,7 @@ def port_owned_by(pid: int, port: int) -> bool:
 
 
 @dataclass
-class VLLMServer:
+class VLLMServer(SubprocessServer):
     proc: subprocess.Popen
     host: str
     port: int
@@ -106,71 +97,23 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def what(self) -> str:
+        return f"vLLM server for {self.model}"
+
+    @property
     def headers(self) -> dict[str, str]:
         """What every request to this server carries."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def healthy(self, timeout: float = 2.0) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        ok = http_ok(f"{self.url}/health", timeout)
         if ok and not port_owned_by(self.proc.pid, self.port):
             raise UserError(f"another process answers on {self.host}:{self.port}, not our vLLM server; "
                             "leave verifier.port=0 (a free port per server) or pick a port nobody uses")
         return ok
 
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.healthy():
-                    return
-            except UserError:
-                self.stop()
-                raise
-            if self.proc.poll() is not None:
-                self.stop()
-                raise UserError(
-                    f"vLLM server for {self.model} exited with code {self.proc.returncode} before it was "
-                    f"healthy; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise UserError(
-                    f"vLLM server for {self.model} not healthy after {timeout:.0f}s; "
-                    f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            time.sleep(0.5)
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the whole group, then SIGKILL what is left after ``grace`` seconds."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # The leader may be gone while forked workers in its group still hold memory.
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
     def __enter__(self) -> VLLMServer:
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def start_vllm_server(
@@ -208,13 +151,7 @@ def start_vllm_server(
     full_env.update({**DEFAULT_ENV, **(env or {})})
     api_key = api_key or secrets.token_urlsafe(32)
     full_env["VLLM_API_KEY"] = api_key
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, start_new_session=True,
-        )
+    proc = spawn(cmd, log_path, env=full_env)
     server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key)
     if wait:
         server.wait_healthy(timeout)

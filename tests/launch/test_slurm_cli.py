@@ -2,7 +2,8 @@
 
 Covers the wrappers the slow real-cluster tests reach only on their happy path: `scontrol show
 hostnames` and `scontrol requeue` inside a job, and `squeue` / `sbatch` / `scrontab -l` behind
-`dspark schedule`. (sinfo, sacctmgr and scancel: test_slurm_checks.py; sacct: test_status.py.)
+`dspark schedule`; and `run_slurm`, through which every one of them runs. (sinfo, sacctmgr and
+scancel: test_slurm_checks.py; sacct: test_status.py.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from hpc.errors import UserError
 from hpc.launch import schedule_slurm as ss
 from hpc.launch import stages
+from hpc.launch.slurm import SlurmMissing, run_slurm
 from hpc.launch.slurm_env import SlurmEnv
 
 Reply = Callable[[list[str]], subprocess.CompletedProcess]
@@ -186,3 +188,68 @@ def test_scrontab_failing_otherwise_is_one_line(slurm):
         ss.read_scrontab()
     assert one_line(info.value) == ("scrontab -l failed: slurm_load_ctl_conf error: Unable to contact slurm controller; "
                                     "check `scrontab -l` on this login node")
+
+
+# ---- run_slurm: the one wrapper all of the above go through ------------------------------
+
+
+def test_run_slurm_returns_the_output_and_hides_the_users_sinfo_filters(monkeypatch):
+    seen: dict = {}
+
+    def run(argv, **kw):
+        seen.update(kw, argv=argv)
+        return done(argv, out="gpu*|4|infinite|up\n")
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("SINFO_PARTITION", "other")
+    res = run_slurm(["sinfo", "-h"], timeout=5)
+    assert res.stdout == "gpu*|4|infinite|up\n" and seen["argv"] == ["sinfo", "-h"]
+    assert seen["timeout"] == 5 and seen["text"] and seen["capture_output"] and "SINFO_PARTITION" not in seen["env"]
+
+
+def test_run_slurm_missing_program_is_one_line_and_its_own_kind(slurm):
+    slurm(missing)
+    with pytest.raises(SlurmMissing) as info:
+        run_slurm(["sacctmgr", "show", "account"])
+    assert one_line(info.value) == "sacctmgr not found: run this on a Slurm login node"
+    with pytest.raises(SlurmMissing, match=r"^squeue not found; run dspark \{x\} here$"):
+        run_slurm(["squeue"], missing="{prog} not found; run dspark {x} here")  # other braces stay as they are
+
+
+def test_run_slurm_without_an_answer_is_one_line(slurm):
+    def hang(argv):
+        raise subprocess.TimeoutExpired(argv, 7.5)
+    slurm(hang)
+    with pytest.raises(UserError) as info:
+        run_slurm(["sinfo"], timeout=7.5)
+    assert not isinstance(info.value, SlurmMissing)
+    assert one_line(info.value) == "sinfo did not answer within 8 s: is slurmctld up? (check with `scontrol ping`)"
+
+
+@pytest.mark.parametrize("out,err,why", [
+    ("", "sbatch: error: x\nsbatch: error: Invalid partition name specified\n",
+     "sbatch: error: Invalid partition name specified"),
+    ("only stdout says why\n", "", "only stdout says why"),
+    ("", "", "exit 2"),
+], ids=["stderr", "stdout", "silent"])
+def test_run_slurm_failure_names_the_last_line(slurm, out, err, why):
+    slurm(lambda argv: done(argv, 2, out, err))
+    with pytest.raises(UserError) as info:
+        run_slurm(["sbatch", "job.sh"])
+    assert one_line(info.value) == f"sbatch failed (exit 2): {why}"
+    with pytest.raises(UserError, match=rf"^refused: {why}; fix it$"):
+        run_slurm(["sbatch", "job.sh"], failed="refused: {why}; fix it")
+    assert run_slurm(["sbatch", "job.sh"], check=False).returncode == 2  # the caller judges
+
+
+def test_a_requeue_without_scontrol_says_so_in_the_log_instead_of_crashing(slurm, capsys):
+    slurm(missing)
+    stages.requeue(SlurmEnv(812, 0, 2, ["a", "b"], "812"))
+    assert capsys.readouterr().out == "job 812: checkpointed; scontrol not found: run this on a Slurm login node\n"
+
+
+def test_scrontab_without_an_answer_is_a_user_error_not_a_traceback(slurm):
+    def hang(argv):
+        raise subprocess.TimeoutExpired(argv, ss.TIMEOUT_S)
+    slurm(hang)
+    with pytest.raises(UserError, match="scrontab did not answer within 60 s"):
+        ss.read_scrontab()

@@ -216,7 +216,8 @@ def test_row_limit_then_full_run_redoes_only_the_short_shard(target, tmp_path):
 # --- error paths: a fake OpenAI-compatible server ----------------------------------------------
 
 class FakeChat(BaseHTTPRequestHandler):
-    """Replies `reply-N` (N = messages in the request); FAIL -> 500, REJECT -> 400, FLAKY -> one 503."""
+    """Replies `reply-N` (N = messages in the request); FAIL -> 500, REJECT -> 400, FLAKY -> one 503,
+    BUSY -> 429 with Retry-After: 1."""
 
     seen: Counter = Counter()
     requests: list[list[dict]] = []
@@ -224,9 +225,11 @@ class FakeChat(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep pytest output clean
         pass
 
-    def _send(self, code: int, body: dict) -> None:
+    def _send(self, code: int, body: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -246,6 +249,8 @@ class FakeChat(BaseHTTPRequestHandler):
             return self._send(400, {"error": "prompt too long"})
         if "FLAKY" in last and FakeChat.seen[last] == 1:
             return self._send(503, {"error": "busy"})
+        if "BUSY" in last:
+            return self._send(429, {"error": "slow down"}, {"Retry-After": "1"})
         self._send(200, {"choices": [{"message": {"role": "assistant", "content": f"reply-{len(msgs)}"},
                                       "finish_reason": "stop"}]})
 
@@ -278,6 +283,51 @@ def test_failing_requests_cost_only_their_rows(fake_url, tmp_path):
     second = [m for m in FakeChat.requests if len(m) == 3]
     assert second and all(m[1] == {"role": "assistant", "content": "reply-1"} for m in second)
     assert rows[0]["messages"][-1] == {"role": "assistant", "content": "reply-3"}
+
+
+def test_retries_honour_retry_after_then_give_up_in_one_line(fake_url):
+    from hpc.verifier.regen_client import RequestFailed
+
+    client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=1, backoff=0.0)
+    start = time.monotonic()
+    with pytest.raises(RequestFailed) as err:
+        client.complete([{"role": "user", "content": "BUSY"}])
+    assert time.monotonic() - start >= 1.0  # the server's Retry-After, though backoff is 0
+    assert FakeChat.seen["BUSY"] == 2
+    assert err.value.reason == "request_failed"
+    assert str(err.value) == 'request_failed: 2 attempts, last: HTTP 429: {"error": "slow down"}'
+
+
+def test_dropped_and_refused_connections_are_retried_then_reported_in_one_line():
+    from hpc.net import free_port
+    from hpc.verifier.regen_client import RequestFailed
+
+    # A server that reads each request and hangs up without a reply: a POST retried all the same.
+    accepted = []
+    with socket.socket() as lsock:
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen()
+
+        def hang_up():
+            while True:
+                try:
+                    conn, _ = lsock.accept()
+                except OSError:
+                    return
+                accepted.append(conn.recv(65536))
+                conn.close()
+        threading.Thread(target=hang_up, daemon=True).start()
+        client = ChatClient(f"http://127.0.0.1:{lsock.getsockname()[1]}", "fake", MAX_TOKENS, retries=2, backoff=0.0)
+        with pytest.raises(RequestFailed) as err:
+            client.complete([{"role": "user", "content": "hi"}])
+    assert len(accepted) == 3 and all(r.startswith(b"POST /v1/chat/completions") for r in accepted)
+    assert err.value.reason == "request_failed" and "3 attempts, last: ConnectionError" in err.value.detail
+    # Nothing listening: connect errors count against the same retries, and the error stays one line.
+    client = ChatClient(f"http://127.0.0.1:{free_port()}", "fake", MAX_TOKENS, retries=2, backoff=0.0)
+    with pytest.raises(RequestFailed) as err:
+        client.complete([{"role": "user", "content": "hi"}])
+    assert err.value.reason == "request_failed" and "\n" not in str(err.value)
+    assert "3 attempts, last: ConnectionError" in err.value.detail and "Connection refused" in err.value.detail
 
 
 def test_dead_server_stops_the_run_without_writing_the_shard_in_progress(fake_url, tmp_path):
