@@ -143,7 +143,7 @@ def format_table(table: dict, benches: list[str]) -> str:
 
 def calibration_lines(results: dict, label: str = "DSpark", n: int = max(NS)) -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
-    from hpc.evaluate.calibration import position_report
+    from hpc.evaluate.calibration import ece_floor, position_report
 
     steps = [s for res in results.values() for r in res if r.label == label and r.n == n and not r.temperature
              for s in r.calibration_steps]
@@ -157,8 +157,10 @@ def calibration_lines(results: dict, label: str = "DSpark", n: int = max(NS)) ->
         judged = rep["count"] >= ECE_MIN_COUNT
         verdict = ("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})" if judged \
             else f"too few to judge (< {ECE_MIN_COUNT})"
-        lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (mean confidence "
-                     f"{rep['mean_conf']:.3f}, accepted {rep['accuracy']:.3f}): {verdict}")
+        floor = ece_floor([c[k - 1] for c, _ in steps if len(c) >= k])
+        lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (a perfectly calibrated "
+                     f"head would read {floor:.3f} at this count; mean confidence {rep['mean_conf']:.3f}, "
+                     f"accepted {rep['accuracy']:.3f}): {verdict}")
         metrics[f"ece_n{n}_pos{k}"] = rep["ece"]
     return lines, metrics
 

@@ -97,3 +97,13 @@ def test_png_is_a_valid_png(tmp_path):
 def test_bad_input_is_a_user_error(steps, cost, match):
     with pytest.raises(UserError, match=match):
         calibration_report(steps, cost)
+
+
+def test_the_ece_floor_is_the_noise_of_a_calibrated_head_and_shrinks_with_the_count():
+    from hpc.evaluate.calibration import ece_floor
+
+    few, many = ece_floor([0.5] * 50), ece_floor([0.5] * 5000)
+    # |mean of n Bernoulli(0.5) - 0.5| has mean sqrt(0.25 / n) * sqrt(2 / pi): 0.056 at n = 50
+    assert 0.03 < few < 0.09 and many < few / 5
+    assert ece_floor([0.0] * 40 + [1.0] * 40) == 0.0  # certain events: no noise at all
+    assert ece_floor([]) == 0.0 and ece_floor([0.3] * 60) == ece_floor([0.3] * 60)  # seeded
