@@ -7,6 +7,7 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc.errors import UserError
 from hpc.model.dspark import DSparkArgs
 from hpc.model.export import speculators_config
 from hpc.train.checkpoint import latest_checkpoint
@@ -63,6 +64,8 @@ def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None =
                                   trainer.state.ledger, trainer.state.epoch)
     trainer.run(batches, on_step=on_step)
     ckpt = latest_checkpoint(trainer.ckpt_dir)
+    if ckpt is None:
+        raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
     if held_out and model.confidence_head is not None:
         calibrate_on(model, head, verifier, held_out).save(ckpt)
     return ckpt

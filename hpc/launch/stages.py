@@ -122,6 +122,7 @@ def _rendezvous(cfg, env: SlurmEnv, master_node: int) -> tuple[str, int]:
     if env.node_index == master_node:
         publish(path, {"addr": mine, "port": free_port(mine)})
     info = wait_published(path, 600, f"node {master_node} (the rendezvous host)")
+    assert info is not None  # None only when a `gone` marker is given
     return str(info["addr"]), int(info["port"])
 
 

@@ -16,6 +16,7 @@ Read top to bottom:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from torch import nn
 
 from hpc.errors import UserError
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
+
+if TYPE_CHECKING:
+    from hpc.model.calibrate import Calibration  # it imports this module
 
 
 @dataclass
@@ -77,6 +81,9 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraft(nn.Module):
+    d2t: torch.Tensor  # buffers, registered in __init__
+    t2d: torch.Tensor
+
     def __init__(self, args: DSparkArgs):
         super().__init__()
         a = self.args = args
@@ -105,7 +112,7 @@ class DSparkDraft(nn.Module):
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
         # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
-        self.confidence_calibration = None
+        self.confidence_calibration: Calibration | None = None
 
     # -- 1. context ---------------------------------------------------------------------------
     def project_context(self, aux_TnH: torch.Tensor) -> torch.Tensor:
@@ -141,6 +148,7 @@ class DSparkDraft(nn.Module):
     def logits(self, h_QH: torch.Tensor, prev_emb_Qr: torch.Tensor | None) -> torch.Tensor:
         logits_QD = self.lm_head(h_QH)
         if prev_emb_Qr is not None:
+            assert self.markov_head is not None  # markov_embed gives None without it
             logits_QD = logits_QD + self.markov_head.markov_w2(prev_emb_Qr)
         return logits_QD
 

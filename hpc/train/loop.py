@@ -89,7 +89,7 @@ class Trainer:
 
     # -- resume / checkpoint -----------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:
-        path = path or latest_checkpoint(self.ckpt_dir)
+        path = Path(path) if path else latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
         self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.control_group)
@@ -114,6 +114,7 @@ class Trainer:
         row = pack(mb.mine)  # copies: the captures' buffers are free from here on
         if mb.release is not None:
             mb.release()
+        assert row.doc_ids_T is not None and row.position_ids_T is not None  # PackedRow.__post_init__ fills them
         row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
                                                       row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))
         enabled = self.autocast_dtype is not None and self.device.type == "cuda"
@@ -128,7 +129,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
+            sync = self.ddp.no_sync() if (isinstance(self.ddp, DDP) and not last) else contextlib.nullcontext()
             with sync:
                 loss, metrics = self._micro_loss(mb)
                 (loss / len(micro_batches)).backward()

@@ -23,7 +23,7 @@ from hpc.errors import UserError
 from hpc.fsio import write_text
 from hpc.model.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.train.online import read_token_rows, save_vocab, write_rows
-from hpc.verifier.data import RowStats, read_rows, tokenize_rows
+from hpc.verifier.data import RowStats, TokenRow, read_rows, tokenize_rows
 
 
 @dataclass
@@ -113,7 +113,7 @@ def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     stats = RowStats()
-    rows = []
+    rows: list[TokenRow] = []
     for path, split, max_rows in training_sources(cfg):
         rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
     if not rows:
