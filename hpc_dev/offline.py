@@ -7,6 +7,7 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.model.dspark import DSparkArgs
 from hpc.model.export import speculators_config
@@ -33,7 +34,7 @@ def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:
     return {i: r for i, r in rows.items() if i not in held}, held
 
 
-def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None = None,
+def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
                      on_step: Callable[[int, dict], None] | None = None, hold_out_every: int = 0) -> Path:
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
@@ -52,7 +53,7 @@ class DSparkArgs:
     aux_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
 
     @classmethod
-    def from_config(cls, cfg) -> DSparkArgs:
+    def from_config(cls, cfg: DSparkConfig) -> DSparkArgs:
         """From a resolved DSparkConfig (draft dims + the target's dims)."""
         d, v = cfg.draft, cfg.verifier
         keys = [k for k in cls.__dataclass_fields__ if hasattr(d, k)]

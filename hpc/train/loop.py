@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc.config.schema import TrainConfig
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
@@ -60,9 +61,9 @@ def _dist(group) -> tuple[int, int]:
 
 
 class Trainer:
-    def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
-                 device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None, group=None,
-                 control_group=None, epoch_size: int | None = None):
+    def __init__(self, train_cfg: TrainConfig, model: DSparkDraft, head: VerifierHead, export_config: dict,
+                 out_dir: str | Path, device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None,
+                 group=None, control_group=None, epoch_size: int | None = None):
         self.cfg = train_cfg
         self.epoch_size = epoch_size  # rows per epoch: lets the ledger forget finished epochs
         # Trainer ranks only, on two planes (hpc.dist.planes): `group` on the training backend
