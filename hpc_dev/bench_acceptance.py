@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.errors import UserError
 from hpc.tables import text_table
 
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     for name in VARIANTS:
         print(f"[{time.monotonic() - t0:5.0f}s] training {name} ({steps} steps)", flush=True)
         trained.append(train_variant(args.config, overrides, name, out, steps))
-        _log_variant(client, cfg, parent, trained[-1])
+        _log_variant(client, cfg.tracking, parent, trained[-1])
     by = {t.name: t for t in trained}
     compare = ", ".join([f"{{name: {n}, method: {'dflash' if n == 'DFlash' else 'dspark'}, model: '{by[n].export}'}}"
                          for n in VARIANTS if n != "DSpark"] + [f"{{name: {PEER}, method: ngram}}"])
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parent_run(cfg, steps: int, quick: bool):
+def _parent_run(cfg: DSparkConfig, steps: int, quick: bool):
     from mlflow.tracking import MlflowClient
 
     from hpc.track.pipeline import create_pipeline_run
@@ -231,13 +232,13 @@ def _parent_run(cfg, steps: int, quick: bool):
     return client, parent
 
 
-def _log_variant(client, cfg, parent: str, t: Trained) -> None:
+def _log_variant(client, tracking: TrackingConfig, parent: str, t: Trained) -> None:
     from mlflow.entities import Metric
 
     from hpc.track.keys import DRAFT
     from hpc.track.pipeline import create_child_run
 
-    run = create_child_run(client, cfg.tracking.experiment, parent, f"train-{t.name}", {DRAFT: t.name})
+    run = create_child_run(client, tracking.experiment, parent, f"train-{t.name}", {DRAFT: t.name})
     now = int(time.time() * 1000)
     metrics = [Metric("loss", v, now, i) for i, v in enumerate(t.losses, start=1)]
     for i in range(0, len(metrics), 1000):

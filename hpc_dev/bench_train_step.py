@@ -92,6 +92,7 @@ def build(c: dict, tmp: Path) -> tuple[Callable[[], None], Callable[[], None], d
     opt_o, opt_t = torch.optim.AdamW(params_o, lr=LR), torch.optim.AdamW(params_t, lr=LR)
 
     row = packed_row(c, g)
+    assert row.doc_ids_T is not None and row.position_ids_T is not None  # packed_row passes both
     max_anchors = c["anchors"] * c["batch"]
     gen = torch.Generator().manual_seed(1)
     loss_config = resolve_loss_config('{"ce": 0.1, "tv": 0.9}', "eager")  # fused losses need Triton + GPU

@@ -7,6 +7,8 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
 from hpc.model.dspark import DSparkArgs
 from hpc.model.export import speculators_config
 from hpc.train.checkpoint import latest_checkpoint
@@ -32,7 +34,7 @@ def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:
     return {i: r for i, r in rows.items() if i not in held}, held
 
 
-def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None = None,
+def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
                      on_step: Callable[[int, dict], None] | None = None, hold_out_every: int = 0) -> Path:
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 
@@ -63,6 +65,8 @@ def train_in_process(cfg, out_dir: str | Path | None = None, steps: int | None =
                                   trainer.state.ledger, trainer.state.epoch)
     trainer.run(batches, on_step=on_step)
     ckpt = latest_checkpoint(trainer.ckpt_dir)
+    if ckpt is None:
+        raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
     if held_out and model.confidence_head is not None:
         calibrate_on(model, head, verifier, held_out).save(ckpt)
     return ckpt

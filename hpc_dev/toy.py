@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from hpc.fsio import replace_dir
@@ -89,9 +90,10 @@ def make_model(cfg: ToyConfig, tok):
         tie_word_embeddings=False, dtype="float32",
     )
     if cfg.arch == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=cfg.head_dim)
-        return transformers.Qwen3ForCausalLM(config)
-    config = transformers.DeepseekV3Config(
+        qwen = transformers.Qwen3Config(**common, head_dim=cfg.head_dim)
+        return transformers.Qwen3ForCausalLM(qwen)
+    # HF's @strict config takes attributes beyond its fields as **kwargs at runtime; its typing does not.
+    config = transformers.DeepseekV3Config(  # type: ignore[call-arg]
         **common, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=cfg.qk_rope_head_dim,
         qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
         n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
@@ -122,7 +124,9 @@ def build_key(cfg: ToyConfig) -> str:
     for pkg in KEY_PACKAGES:
         h.update(f"{pkg}=={importlib.metadata.version(pkg)}".encode())
     h.update(toy_corpus.fingerprint())
-    for module in (toy_config, toy_train, __import__(__name__)):
+    # sys.modules, not __import__(__name__): that returns the top-level package, hpc_dev.
+    for module in (toy_config, toy_train, sys.modules[__name__]):
+        assert module.__file__ is not None  # source modules
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 

@@ -16,7 +16,8 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    from hpc_dev.toy import ARCHS, build_toy_target
+    from hpc_dev.toy import build_toy_target
+    from hpc_dev.toy_config import ARCHS
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="dspark-bench-toy-") as cache:

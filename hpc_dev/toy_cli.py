@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from hpc_dev.toy import ARCHS
+from hpc_dev.toy_config import ARCHS
 
 
 def register(subparsers) -> None:

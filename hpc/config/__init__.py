@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from hpc.errors import ConfigError
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from hpc.config.load import config_hash, flatten, load_config, sweep_overrides, to_object, to_yaml
     from hpc.config.schema import DSparkConfig
     from hpc.config.validate import validate
@@ -55,7 +57,7 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     return out
 
 
-def _variant_problems(cfg, known: set[str], shapes: dict) -> list[str]:
+def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict) -> list[str]:
     """A sweep value that breaks a range check is named with its variant; checks that hold for
     the base config are not repeated per variant. Each variant is the loaded config plus its
     dotlist, and the target's shape is read once per target: `validate` stays under a second."""

@@ -13,7 +13,7 @@ import hashlib
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -260,9 +260,11 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
-def flatten(cfg: DictConfig | ListConfig | dict, prefix: str = "") -> dict[str, Any]:
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
     """Dotted keys -> leaf values, for MLflow params and sweep expansion."""
-    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if not isinstance(cfg, dict) else cfg
+    # A DictConfig's container is a dict with string keys.
+    container = (cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+                 if not isinstance(cfg, dict) else cfg)
     out: dict[str, Any] = {}
     for key, value in container.items():
         full = f"{prefix}{key}"
@@ -287,7 +289,7 @@ def sweep_overrides(cfg: DictConfig) -> list[list[str]]:
 def check_sweep(cfg: DictConfig) -> list[str]:
     """Sweep keys must be config keys and every variant must itself be a valid config."""
     problems = []
-    sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
+    sweep = cast(dict[str, Any], OmegaConf.to_container(cfg.sweep, resolve=True) or {})  # schema: dict[str, list]
     probe = copy.deepcopy(cfg) if sweep else None  # one for every value: a fresh schema each costs more
     for key, values in sweep.items():
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" or key.startswith("sweep"):
@@ -302,6 +304,7 @@ def check_sweep(cfg: DictConfig) -> list[str]:
             repeats = [v for i, v in enumerate(values) if v in values[:i]]
             if repeats:  # each value names one array task: a repeat trains the same variant twice
                 problems.append(f"sweep.{key} = {_short(values)}: {repeats[0]!r} appears twice; list each value once")
+            assert probe is not None  # made above whenever there is a sweep
             for value in values:
                 sub: list[str] = []
                 _apply(probe, _nest(key, value), "", f"sweep {key}", sub)

@@ -8,6 +8,8 @@ import copy
 import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from hpc.config.schema import DSparkConfig
+
 MASK = "***"
 SECRET_NAME = re.compile(r"token|secret|passw|api_?key|access_?key|credential|auth|cookie", re.IGNORECASE)
 
@@ -36,7 +38,7 @@ def redact_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def redacted(cfg):
+def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
     out.verifier.env = {k: (MASK if is_secret_name(k) else v) for k, v in out.verifier.env.items()}

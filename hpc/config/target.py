@@ -19,6 +19,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from hpc.config.schema import DSparkConfig, VerifierConfig
 from hpc.errors import UserError
 
 # Weights as safetensors only (no pickles), plus what vLLM and tokenizers read.
@@ -94,14 +95,14 @@ def cached_config_dir(model: str, revision: str | None = None) -> Path | None:
         return None
 
 
-def localized(verifier_cfg, path: Path):
+def localized(verifier_cfg: VerifierConfig, path: Path) -> VerifierConfig:
     """The verifier section naming the local snapshot, with the hub id kept as its name."""
     if str(path) == verifier_cfg.model:
         return verifier_cfg
     return replace(verifier_cfg, model=str(path), name=verifier_cfg.name or verifier_cfg.model)
 
 
-def localize(cfg):
+def localize(cfg: DSparkConfig) -> DSparkConfig:
     """`cfg` with its target resolved on this machine (a whole config; a copy when it changes)."""
     v = cfg.verifier
     if is_local(v.model):

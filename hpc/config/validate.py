@@ -132,9 +132,9 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         (FinalHidden.post_norm, True): "the capture is already post-norm, so applying the norm again "
         "double-normalises; set train.apply_verifier_norm=false",
     }
-    msg = norm_pairs.get((v.final_hidden, cfg.train.apply_verifier_norm))
-    if msg:
-        c.fail("verifier.final_hidden", v.final_hidden.value, msg)
+    norm_msg = norm_pairs.get((v.final_hidden, cfg.train.apply_verifier_norm))
+    if norm_msg:
+        c.fail("verifier.final_hidden", v.final_hidden.value, norm_msg)
 
 
 def _check_draft(c: Checker, cfg: DSparkConfig, shape: TargetShape) -> None:

@@ -86,10 +86,11 @@ class Planes:
     world_size: int
     trainers: list[int]
     device: torch.device  # this rank's data-plane tensors live here (the GPU under NCCL, else CPU)
-    data: object | None  # the default group; None = the default group
-    control: object
-    train_data: object  # NON_GROUP_MEMBER on streamer ranks
-    train_control: object
+    data: dist.ProcessGroup | None  # the default group; None = the default group
+    control: dist.ProcessGroup
+    # NON_GROUP_MEMBER on streamer ranks (torch's functions take it where they take a group)
+    train_data: dist.ProcessGroup
+    train_control: dist.ProcessGroup
 
     @property
     def is_trainer(self) -> bool:

@@ -95,7 +95,7 @@ def position_report(steps: list[Step], position: int, bins: int) -> dict:
     out_bins = [{"lo": i / bins, "hi": (i + 1) / bins, "count": cnt,
                  "conf": s_conf / cnt if cnt else None, "acc": s_match / cnt if cnt else None}
                 for i, (cnt, s_conf, s_match) in enumerate(table)]
-    ece = sum(b["count"] / n * abs(b["acc"] - b["conf"]) for b in out_bins if b["count"]) if n else None
+    ece = sum(cnt / n * abs(s_match / cnt - s_conf / cnt) for cnt, s_conf, s_match in table if cnt) if n else None
     return {"position": position, "count": n,
             "ece": ece,
             "brier": sum((c - m) ** 2 for c, m in pairs) / n if n else None,

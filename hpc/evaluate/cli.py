@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if args.upload:
         from pathlib import Path
 
-        client = _tracking(cfg)
+        client = _tracking(cfg.tracking)
         if client is None:
             return 1
         ids = upload_all(client, Path(cfg.eval.output_dir), cfg)

@@ -76,7 +76,7 @@ def our_draft(path: str | Path, label: str | None = None) -> DraftSpec:
 def is_our_export(method: str, model: str | None) -> bool:
     """An eval.compare entry that names one of our exports on disk (an ablation, a rival recipe):
     it runs where --draft runs, on the engine that decodes our methods."""
-    return method in OUR_METHODS and bool(model) and Path(model).is_dir()
+    return method in OUR_METHODS and model is not None and bool(model) and Path(model).is_dir()
 
 
 def check_ns(draft: DraftSpec, ns: list[int]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
             m[metric(b, "baseline_tok_s")] = r.baseline_tok_s
         if r.speedup is not None:
             m[metric(b, "speedup")] = r.speedup
-        if r.speedup_lo is not None:  # paired timing: the quartiles of the per-pair ratios
+        if r.speedup_lo is not None and r.speedup_hi is not None:  # paired timing: the quartiles of the per-pair ratios
             m[metric(b, "speedup_lo")], m[metric(b, "speedup_hi")], m[metric(b, "pairs")] = \
                 r.speedup_lo, r.speedup_hi, r.pairs
         if r.accept_len is not None:
@@ -49,7 +50,7 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
     return m
 
 
-def upload_run(client, run_dir: Path, extra_artifacts: list[tuple[str, str | None]] = ()) -> str:
+def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str | None]] = ()) -> str:
     """Create (once) the MLflow run for a run directory; returns its id."""
     from mlflow.entities import Metric, Param
 

@@ -75,6 +75,10 @@ class TargetRunner:
     def _grab_final_input(self, _module, args):
         self._final_input = args[0]
 
+    def _final_input_now(self) -> torch.Tensor:
+        assert self._final_input is not None  # the norm's pre-hook ran in this forward
+        return self._final_input
+
     def reset(self) -> None:
         from transformers import DynamicCache
 
@@ -86,7 +90,7 @@ class TargetRunner:
         out = self.model(input_ids=ids_S[None], use_cache=True, output_hidden_states=True,
                          **{self._cache_kwarg: self.cache})
         hs = out.hidden_states
-        aux = [self._final_input[0] if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
+        aux = [self._final_input_now()[0] if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
         return out.logits[0], (torch.stack(aux, dim=1) if aux else hs[0][0, :, None, :0])
 
     def crop(self, length: int) -> None:

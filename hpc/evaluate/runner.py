@@ -18,7 +18,9 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig, VerifierConfig
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
@@ -41,6 +43,9 @@ from hpc.track.keys import (
     VLLM_VERSION,
 )
 
+if TYPE_CHECKING:
+    from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
+
 
 @dataclass
 class Job:
@@ -57,28 +62,29 @@ class Job:
         return f"eval-n{self.n}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}{suffix}"
 
 
-def _tracking(cfg):
+def _tracking(tracking: TrackingConfig):
     """An MLflow client, or None (one warning line) when the server does not answer."""
     from mlflow.tracking import MlflowClient
 
     import hpc.track.logger  # noqa: F401 - fail fast on a dead server instead of retrying for minutes
     from hpc.track.server import is_healthy
 
-    client = MlflowClient(cfg.tracking.uri)
+    client = MlflowClient(tracking.uri)
     try:
-        if cfg.tracking.uri.startswith("http") and not is_healthy(cfg.tracking.uri):
+        if tracking.uri.startswith("http") and not is_healthy(tracking.uri):
             raise ConnectionError("no answer")
         client.search_experiments(max_results=1)
     except Exception as err:  # noqa: BLE001 - any failure: evaluate anyway, upload later
-        print(f"warning: tracking server {redact_uri(cfg.tracking.uri)} unreachable ({str(err).splitlines()[0][:120]}); "
+        print(f"warning: tracking server {redact_uri(tracking.uri)} unreachable ({str(err).splitlines()[0][:120]}); "
               f"evaluating anyway, results stay on disk for `dspark evaluate CONFIG --upload`", flush=True)
         return None
     return client
 
 
-def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches, temperature: float = 0.0) -> str:
-    v = cfg.verifier
-    ident = {"target": v.name or v.model, "revision": v.revision, "engine": engine, "version": engine_version,
+def baseline_key(v: VerifierConfig, engine: str, engine_version: str, hardware: str, benches,
+                 temperature: float = 0.0) -> str:
+    ident: dict[str, object] = {"target": v.name or v.model, "revision": v.revision, "engine": engine,
+                                "version": engine_version,
              "hardware": hardware,
              "manifests": {b.name: b.sha256 for b in benches}}
     if temperature > 0:  # greedy keys stay as they were, so earlier baselines are still found
@@ -89,10 +95,10 @@ def baseline_key(cfg, engine: str, engine_version: str, hardware: str, benches, 
 class EngineFactory:
     """Starts what a job runs on; the HF target for the reference engine is loaded once."""
 
-    def __init__(self, cfg, out: Path):
+    def __init__(self, cfg: DSparkConfig, out: Path):
         self.cfg, self.out = cfg, out
         self._target = None
-        self._baselines: dict[tuple[str, float], object] = {}
+        self._baselines: dict[tuple[str, float], ReferenceEngine | VLLMEngine] = {}
 
     def target(self):
         if self._target is None:
@@ -102,7 +108,7 @@ class EngineFactory:
             v = self.cfg.verifier
             self._target = AutoModelForCausalLM.from_pretrained(
                 v.model, dtype=torch.float32, trust_remote_code=v.trust_remote_code, use_safetensors=True,
-            ).to(self.cfg.eval.device).eval()
+            ).to(self.cfg.eval.device).eval()  # type: ignore[arg-type]  # transformers' .to typing loses self
         return self._target
 
     def baseline(self, engine: str, temperature: float, eos: int | None):
@@ -117,7 +123,7 @@ class EngineFactory:
             engine.close()
         self._baselines.clear()
 
-    def start(self, job: Job, eos: int | None):
+    def start(self, job: Job, eos: int | None) -> ReferenceEngine | VLLMEngine:
         from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
 
         seed = self.cfg.eval.seed
@@ -126,6 +132,7 @@ class EngineFactory:
             if job.draft is not None:
                 from hpc.model.export import load_draft
 
+                assert job.draft.model is not None  # the reference engine decodes our exports: directories
                 draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
             return ReferenceEngine(self.target(), draft, job.n, eos, job.temperature, seed)
         from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
@@ -138,7 +145,7 @@ class EngineFactory:
         return VLLMEngine(server, temperature=job.temperature, seed=seed)
 
 
-def check_draft_fits_target(path: Path, cfg) -> None:
+def check_draft_fits_target(path: Path, cfg: DSparkConfig) -> None:
     """A draft trained for another target fails here, before any server starts (not after the
     baseline has run): its vocabulary, hidden size and aux layers must be the target's."""
     from hpc.config.validate import target_shape
@@ -158,7 +165,7 @@ def check_draft_fits_target(path: Path, cfg) -> None:
                         f"{cfg.verifier.model}; evaluate it against its own target")
 
 
-def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
+def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
     """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
     drafts = [our_draft(draft_path)] if draft_path else []
     for c in cfg.eval.compare:
@@ -166,6 +173,7 @@ def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], l
                       else DraftSpec(c.name, c.method, c.model or None))
     for d in drafts:
         if d.ours:
+            assert d.model is not None  # our exports are directories
             check_draft_fits_target(Path(d.model), cfg)
     if not drafts:
         raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")
@@ -187,7 +195,7 @@ def plan(cfg, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], l
     return drafts, benches, version, cpu
 
 
-def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = False,
+def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_baseline: bool = False,
              parent_run_id: str | None = None, quiet: bool = False) -> dict[str, list[BenchResult]]:
     from transformers import AutoTokenizer
 
@@ -200,7 +208,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
     jobs = [Job(d, n, choose_engine(d, engine_cfg, cpu_build), t) for d in drafts for n in ns for t in temps]
     paired = _value(cfg.eval.timing) == "paired"
     out = Path(cfg.eval.output_dir)
-    client = _tracking(cfg)
+    client = _tracking(cfg.tracking)
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     hardware = hardware_id()
@@ -218,7 +226,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
     baselines: dict[tuple[str, float], dict[str, float]] = {}
     for engine, temp in sorted({(j.engine, j.temperature) for j in jobs}) if not paired else []:
         version = vllm_version if engine == "vllm" else _torch_version()
-        key = baseline_key(cfg, engine, version, hardware, benches, temp)
+        key = baseline_key(cfg.verifier, engine, version, hardware, benches, temp)
         job = Job(None, 0, engine, temp)
         run_dir = out / f"{job.name}-{key[:8]}"
         cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)
@@ -231,7 +239,7 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
 
             shutil.rmtree(run_dir)
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
-        _write_meta(run_dir, cfg, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
+        _write_meta(run_dir, cfg.tracking, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
                     ENGINE: engine, ENGINE_VERSION: version, HARDWARE: hardware,
                     TEMPERATURE: f"{temp:g}"})
         baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
@@ -241,23 +249,25 @@ def evaluate(cfg, draft_path: str | None, ns: list[int], force_baseline: bool = 
     prints = {d.label: d.fingerprint() for d in drafts}
     try:
         for job in jobs:
+            draft = job.draft
+            assert draft is not None  # jobs are draft jobs; baselines ran above or run paired beside them
             version = vllm_version if job.engine == "vllm" else _torch_version()
             # Results are keyed by the draft's content: a re-run with a retrained draft at the same
             # path measures it, instead of returning the previous draft's numbers.
-            run_dir = out / f"{job.name}-{prints[job.draft.label][:8]}"
+            run_dir = out / f"{job.name}-{prints[draft.label][:8]}"
             res = _run_job(job, factory, benches, tok, run_dir, quiet, paired, cfg.eval.timing_min_pairs)
             if not paired:
                 attach_baseline(res, baselines[job.engine, job.temperature])
                 for r in res:  # the baseline is known now: the files carry the speedup too
                     write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
-            job_tags = {**tags, DRAFT: job.draft.label, METHOD: job.draft.method,
-                        DRAFT_SHA256: prints[job.draft.label],
+            job_tags = {**tags, DRAFT: draft.label, METHOD: draft.method,
+                        DRAFT_SHA256: prints[draft.label],
                         SPEC_N: str(job.n), ENGINE: job.engine, ENGINE_VERSION: version,
                         HARDWARE: hardware, VLLM_VERSION: vllm_version,
                         TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
-            artifacts = [(job.draft.model, "draft")] if job.draft.ours else []
-            _write_meta(run_dir, cfg, job, STAGE_EVAL, parent_run_id, job_tags, artifacts)
-            _plots(run_dir, res, job, cfg)
+            artifacts = [(draft.model, "draft")] if draft.ours else []
+            _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, artifacts)
+            _plots(run_dir, res, job, cfg.eval)
             results[job.name] = res
             ran.append(run_dir.name)
     finally:
@@ -298,37 +308,39 @@ def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quie
         engine.close()
 
 
-def _write_meta(run_dir: Path, cfg, job: Job, stage: str, parent: str | None, tags: dict,
+def _write_meta(run_dir: Path, tracking: TrackingConfig, job: Job, stage: str, parent: str | None, tags: dict,
                 artifacts: list | None = None) -> None:
     meta_path = run_dir / "run.json"
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    meta = {"stage": stage, "name": job.name, "experiment": cfg.tracking.experiment, "parent_run_id": parent,
+    meta = {"stage": stage, "name": job.name, "experiment": tracking.experiment, "parent_run_id": parent,
             "tags": tags, "artifacts": artifacts or [], "n": job.n, "temperature": job.temperature,
-            "registered_model": cfg.tracking.registered_model, "mlflow_run_id": old.get("mlflow_run_id")}
+            "registered_model": tracking.registered_model, "mlflow_run_id": old.get("mlflow_run_id")}
     write_json_atomic(meta_path, meta)
 
 
-def _plots(run_dir: Path, res: list[BenchResult], job: Job, cfg) -> None:
+def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig) -> None:
     from hpc.track.plots import per_position_png
+
+    label = "baseline" if job.draft is None else job.draft.label
 
     if job.n:
         temp = f" T={job.temperature:g}" if job.temperature > 0 else ""
         per_position_png({r.benchmark: r.per_position for r in res}, run_dir / "per_position_acceptance.png",
-                         title=f"{job.draft.label} n={job.n}{temp} ({job.engine})")
+                         title=f"{label} n={job.n}{temp} ({job.engine})")
     steps = {r.benchmark: r.calibration_steps for r in res if r.calibration_steps}
     if steps:
         from hpc.evaluate.calibration import calibration_png, calibration_report, format_report
 
-        report = calibration_report(steps, cfg.eval.draft_token_cost)
+        report = calibration_report(steps, eval_cfg.draft_token_cost)
         write_json_atomic(run_dir / "calibration.json.report", report)
         calibration_png(report, run_dir / "calibration.png")
         event = (f"sampled acceptance at temperature {job.temperature:g}" if job.temperature > 0
                  else "greedy match")
-        print(f"calibration of the confidence head, {job.draft.label} n={job.n}, scored against the {event}:\n"
+        print(f"calibration of the confidence head, {label} n={job.n}, scored against the {event}:\n"
               f"{format_report(report)}")
 
 
-def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | None = None) -> list[str]:
+def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: set[str] | None = None) -> list[str]:
     """Run directories not yet in MLflow (`only`: just these names); then the registry for our
     drafts at the largest n.
 
@@ -348,7 +360,7 @@ def upload_all(client, out: Path, cfg, quiet: bool = False, only: set[str] | Non
                 orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
             meta["parent_run_id"] = orphan_parent
             write_json_atomic(run_dir / "run.json", meta)
-        extra = []
+        extra: list[tuple[str, str | None]] = []
         report = run_dir / "calibration.json.report"
         if report.is_file():
             extra.append((str(report), "calibration"))

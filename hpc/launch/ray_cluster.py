@@ -22,6 +22,7 @@ and the token carry the restart count, so a requeued job sees neither of the las
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -111,7 +112,7 @@ class RayNode:
             self._check_alive()
             try:
                 ray.init(address=self.address, _node_ip_address=advertised_ip(self.env),
-                         logging_level="WARNING", log_to_driver=False)
+                         logging_level=logging.WARNING, log_to_driver=False)
                 break
             except (ConnectionError, RuntimeError):
                 if time.monotonic() > deadline:
@@ -184,7 +185,8 @@ def kill_tagged(tag: str) -> int:
 def _refresh_ray_auth() -> None:
     """Ray caches the auth mode and token when it is first imported; make it read the environment again."""
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        # In the compiled module, not in Ray's _raylet.pyi stub.
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
     except ImportError:  # another Ray: it reads the environment at ray.init
         return
     Config.initialize("")

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.config.schema import DataConfig, DSparkConfig
 from hpc.errors import UserError
 from hpc.launch.submit import submit
 
@@ -52,7 +53,7 @@ def hub_revision(dataset: str) -> str:
         return "unresolved"
 
 
-def data_fingerprint(cfg) -> str:
+def data_fingerprint(data: DataConfig) -> str:
     """sha256 over the configured data sources: files by path, size, mtime and content (directories
     file by file in sorted order), hub ids by id, split and revision.
 
@@ -60,7 +61,7 @@ def data_fingerprint(cfg) -> str:
     is regenerated, the regenerated shards are our own output, so the inputs are what counts.
     """
     h = hashlib.sha256()
-    for s in cfg.data.sources:
+    for s in data.sources:
         path = Path(s.path).expanduser()
         h.update(f"source {s.split} {s.max_rows}\n".encode())
         if path.is_dir():
@@ -80,7 +81,7 @@ class LastRun:
     fingerprint: str | None
 
 
-def last_scheduled_run(client, cfg) -> LastRun | None:
+def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
     """The newest scheduled pipeline run of this config in the experiment."""
     from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
 
@@ -113,7 +114,7 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
     from hpc.config import resolve
 
     cfg = resolve(config, overrides)
-    fingerprint = data_fingerprint(cfg)
+    fingerprint = data_fingerprint(cfg.data)
     client = MlflowClient(cfg.tracking.uri)
     last = last_scheduled_run(client, cfg)
     if last is not None and last.fingerprint == fingerprint:

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.errors import EXIT_REQUEUE, UserError
 
 # entry(cfg, parent_run_id, n, local) -> exit code; n is set for per-n stages only
-Entry = Callable[[object, str | None, int | None, bool], int]
+Entry = Callable[[DSparkConfig, str | None, int | None, bool], int]
 
 
 @dataclass(frozen=True)
@@ -23,22 +24,22 @@ class Stage:
     name: str
     entry: Entry
     after: tuple[tuple[str, str], ...] = ()  # (Slurm dependency type, stage name)
-    nodes: Callable[[object], int] = lambda cluster: 1  # from the config's `cluster` section
+    nodes: Callable[[ClusterConfig], int] = lambda cluster: 1  # from the config's `cluster` section
     gpus: bool = True
     kill_on_bad_exit: bool = False  # srun ends the allocation when one node's task fails
     per_variant: bool = True  # an array task per sweep variant; else one job (variant 0)
     per_n: bool = False  # one job per eval.num_speculative_tokens, named NAME-nN
     localize: bool = True  # stage the target/data on node-local storage first
-    enabled: Callable[[object], bool] = lambda cfg: True
+    enabled: Callable[[DSparkConfig], bool] = lambda cfg: True
 
 
-def _regenerate(cfg, parent_run_id, n, local):
+def _regenerate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     from hpc.launch.stages import regenerate_stage
 
     return regenerate_stage(cfg, parent_run_id, local=local)
 
 
-def _train(cfg, parent_run_id, n, local):
+def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     if local:  # one machine: every rank a local process, no allocation
         from hpc.train.cli import train_local
 
@@ -48,7 +49,7 @@ def _train(cfg, parent_run_id, n, local):
     return train_allocation(cfg, parent_run_id)
 
 
-def _eval(cfg, parent_run_id, n, local):
+def _eval(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     from hpc.launch.stages import eval_stage
 
     if n is None:
@@ -56,9 +57,12 @@ def _eval(cfg, parent_run_id, n, local):
     return eval_stage(cfg, int(n), parent_run_id)
 
 
-def _report(cfg, parent_run_id, n, local):
+def _report(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     from hpc.launch.stages import report_stage
 
+    if parent_run_id is None:  # it reports the evals under that run, and ends it
+        raise UserError("the report stage needs the pipeline's MLflow parent run: "
+                        "`dspark stage report CONFIG --parent-run-id ID`")
     return report_stage(cfg, parent_run_id)
 
 
@@ -91,7 +95,7 @@ class Job:
     after: tuple[tuple[str, str], ...] = ()  # (dependency type, job name), enabled jobs only
 
 
-def jobs(cfg) -> list[Job]:
+def jobs(cfg: DSparkConfig) -> list[Job]:
     """The pipeline's jobs in submission order, with dependencies resolved to job names."""
     out: list[Job] = []
     for s in STAGES:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from hpc.config.schema import ClusterConfig, DSparkConfig, TrainConfig
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
@@ -40,7 +42,7 @@ def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = Non
         time.sleep(1.0)
 
 
-def localize_in_job(cfg, env: SlurmEnv):
+def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
     """The job's config naming the target's local snapshot: node 0 resolves a hub id, the others
     read the path it wrote under cluster.log_dir (a filesystem every node sees)."""
     from dataclasses import replace
@@ -68,7 +70,7 @@ def localize_in_job(cfg, env: SlurmEnv):
     return replace(cfg, verifier=localized(cfg.verifier, Path(marker.read_text().strip())))
 
 
-def localize_stage(cfg):
+def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
     """The target as a local snapshot: once per job inside Slurm, in-process elsewhere."""
     if "SLURM_JOB_ID" in os.environ:
         return localize_in_job(cfg, SlurmEnv.from_environ())
@@ -77,7 +79,7 @@ def localize_stage(cfg):
     return localize(cfg)
 
 
-def prepare_once(cfg, env: SlurmEnv) -> None:
+def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
     from hpc.train.prepare import prepare_data
 
@@ -97,7 +99,7 @@ def prepare_once(cfg, env: SlurmEnv) -> None:
         _wait_for(marker, 3600, "the prepared data", failed)
 
 
-def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
+def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]:
     """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
     from hpc.config.validate import ranks_per_node
 
@@ -109,11 +111,11 @@ def node_ranks(cfg, node_index: int) -> tuple[list[int], int, int]:
     return list(range(t * rpn, (t + 1) * rpn)), T, V
 
 
-def _rendezvous(cfg, env: SlurmEnv, master_node: int) -> tuple[str, int]:
+def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tuple[str, int]:
     """(address, port) of the torch rendezvous: chosen by the master node, read by the others."""
     from hpc.launch.job_files import job_file, publish, wait_published
 
-    path = job_file(cfg.cluster.log_dir, "rendezvous", env.job_id)
+    path = job_file(cluster.log_dir, "rendezvous", env.job_id)
     mine = advertised_ip(env)
     iface = interface_of(mine)
     if iface and not mine.startswith("127."):
@@ -122,10 +124,11 @@ def _rendezvous(cfg, env: SlurmEnv, master_node: int) -> tuple[str, int]:
     if env.node_index == master_node:
         publish(path, {"addr": mine, "port": free_port(mine)})
     info = wait_published(path, 600, f"node {master_node} (the rendezvous host)")
+    assert info is not None  # None only when a `gone` marker is given
     return str(info["addr"]), int(info["port"])
 
 
-def train_allocation(cfg, parent_run_id: str | None = None) -> int:
+def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """One node's share of a training allocation; returns the node's exit code."""
     import torch.multiprocessing as mp
 
@@ -138,7 +141,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
                         f"cluster.trainer_nodes = {V + Tn}")
     prepare_once(cfg, env)
     ranks, T, V = node_ranks(cfg, env.node_index)
-    master, port = _rendezvous(cfg, env, master_node=V if env.n_nodes > V else 0)
+    master, port = _rendezvous(cfg.cluster, env, master_node=V if env.n_nodes > V else 0)
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")
@@ -163,7 +166,7 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg):
+    if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg.train):
         if env.node_index == 0:
             requeue(env)
         return EXIT_REQUEUE
@@ -178,14 +181,14 @@ def train_allocation(cfg, parent_run_id: str | None = None) -> int:
     return code
 
 
-def _training_done(cfg) -> bool:
+def _training_done(train: TrainConfig) -> bool:
     """A signal that came after the last step needs no requeue: the checkpoints say so."""
     import json
 
     from hpc.train.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
-    return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= cfg.train.steps
+    ckpt = latest_checkpoint(Path(train.output_dir) / "checkpoints")
+    return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= train.steps
 
 
 def _supervise(procs) -> tuple[int, list[int | None]]:
@@ -225,7 +228,7 @@ def requeue(env: SlurmEnv) -> None:
     print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
 
 
-def eval_stage(cfg, n: int, parent_run_id: str | None = None) -> int:
+def eval_stage(cfg: DSparkConfig, n: int, parent_run_id: str | None = None) -> int:
     """Evaluate the export the training task left in train.output_dir, at one n."""
     from hpc.evaluate.runner import evaluate
 
@@ -234,7 +237,7 @@ def eval_stage(cfg, n: int, parent_run_id: str | None = None) -> int:
     return 0
 
 
-def report_stage(cfg, parent_run_id: str) -> int:
+def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
     """The comparison table of this pipeline, printed and written into its parent run; then the
     parent run ends FINISHED when every stage succeeded, else FAILED (never left RUNNING)."""
     from mlflow.tracking import MlflowClient
@@ -254,7 +257,7 @@ def report_stage(cfg, parent_run_id: str) -> int:
     return 0
 
 
-def _report(cfg, client, parent_run_id: str) -> None:
+def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
     import tempfile
 
     from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, to_csv
@@ -277,7 +280,7 @@ def _report(cfg, client, parent_run_id: str) -> None:
     client.set_terminated(run_id)
 
 
-def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False) -> int:
+def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local: bool = False) -> int:
     """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
     `local` (`dspark demo`, even inside an salloc) one server on this machine. A requeue resumes."""
     from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
@@ -305,7 +308,7 @@ def regenerate_stage(cfg, parent_run_id: str | None = None, local: bool = False)
     return 0
 
 
-def _regenerate_on_ray(cfg, say):
+def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
     """A Ray cluster over the job's nodes (see ray_cluster): node 0 drives `regenerate()` through one
     server per node and returns (stats, servers, requests served per server); the other nodes host a server
     until node 0 is done, and return None."""
@@ -351,7 +354,7 @@ def _regenerate_on_ray(cfg, say):
         node.stop()
 
 
-def _log_stage_run(cfg, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:
+def _log_stage_run(cfg: DSparkConfig, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:
     """A child run for a stage that has no logger of its own; tracking trouble is not a failed stage."""
     try:
         from mlflow.entities import Metric

@@ -197,7 +197,7 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
     from hpc.launch.stage_table import NAMES, stage_of
 
     train_dirs = list(state.get("train_dirs") or [])
-    rows = []
+    rows: list[tuple[str, ...]] = []
     # In the table's order (a state file written by an older submit may list them otherwise).
     order = sorted(state["jobs"].items(), key=lambda kv: NAMES.index(stage_of(kv[0])) if stage_of(kv[0]) in NAMES
                    else len(NAMES))

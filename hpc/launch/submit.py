@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.fsio import write_text
@@ -52,9 +53,8 @@ def _minutes(time: str) -> int:
     return minutes
 
 
-def _base_params(cfg, name: str, nodes: int, gpus: bool) -> dict:
-    c = cfg.cluster
-    params = {"slurm_partition": c.partition, "timeout_min": _minutes(c.time), "nodes": nodes, "tasks_per_node": 1,
+def _base_params(c: ClusterConfig, name: str, nodes: int, gpus: bool) -> dict:
+    params: dict = {"slurm_partition": c.partition, "timeout_min": _minutes(c.time), "nodes": nodes, "tasks_per_node": 1,
               "cpus_per_task": c.cpus_per_task, "name": name, "slurm_signal_delay_s": c.signal_delay_s}
     extra: dict = {"requeue": True}
     if c.account:
@@ -87,7 +87,7 @@ def _new_pipeline_dir(parent: Path, name: str) -> tuple[Path, str]:
     raise UserError(f"could not create a new pipeline directory under {parent}; check that it is writable")
 
 
-def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[object, Pipeline]:
+def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[DSparkConfig, Pipeline]:
     """Validate and lay out the jobs; writes only the frozen variant configs."""
     from omegaconf import OmegaConf
 
@@ -116,7 +116,7 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     stages = []
     for job in jobs(cfg):
         s = job.stage
-        params = _base_params(cfg, f"{cfg.name}-{job.name}", s.nodes(cfg.cluster), s.gpus)
+        params = _base_params(cfg.cluster, f"{cfg.name}-{job.name}", s.nodes(cfg.cluster), s.gpus)
         if s.kill_on_bad_exit:
             params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
         per_n = (job.n,) if job.n is not None else ()
@@ -155,7 +155,7 @@ def sbatch_script(ex, n_tasks: int) -> str:
     return text
 
 
-def dry_run(cfg, p: Pipeline) -> int:
+def dry_run(p: Pipeline) -> int:
     fake = {s.name: f"<{s.name}>" for s in p.stages}
     print(f"pipeline {p.id}: {len(p.variant_files)} variant(s); nothing is submitted (--dry-run)\n")
     for i, extra in enumerate(p.variant_overrides):
@@ -179,7 +179,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     if problems:
         raise UserError("nothing submitted:\n" + "\n".join(problems))
     if dry:
-        return dry_run(cfg, p)
+        return dry_run(p)
     from mlflow.tracking import MlflowClient
 
     from hpc.launch.stage_table import run_stage

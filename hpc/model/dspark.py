@@ -16,16 +16,21 @@ Read top to bottom:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
 # draft.* keys (hpc.config.schema.DraftConfig) that are not the model's, so from_config leaves them.
 NOT_MODEL_KEYS: frozenset[str] = frozenset()
+
+if TYPE_CHECKING:
+    from hpc.model.calibrate import Calibration  # it imports this module
 
 
 @dataclass
@@ -51,7 +56,7 @@ class DSparkArgs:
     aux_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
 
     @classmethod
-    def from_config(cls, cfg) -> DSparkArgs:
+    def from_config(cls, cfg: DSparkConfig) -> DSparkArgs:
         """From a resolved DSparkConfig (draft dims + the target's dims). Every draft.* key is
         passed here by name or listed in NOT_MODEL_KEYS; tests/model/test_dspark.py holds the two
         to DraftConfig."""
@@ -89,6 +94,9 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraft(nn.Module):
+    d2t: torch.Tensor  # buffers, registered in __init__
+    t2d: torch.Tensor
+
     def __init__(self, args: DSparkArgs):
         super().__init__()
         a = self.args = args
@@ -117,7 +125,7 @@ class DSparkDraft(nn.Module):
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
         # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
-        self.confidence_calibration = None
+        self.confidence_calibration: Calibration | None = None
 
     # -- 1. context ---------------------------------------------------------------------------
     def project_context(self, aux_TnH: torch.Tensor) -> torch.Tensor:
@@ -153,6 +161,7 @@ class DSparkDraft(nn.Module):
     def logits(self, h_QH: torch.Tensor, prev_emb_Qr: torch.Tensor | None) -> torch.Tensor:
         logits_QD = self.lm_head(h_QH)
         if prev_emb_Qr is not None:
+            assert self.markov_head is not None  # markov_embed gives None without it
             logits_QD = logits_QD + self.markov_head.markov_w2(prev_emb_Qr)
         return logits_QD
 

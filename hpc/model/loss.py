@@ -69,6 +69,10 @@ class PackedRow:
 class VerifierHead(nn.Module):
     """Frozen verifier lm_head rows of the draft vocab, with its final norm when asked for."""
 
+    draft_rows_DH: torch.Tensor  # buffers, registered in __init__
+    full_VH: torch.Tensor | None
+    t2d_V: torch.Tensor
+
     def __init__(self, lm_head_VH: torch.Tensor, t2d_V: torch.Tensor, norm_weight_H: torch.Tensor | None = None,
                  eps: float = 1e-6, keep_full: bool = False):
         super().__init__()
@@ -149,14 +153,16 @@ def block_outputs(
         anchors_N = select_anchors(row.loss_mask_T, B, max_anchors, generator).to(row.input_ids_T.device)
     if anchors_N.numel() == 0:
         return None
-    blocks = make_blocks(row.input_ids_T, row.loss_mask_T, row.position_ids_T, row.doc_ids_T, anchors_N, B,
+    doc_ids_T, position_ids_T = row.doc_ids_T, row.position_ids_T
+    assert doc_ids_T is not None and position_ids_T is not None  # PackedRow.__post_init__ fills them
+    blocks = make_blocks(row.input_ids_T, row.loss_mask_T, position_ids_T, doc_ids_T, anchors_N, B,
                          a.mask_token_id, a.sample_from_anchor)
     ctx_TH = model.project_context(row.aux_TnH)
     if check_attention(attention, ctx_TH.device) == "flex":
-        attend = flex_attention_fn(anchors_N, row.doc_ids_T, B)
+        attend = flex_attention_fn(anchors_N, doc_ids_T, B)
     else:
-        attend = tiled_sdpa_attention_fn(anchors_N, row.doc_ids_T, B)
-    h_QH = model.backbone(ctx_TH, row.position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
+        attend = tiled_sdpa_attention_fn(anchors_N, doc_ids_T, B)
+    h_QH = model.backbone(ctx_TH, position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
                           attend)
     logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten(), detach_confidence)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -66,7 +67,9 @@ def _stream(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype, step
     t0 = time.perf_counter()
     wait = 0.0
     if planes.rank == 1:
-        rows = lambda ledger, epoch: ((0, c.sample_id, [], []) for c in caps)  # noqa: E731
+        def rows(ledger: list[list[int]], epoch: int) -> Iterator[tuple[int, int, list[int], list[int]]]:
+            return ((0, c.sample_id, [], []) for c in caps)
+
         run_streamer(rows, lambda i, ids, mask: caps[i], planes, dtype, prefetch=4, heartbeat_s=5.0)
     else:
         recv = StreamReceiver([1], buffer, planes, peer_timeout_s=60.0).start([], 0, share_ledger=True)

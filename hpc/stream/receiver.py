@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hpc.dist.planes import Planes, bind_thread
 from hpc.stream.protocol import BufferPool, Failure, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
-from hpc.stream.sample import MicroBatch
+from hpc.stream.sample import Capture, MicroBatch
 
 
 class PeerDied(RuntimeError):
@@ -167,7 +167,7 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Ite
     """
     group = receiver.planes.train_control
     while True:
-        mine = []
+        mine: list[tuple[int, int, Capture]] = []  # (source rank, epoch, capture)
         while len(mine) < micro_batch_size:
             item = receiver.get()
             if item is None:
@@ -184,5 +184,9 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Ite
         for src, _, _ in mine:
             receiver.consumed(src)
         caps = [cap for _, _, cap in mine]
-        yield MicroBatch(caps, [tuple(p) for p in torch.cat(gathered).tolist()],
-                         release=lambda caps=caps: [receiver.release(c) for c in caps])
+
+        def release(caps: list[Capture] = caps) -> None:
+            for c in caps:
+                receiver.release(c)
+
+        yield MicroBatch(caps, [tuple(p) for p in torch.cat(gathered).tolist()], release=release)

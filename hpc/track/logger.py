@@ -71,9 +71,9 @@ class RunLogger:
             self.pending.artifacts.append((str(path), artifact_path))
 
     # -- background ------------------------------------------------------------------------------
-    def _ensure_run(self) -> None:
+    def _ensure_run(self) -> str:
         if self.run_id is not None:
-            return
+            return self.run_id
         from hpc.track.pipeline import experiment_id
 
         exp_id = experiment_id(self.client, self.experiment)
@@ -81,6 +81,7 @@ class RunLogger:
         if self.parent_run_id:
             tags[PARENT_RUN_ID] = self.parent_run_id
         self.run_id = self.client.create_run(exp_id, tags=tags, run_name=self.run_name).info.run_id
+        return self.run_id
 
     def flush(self) -> bool:
         """Ship what is buffered; False (and everything kept) if the server did not take it."""
@@ -91,13 +92,13 @@ class RunLogger:
             metrics = list(self.pending.metrics)[:1000]
             artifacts = list(self.pending.artifacts)
         try:
-            self._ensure_run()
+            run_id = self._ensure_run()
             if params or tags or metrics:
-                self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in metrics],
+                self.client.log_batch(run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in metrics],
                                       params=[Param(k, v) for k, v in params.items()],
                                       tags=[RunTag(k, v) for k, v in tags.items()])
             for path, artifact_path in artifacts:
-                self.client.log_artifact(self.run_id, path, artifact_path)
+                self.client.log_artifact(run_id, path, artifact_path)
         except Exception as err:  # noqa: BLE001 - any failure means: keep the buffer, retry later
             self.last_error = str(err).splitlines()[0][:200]
             return False

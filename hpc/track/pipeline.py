@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from hpc.config.schema import DSparkConfig
 from hpc.track.keys import (
     CONFIG_HASH,
     CONFIG_NAME,
@@ -40,7 +41,7 @@ def slurm_tags() -> dict[str, str]:
     return {tag: env[var] for var, tag in names.items() if env.get(var)}
 
 
-def common_tags(cfg) -> dict[str, str]:
+def common_tags(cfg: DSparkConfig) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     from hpc.config import config_hash
@@ -62,7 +63,7 @@ def experiment_id(client, name: str) -> str:
     return client.create_experiment(name, artifact_location=location)
 
 
-def create_pipeline_run(client, cfg, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
+def create_pipeline_run(client, cfg: DSparkConfig, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
     """The parent run: resolved config as params, the pipeline's tags (plus `tags`)."""
     from mlflow.entities import Param
     from omegaconf import OmegaConf

@@ -71,7 +71,7 @@ def _manifests(mv) -> dict | None:
         return None
 
 
-def _best(client, model_name: str, manifests: dict, incumbent: str) -> tuple[str, float]:
+def _best(client, model_name: str, manifests: dict | None, incumbent: str) -> tuple[str, float]:
     """The best version measured on `manifests`: highest score; a tie keeps the incumbent,
     then the earliest version, so equal drafts never flap."""
     found = []
@@ -89,7 +89,7 @@ def _champion(client, model_name: str):
     return client.get_model_version_by_alias(model_name, CHAMPION)
 
 
-def _settle(client, model_name: str, manifests: dict, rounds: int = 10) -> str:
+def _settle(client, model_name: str, manifests: dict | None, rounds: int = 10) -> str:
     """Point the alias at the best comparable version until a read-back agrees."""
     for _ in range(rounds):
         champ = _champion(client, model_name)

@@ -49,12 +49,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"tracking server: {server.uri} (MLflow basic auth; store and artifacts in {root})", flush=True)
     print(f"jobs log to it with:  source {root / CREDENTIALS}; dspark submit CONFIG tracking.uri={server.uri}",
           flush=True)
+    proc = server.proc
+    assert proc is not None  # start() has launched it
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     while not done.wait(2.0):
-        if server.proc.poll() is not None:
-            print(f"error: the MLflow server exited with code {server.proc.returncode}; see {server.log_path}")
+        if proc.poll() is not None:
+            print(f"error: the MLflow server exited with code {proc.returncode}; see {server.log_path}")
             return 1
     server.stop()
     return 0

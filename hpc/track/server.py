@@ -12,7 +12,7 @@ import secrets
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
@@ -45,6 +45,11 @@ class MlflowServer(SubprocessServer):
     auth_password: str | None = None
     auth_user: str = "dspark"
     stop_grace = 10.0  # a class attribute (no annotation): SIGTERM to SIGKILL
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.log_path = self.root / "server.log"
 
     @property
     def uri(self) -> str:
@@ -56,10 +61,6 @@ class MlflowServer(SubprocessServer):
 
     def healthy(self) -> bool:
         return is_healthy(self.uri)
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "server.log"
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -126,11 +126,11 @@ def checkpoint_problem(path: Path) -> str | None:
         for name, size in manifest.items():
             if not (path / name).is_file() or (path / name).stat().st_size != size:
                 return f"{name} is not the size the manifest records"
-        for name in path.iterdir():
-            if name.suffix == ".json":
-                json.loads(name.read_text())
-            elif name.suffix == ".safetensors":
-                with safe_open(str(name), framework="pt") as f:
+        for child in path.iterdir():
+            if child.suffix == ".json":
+                json.loads(child.read_text())
+            elif child.suffix == ".safetensors":
+                with safe_open(str(child), framework="pt") as f:
                     f.keys()
     except Exception as err:  # a damaged file raises whatever its parser raises
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

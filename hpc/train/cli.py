@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpc.config.schema import DSparkConfig
+
 
 def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
@@ -18,13 +20,13 @@ def run(args: argparse.Namespace) -> int:
     return train_local(cfg)
 
 
-def _localize(cfg):
+def _localize(cfg: DSparkConfig) -> DSparkConfig:
     from hpc.config.target import localize
 
     return localize(cfg)
 
 
-def train_local(cfg, parent_run_id: str | None = None) -> int:
+def train_local(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """Prepare the data, then run every rank of the online world as a local process."""
     import torch.multiprocessing as mp
 
@@ -63,7 +65,7 @@ def train_local(cfg, parent_run_id: str | None = None) -> int:
 
         print(f"ranks exited with {codes} (trainers 0..{T - 1}, streamers {T}..{T + V - 1})", flush=True)
         print(f"error: {failure_line(codes, T, cfg.train.output_dir)}", file=sys.stderr, flush=True)
-    return exit_status(max(codes, key=abs)) if any(codes) else 0
+    return exit_status(max((c or 0 for c in codes), key=abs)) if any(codes) else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

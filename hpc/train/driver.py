@@ -40,9 +40,9 @@ def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
     if v.backend.value == "hf":
         from hpc.verifier.hf_backend import HFVerifier
 
-        verifier = HFVerifier(v.model, list(v.aux_layer_ids), v.final_hidden.value, device=device,
-                              trust_remote_code=v.trust_remote_code)
-        return verifier.capture, None
+        hf = HFVerifier(v.model, list(v.aux_layer_ids), v.final_hidden.value, device=device,
+                        trust_remote_code=v.trust_remote_code)
+        return hf.capture, None
     from hpc.verifier.vllm_backend import VLLMVerifier
 
     # A capture that times out means a hung server, unless /health says otherwise (then it is that
@@ -167,7 +167,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
 
         def on_step(step: int, metrics: dict) -> None:
-            if progress is not None:
+            if progress is not None and logger is not None:  # rank 0, which has both
                 metrics.update(progress.update(step, metrics))
                 logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
                 write_progress(out / "progress.json", step, cfg.train.steps, metrics)
@@ -182,6 +182,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         code = run_trainer(w, planes, cfg.train, cfg.stream, model, head, out, cfg.verifier.name or cfg.verifier.model,
                            on_step, epoch_size=len(rows), device=device, verifier_arch=architectures(cfg.verifier.model))
         if w.rank == 0:
+            assert progress is not None  # made above on rank 0
             progress.close()
             from hpc.errors import EXIT_REQUEUE
 
@@ -342,13 +343,13 @@ def _finish(cfg: DSparkConfig, out: Path, logger, export: bool = True, status: s
     ckpt = latest_checkpoint(out / "checkpoints") if export else None
     if ckpt is not None:
         archs = json.loads((ckpt / "config.json").read_text())["speculators_config"]["verifier"]["architectures"]
-        export = export_draft(load_draft(ckpt), out / "export", cfg.verifier.name or cfg.verifier.model, archs,
-                              max(cfg.eval.num_speculative_tokens))
+        exported = export_draft(load_draft(ckpt), out / "export", cfg.verifier.name or cfg.verifier.model, archs,
+                                max(cfg.eval.num_speculative_tokens))
         losses = json.loads((ckpt / "state.json").read_text())["losses"]
         png = loss_curve_png(losses, out / "loss_curve.png", title=cfg.name)
         logger.log_artifact(str(png))
-        logger.log_artifact(str(export / "config.json"), "export")
-        logger.log_artifact(str(export / "model.safetensors"), "export")
-        print(f"exported {ckpt.name} -> {export}", flush=True)
+        logger.log_artifact(str(exported / "config.json"), "export")
+        logger.log_artifact(str(exported / "model.safetensors"), "export")
+        print(f"exported {ckpt.name} -> {exported}", flush=True)
     if not logger.close(timeout_s=30, status=status):
         print(f"tracking server unreachable ({logger.last_error}); metrics kept only in {out}", flush=True)

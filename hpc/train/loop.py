@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc.config.schema import TrainConfig
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
@@ -60,9 +61,9 @@ def _dist(group) -> tuple[int, int]:
 
 
 class Trainer:
-    def __init__(self, train_cfg, model: DSparkDraft, head: VerifierHead, export_config: dict, out_dir: str | Path,
-                 device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None, group=None,
-                 control_group=None, epoch_size: int | None = None):
+    def __init__(self, train_cfg: TrainConfig, model: DSparkDraft, head: VerifierHead, export_config: dict,
+                 out_dir: str | Path, device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None,
+                 group=None, control_group=None, epoch_size: int | None = None):
         self.cfg = train_cfg
         self.epoch_size = epoch_size  # rows per epoch: lets the ledger forget finished epochs
         # Trainer ranks only, on two planes (hpc.dist.planes): `group` on the training backend
@@ -89,7 +90,7 @@ class Trainer:
 
     # -- resume / checkpoint -----------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:
-        path = path or latest_checkpoint(self.ckpt_dir)
+        path = Path(path) if path else latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
         self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.control_group)
@@ -114,6 +115,7 @@ class Trainer:
         row = pack(mb.mine)  # copies: the captures' buffers are free from here on
         if mb.release is not None:
             mb.release()
+        assert row.doc_ids_T is not None and row.position_ids_T is not None  # PackedRow.__post_init__ fills them
         row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
                                                       row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))
         enabled = self.autocast_dtype is not None and self.device.type == "cuda"
@@ -128,7 +130,7 @@ class Trainer:
         totals: dict[str, float] = {}
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
+            sync = self.ddp.no_sync() if (isinstance(self.ddp, DDP) and not last) else contextlib.nullcontext()
             with sync:
                 loss, metrics = self._micro_loss(mb)
                 (loss / len(micro_batches)).backward()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from hpc.config.schema import StreamConfig, TrainConfig
 from hpc.dist.planes import Planes, init_planes, open_pairs
 from hpc.errors import EXIT_REQUEUE
 from hpc.fsio import atomic_path
@@ -117,15 +118,15 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
     return path
 
 
-def autocast_dtype(train_cfg, device: torch.device) -> torch.dtype | None:
+def autocast_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """bf16 (or fp16) autocast over fp32 master weights on GPU; CPU runs stay fp32."""
     if device.type != "cuda" or train_cfg.dtype == "float32":
         return None
     return getattr(torch, train_cfg.dtype)
 
 
-def run_trainer(w: World, planes: Planes, train_cfg, stream_cfg, model: DSparkDraft, head: VerifierHead,
-                out_dir: str | Path, verifier_name: str | None, on_step: Callable | None = None,
+def run_trainer(w: World, planes: Planes, train_cfg: TrainConfig, stream_cfg: StreamConfig, model: DSparkDraft,
+                head: VerifierHead, out_dir: str | Path, verifier_name: str | None, on_step: Callable | None = None,
                 epoch_size: int | None = None, device: torch.device | str = "cpu",
                 verifier_arch: list[str] | None = None) -> int:
     """Train on `device` from the stream until the data or the step budget ends; returns the exit code."""

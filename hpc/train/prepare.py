@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from hpc.config.schema import DataConfig, DSparkConfig
 from hpc.errors import UserError
 from hpc.fsio import write_text
 from hpc.model.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.train.online import read_token_rows, save_vocab, write_rows
-from hpc.verifier.data import RowStats, read_rows, tokenize_rows
+from hpc.verifier.data import RowStats, TokenRow, read_rows, tokenize_rows
 
 
 @dataclass
@@ -34,23 +35,23 @@ class Prepared:
     filled: int  # draft-vocab slots filled with unseen ids (documented fill rule)
 
 
-def training_sources(cfg) -> list[tuple[str, str, int | None]]:
+def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
     """The regenerated (on-policy) shards once `dspark regenerate` has finished them, else the
     configured sources as they are."""
-    regen = Path(cfg.data.output_dir) / "regenerated"
+    regen = Path(data.output_dir) / "regenerated"
     manifest = regen / "manifest.json"
-    if cfg.data.regenerate and manifest.is_file() and json.loads(manifest.read_text()).get("finished"):
+    if data.regenerate and manifest.is_file() and json.loads(manifest.read_text()).get("finished"):
         return [(str(regen), "train", None)]
-    return [(s.path, s.split, s.max_rows) for s in cfg.data.sources]
+    return [(s.path, s.split, s.max_rows) for s in data.sources]
 
 
 PREPARED = "prepared.json"
 
 
-def data_settings(cfg) -> dict:
+def data_settings(cfg: DSparkConfig) -> dict:
     """What decides the rows and the vocabulary."""
     v = cfg.verifier
-    return {"sources": [list(s) for s in training_sources(cfg)], "max_seq_len": cfg.data.max_seq_len,
+    return {"sources": [list(s) for s in training_sources(cfg.data)], "max_seq_len": cfg.data.max_seq_len,
             "draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": v.vocab_size,
             "tokenizer": v.tokenizer or v.name or v.model}
 
@@ -74,7 +75,7 @@ def prepared_hash(out_dir: str | Path) -> str:
     return data_hash(data) if (data / "rows.jsonl").is_file() and (data / "vocab.safetensors").is_file() else ""
 
 
-def _reuse_for_resume(cfg, out: Path) -> Prepared | None:
+def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
     """The prepared data of the run being resumed, checked; None when there is nothing to resume."""
     from hpc.train.checkpoint import latest_checkpoint
 
@@ -102,7 +103,7 @@ def _reuse_for_resume(cfg, out: Path) -> Prepared | None:
     return Prepared(out / "rows.jsonl", out / "vocab.safetensors", stats, 0)
 
 
-def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
+def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepared:
     from transformers import AutoTokenizer
 
     out = Path(out_dir or cfg.train.output_dir) / "data"
@@ -113,8 +114,8 @@ def prepare_data(cfg, out_dir: str | Path | None = None) -> Prepared:
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     stats = RowStats()
-    rows = []
-    for path, split, max_rows in training_sources(cfg):
+    rows: list[TokenRow] = []
+    for path, split, max_rows in training_sources(cfg.data):
         rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
     if not rows:
         raise UserError(f"no usable training rows in data.sources ({stats.summary()}); check the paths and "

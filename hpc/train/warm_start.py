@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.model.dspark import DSparkDraft
@@ -23,21 +24,21 @@ VOCAB = ("d2t", "t2d")  # this run's mapping, from this run's data
 VOCAB_ROWS = ("lm_head.weight", "markov_head.markov_w2.weight")  # row j = draft id j
 
 
-def champion_export(cfg, dst: str | Path) -> tuple[Path, str]:
+def champion_export(tracking: TrackingConfig, dst: str | Path) -> tuple[Path, str]:
     """Download the champion's export into `dst`; (its directory, 'name vN')."""
     import mlflow.artifacts
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    name = cfg.tracking.registered_model
+    name = tracking.registered_model
     try:
-        version = MlflowClient(cfg.tracking.uri).get_model_version_by_alias(name, CHAMPION)
+        version = MlflowClient(tracking.uri).get_model_version_by_alias(name, CHAMPION)
     except MlflowException as err:
         raise UserError(f"train.init_from = 'champion': registered model {name!r} has no champion at "
-                        f"{redact_uri(cfg.tracking.uri)} ({str(err).splitlines()[0][:160]}); unset train.init_from "
+                        f"{redact_uri(tracking.uri)} ({str(err).splitlines()[0][:160]}); unset train.init_from "
                         "or point it at a draft export directory") from err
     path = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst),
-                                               tracking_uri=cfg.tracking.uri)
+                                               tracking_uri=tracking.uri)
     return Path(path), f"{name} v{version.version}"
 
 
@@ -75,7 +76,7 @@ def copy_weights(model: DSparkDraft, source: DSparkDraft, what: str) -> int:
     return copied
 
 
-def warm_start(model: DSparkDraft, cfg) -> str | None:
+def warm_start(model: DSparkDraft, cfg: DSparkConfig) -> str | None:
     """Load `cfg.train.init_from` into `model` (in place); a one-line account, or None if unset."""
     from hpc.model.export import load_draft
 
@@ -84,7 +85,7 @@ def warm_start(model: DSparkDraft, cfg) -> str | None:
         return None
     with tempfile.TemporaryDirectory(prefix="dspark-warm-start-") as tmp:
         if what == CHAMPION:
-            path, label = champion_export(cfg, tmp)
+            path, label = champion_export(cfg.tracking, tmp)
         else:
             path, label = Path(what).expanduser(), what
             if not (path / "config.json").is_file():

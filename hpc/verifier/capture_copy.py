@@ -106,6 +106,7 @@ class HostCopier:
         self.pending = [e for e in self.pending if not e.query()]
         while len(self.pending) >= self.max_in_flight:
             self.pending.pop(0).synchronize()
+        assert self.pool is not None and self.stream is not None  # both exist when pinned (CUDA)
         buf = self.pool.take(x.numel(), x.dtype)
         host = buf[: x.numel()].view(x.shape)
         current = torch.cuda.current_stream(self.device)

@@ -60,8 +60,9 @@ def _jsonl_rows(path: Path) -> Iterator[dict]:
                     continue
                 try:
                     row = json.loads(line)
-                except ValueError as err:
-                    raise UserError(f"{path}:{i}: not valid JSON ({err.msg}); fix or delete that line") from None
+                except ValueError as err:  # JSONDecodeError, or a plain ValueError (an int past the digit limit)
+                    why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+                    raise UserError(f"{path}:{i}: not valid JSON ({why}); fix or delete that line") from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path}:{i}: a JSON {type(row).__name__}, expected an object per line")
                 yield row

@@ -25,7 +25,7 @@ class HFVerifier:
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-        ).to(device).eval()
+        ).to(device).eval()  # type: ignore[arg-type]  # transformers' typing of .to loses the bound self
         self.device = device
         self.aux_layer_ids = list(aux_layer_ids)
         self.final_hidden = final_hidden
@@ -43,6 +43,7 @@ class HFVerifier:
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
+        assert self._pre_norm is not None  # the norm's pre-hook ran in this forward
         pre_norm = self._pre_norm[0]
         aux = [pre_norm if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
         last = hs[-1][0] if self.final_hidden == "post_norm" else pre_norm

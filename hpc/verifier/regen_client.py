@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -33,6 +34,16 @@ class RequestFailed(Exception):
 class Reply:
     content: str
     truncated: bool  # stopped by max_tokens rather than by the model
+
+
+class Completer(Protocol):
+    """What regeneration asks of a client: ChatClient, or RayChatClient over several servers."""
+
+    model: str
+    max_tokens: int
+    temperature: float
+
+    def complete(self, messages: list[dict], seed: int | None = None) -> Reply: ...
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
@@ -136,10 +137,13 @@ def start_servers(cfg: DSparkConfig, servers: int, log_dir: Path, concurrency: i
 
     actor_cls = ray.remote(RegenServer).options(num_cpus=0, resources={REGEN_RESOURCE: 1},
                                                 max_concurrency=max(1, concurrency))
-    actors = [actor_cls.remote(cfg, str(log_dir), url) for _ in range(servers)]
+    # Any: Ray types an actor's methods as plain methods (no `.remote`) unless each is @ray.method.
+    actors: list[Any] = [actor_cls.remote(cfg, str(log_dir), url) for _ in range(servers)]
     # One deadline for all: the servers start in parallel, each on its own node.
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else cfg.verifier.health_timeout_s + 120)
-    ready, names, failures = [], [], []
+    ready: list[Any] = []
+    names: list[str] = []
+    failures: list[str] = []
     for k, actor in enumerate(actors):
         try:
             host, model = ray.get(actor.info.remote(), timeout=max(1.0, deadline - time.monotonic()))

@@ -106,7 +106,7 @@ class ShardStore:
 
 def read_shards(root: str | Path) -> list[dict]:
     """Every regenerated row, in shard order (tests and inspection)."""
-    rows = []
+    rows: list[dict] = []
     for path in sorted(Path(root).glob("shard-*.jsonl")):
         rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return rows

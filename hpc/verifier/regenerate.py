@@ -25,7 +25,7 @@ from typing import TypeVar
 from hpc.config.schema import DSparkConfig, VerifierConfig
 from hpc.errors import UserError
 from hpc.verifier.data import read_rows, to_messages
-from hpc.verifier.regen_client import ChatClient, RequestFailed, served_model
+from hpc.verifier.regen_client import ChatClient, Completer, RequestFailed, served_model
 from hpc.verifier.regen_progress import Reporter, count_rows
 from hpc.verifier.regen_shards import MANIFEST, ShardStore
 from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
@@ -105,7 +105,7 @@ class Outcome:
     truncated: int = 0
 
 
-def regenerate_row(client: ChatClient, index: int, row: dict, seed: int | None) -> Outcome:
+def regenerate_row(client: Completer, index: int, row: dict, seed: int | None) -> Outcome:
     try:
         segments = plan_turns(to_messages(row))
     except (ValueError, KeyError, TypeError):
@@ -168,7 +168,7 @@ def regeneration_complete(cfg: DSparkConfig) -> bool:
 
 def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, concurrency: int = 4,
                progress: bool = False, max_rows: int | None = None, max_consecutive_failures: int = 32,
-               client: ChatClient | None = None, log: Callable[[str], None] = print,
+               client: Completer | None = None, log: Callable[[str], None] = print,
                api_key: str | None = None) -> RegenStats:
     """Regenerate every row of cfg.data.sources into {data.output_dir}/regenerated; resumes.
 

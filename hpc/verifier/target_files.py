@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal, overload
 
 import torch
 from safetensors import safe_open
@@ -20,6 +21,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+@overload
+def target_file(model: str | Path, name: str, *, required: Literal[True] = True) -> Path: ...
+@overload
+def target_file(model: str | Path, name: str, *, required: bool) -> Path | None: ...
 def target_file(model: str | Path, name: str, *, required: bool = True) -> Path | None:
     """`name` inside a local model directory, or in the snapshot of a hub id (hpc.config.target)."""
     from hpc.config.target import resolve_target

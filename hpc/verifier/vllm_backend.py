@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 import torch
@@ -226,7 +227,7 @@ class VLLMVerifier:
         if len(ids) + 1 > self.cfg.max_model_len:
             raise CaptureError(f"sample {sample_id}: {len(ids)} tokens, verifier.max_model_len "
                                f"{self.cfg.max_model_len} allows at most {self.cfg.max_model_len - 1}")
-        body = {"model": self.cfg.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        body: dict[str, Any] = {"model": self.cfg.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
         try:
             resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.request_timeout_s)
         except requests.RequestException as err:

@@ -276,7 +276,7 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     calls = fake_submit(monkeypatch)
     name = f"tick-{uuid.uuid4().hex[:8]}"
     ov = toy_overrides(tmp_path, mlflow_server.uri, name)
-    fp = schedule.data_fingerprint(resolve(CONFIG, ov))
+    fp = schedule.data_fingerprint(resolve(CONFIG, ov).data)
 
     assert schedule.retrain_tick(CONFIG, ov) == 0  # nothing recorded yet: submit, no champion to start from
     [(first, tags)] = calls
@@ -292,7 +292,7 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     version = register_champion(mlflow_server.uri, name, f"{name}-draft", tmp_path)
     with (tmp_path / "train.jsonl").open("a") as f:
         f.write('{"conversations": [{"from": "human", "value": "new"}, {"from": "gpt", "value": "row"}]}\n')
-    fp2 = schedule.data_fingerprint(resolve(CONFIG, ov))
+    fp2 = schedule.data_fingerprint(resolve(CONFIG, ov).data)
     assert fp2 != fp
     assert schedule.retrain_tick(CONFIG, ov) == 0
     second, tags2 = calls[1]
@@ -314,12 +314,12 @@ def test_fingerprint_of_files_directories_and_hub_ids(tmp_path, monkeypatch):
     (tmp_path / "d" / "a.jsonl").write_text("a\n")
     cfg = NS(data=NS(sources=[NS(path=str(tmp_path / "d"), split="train", max_rows=None),
                               NS(path="org/set", split="train", max_rows=None)]))
-    fp = schedule.data_fingerprint(cfg)
-    assert fp == schedule.data_fingerprint(cfg) and len(fp) == 64
+    fp = schedule.data_fingerprint(cfg.data)
+    assert fp == schedule.data_fingerprint(cfg.data) and len(fp) == 64
     (tmp_path / "d" / "b.jsonl").write_text("b\n")  # a new file in the directory
-    fp2 = schedule.data_fingerprint(cfg)
+    fp2 = schedule.data_fingerprint(cfg.data)
     assert fp2 != fp
     monkeypatch.setattr(schedule, "hub_revision", lambda dataset: "rev2")  # a new hub revision
-    assert schedule.data_fingerprint(cfg) != fp2
+    assert schedule.data_fingerprint(cfg.data) != fp2
     cfg.data.sources[1].split = "test"
-    assert schedule.data_fingerprint(cfg) not in (fp, fp2)
+    assert schedule.data_fingerprint(cfg.data) not in (fp, fp2)

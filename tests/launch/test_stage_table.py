@@ -43,6 +43,12 @@ def test_an_unknown_stage_names_the_known_ones():
         stage("evaluate")
 
 
+def test_the_report_stage_without_a_parent_run_says_so():
+    # It used to go on to MLflow with no run to read, and fail there in MLflow's words.
+    with pytest.raises(UserError, match="--parent-run-id"):
+        stage("report").entry(_cfg(True), None, None, False)
+
+
 def test_the_stage_cli_offers_exactly_the_tables_stages(capsys):
     from hpc.cli import main
 

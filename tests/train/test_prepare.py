@@ -16,15 +16,15 @@ def test_regenerated_shards_replace_the_sources_only_when_finished(tmp_path):
     src.write_text("")
     cfg = to_object(load_config(ROOT / "configs" / "toy-cpu.yaml",
                                 [f"data.sources=[{{path: {src}}}]", f"data.output_dir={tmp_path}"]))
-    assert training_sources(cfg) == [(str(src), "train", None)]
+    assert training_sources(cfg.data) == [(str(src), "train", None)]
     regen = tmp_path / "regenerated"
     regen.mkdir()
     (regen / "manifest.json").write_text(json.dumps({"finished": False, "shards": []}))
-    assert training_sources(cfg) == [(str(src), "train", None)]  # half done: not yet
+    assert training_sources(cfg.data) == [(str(src), "train", None)]  # half done: not yet
     (regen / "manifest.json").write_text(json.dumps({"finished": True, "shards": []}))
-    assert training_sources(cfg) == [(str(regen), "train", None)]
+    assert training_sources(cfg.data) == [(str(regen), "train", None)]
     cfg.data.regenerate = False
-    assert training_sources(cfg) == [(str(src), "train", None)]
+    assert training_sources(cfg.data) == [(str(src), "train", None)]
 
 
 def _cfg(tmp_path, toy_target, data, *extra):

@@ -145,3 +145,11 @@ def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_pa
     bad = Capture(1, good.input_ids_T, good.loss_mask_T, good.aux_TnH[:, :2], good.last_hidden_TH)
     with pytest.raises(UserError, match=r"aux \(\d+, 2, 32\).*expects aux \(\d+, 3, 32\)"):
         trainer.step([MicroBatch([good, bad], [(0, 0), (0, 1)])])
+
+
+def test_resume_takes_a_checkpoint_path_given_as_a_string(target_dir, tmp_path):
+    first, _ = make_trainer(target_dir, tmp_path / "a", init_seed=0)
+    path = first.checkpoint()
+    second, _ = make_trainer(target_dir, tmp_path / "b", init_seed=1)
+    assert second.resume(str(path))  # a str used to fail on `path.name`, after loading
+    assert second.state.step == first.state.step

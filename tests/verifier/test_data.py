@@ -87,6 +87,7 @@ def test_missing_dataset_names_the_fix(tmp_path, monkeypatch):
 @pytest.mark.parametrize("content,needle", [
     ('{"messages": []}\n{"messages": [}\n', ":2: not valid JSON"),
     ('{"messages": []}\n\n[1, 2]\n', ":3: a JSON list"),
+    ('{"n": ' + "1" * 5000 + "}\n", ":1: not valid JSON"),  # json raises a plain ValueError (no .msg) here
 ])
 def test_a_corrupt_jsonl_line_is_named_with_its_number(tmp_path, content, needle):
     from hpc.errors import UserError
