@@ -69,6 +69,8 @@ class FakeSlurm:
 
 @pytest.fixture
 def fake_slurm(monkeypatch):
+    import croniter  # noqa: F401  (imported lazily by hpc.config.cron; its import runs `file`, which the fake refuses)
+
     def make(**kw) -> FakeSlurm:
         fake = FakeSlurm(**kw)
         monkeypatch.setattr(subprocess, "run", fake)
