@@ -292,14 +292,14 @@ def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local:
             return 0
         stats, servers, served = done
     else:
-        server = start_regen_server(cfg, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
+        server = start_regen_server(cfg.verifier, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
         try:
-            stats = regenerate(cfg, server.url, concurrency=cfg.data.regen_concurrency, log=say,
+            stats = regenerate(cfg.data, server.url, concurrency=cfg.data.regen_concurrency, log=say,
                                api_key=server.api_key)
         finally:
             server.stop()
         servers, served = 1, []
-    say(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}")
+    say(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg.data)}")
     if parent_run_id:
         metrics = {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}
         metrics["servers"] = float(servers)
@@ -318,8 +318,8 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
 
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"
-    if env.node_index == 0 and regeneration_complete(cfg):
-        say(f"regenerate: {regenerated_dir(cfg)} is complete; no servers started")
+    if env.node_index == 0 and regeneration_complete(cfg.data):
+        say(f"regenerate: {regenerated_dir(cfg.data)} is complete; no servers started")
         logs.mkdir(parents=True, exist_ok=True)
         done_marker(logs, env).touch()
         return RegenStats(), 0, []
@@ -341,7 +341,7 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
             conc = cfg.data.regen_concurrency
             client = start_servers(cfg, env.n_nodes, logs, conc, log=say)
             try:
-                stats = regenerate(cfg, f"{len(client.actors)} Ray-hosted server(s)",
+                stats = regenerate(cfg.data, f"{len(client.actors)} Ray-hosted server(s)",
                                    concurrency=conc * len(client.actors), client=client, log=say)
             finally:
                 stop_servers(client)

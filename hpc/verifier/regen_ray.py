@@ -43,7 +43,8 @@ class RegenServer:
             import ray
 
             node = ray.get_runtime_context().get_node_id()[:8]
-            self.server = start_regen_server(cfg, log_path=Path(log_dir) / f"regenerate-vllm-{self.host}-{node}.log")
+            log = Path(log_dir) / f"regenerate-vllm-{self.host}-{node}.log"
+            self.server = start_regen_server(cfg.verifier, log_path=log)
             url, key = self.server.url, self.server.api_key
         self.client = ChatClient(url, served_model(url, api_key=key), cfg.data.regen_max_tokens,
                                  cfg.data.regen_temperature, api_key=key)

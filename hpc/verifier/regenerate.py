@@ -4,7 +4,7 @@ System and user turns are kept, the original assistant turns dropped, and each a
 is asked of the target through its OpenAI-compatible server (/v1/chat/completions), with the
 REGENERATED history fed back for later turns, so the draft learns what the target really says.
 
-    stats = regenerate(cfg, server.url, shard_size=1000, concurrency=8, progress=True)
+    stats = regenerate(cfg.data, server.url, shard_size=1000, concurrency=8, progress=True)
 
 Rows go out in input order whatever the concurrency (see ordered_map), as `messages` rows with
 the input row's global index and its original id/source; shards and resume: regen_shards.py.
@@ -22,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
-from hpc.config.schema import DSparkConfig, VerifierConfig
+from hpc.config.schema import DataConfig, VerifierConfig
 from hpc.errors import UserError
 from hpc.verifier.data import read_rows, to_messages
 from hpc.verifier.regen_client import ChatClient, Completer, RequestFailed, served_model
@@ -34,8 +34,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def regenerated_dir(cfg: DSparkConfig) -> Path:
-    return Path(cfg.data.output_dir) / "regenerated"
+def regenerated_dir(data: DataConfig) -> Path:
+    return Path(data.output_dir) / "regenerated"
 
 
 def serve_args(v: VerifierConfig) -> list[str]:
@@ -47,9 +47,8 @@ def serve_args(v: VerifierConfig) -> list[str]:
     return config_flags(v) + list(v.extra_args)
 
 
-def start_regen_server(cfg: DSparkConfig, log_path: str | Path | None = None) -> VLLMServer:
-    """The target behind /v1/chat/completions, from cfg.verifier; on 127.0.0.1, as only we call it."""
-    v = cfg.verifier
+def start_regen_server(v: VerifierConfig, log_path: str | Path | None = None) -> VLLMServer:
+    """The target behind /v1/chat/completions; on 127.0.0.1, as only we call it."""
     return start_vllm_server(v.python, v.model, host="127.0.0.1", port=v.port or None, base_args=serve_args(v),
                              env=server_env(v), log_path=log_path, timeout=v.health_timeout_s,
                              entrypoint=v.entrypoint)
@@ -147,42 +146,41 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def source_rows(cfg: DSparkConfig, max_rows: int | None = None) -> Iterator[tuple[int, dict]]:
+def source_rows(data: DataConfig, max_rows: int | None = None) -> Iterator[tuple[int, dict]]:
     """(global index, row) over data.sources in config order: the order shards follow."""
-    rows = (row for src in cfg.data.sources for row in read_rows(src.path, src.split, src.max_rows))
+    rows = (row for src in data.sources for row in read_rows(src.path, src.split, src.max_rows))
     return enumerate(islice(rows, max_rows))
 
 
-def _source_settings(cfg: DSparkConfig) -> list[list]:
-    return [[s.path, s.split, s.max_rows] for s in cfg.data.sources]
+def _source_settings(data: DataConfig) -> list[list]:
+    return [[s.path, s.split, s.max_rows] for s in data.sources]
 
 
-def regeneration_complete(cfg: DSparkConfig) -> bool:
+def regeneration_complete(data: DataConfig) -> bool:
     """The shards cover every row of these very sources (a requeue after the last shard)."""
     try:
-        m = json.loads((regenerated_dir(cfg) / MANIFEST).read_text())
+        m = json.loads((regenerated_dir(data) / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return bool(m.get("finished")) and m.get("settings", {}).get("sources") == _source_settings(cfg)
+    return bool(m.get("finished")) and m.get("settings", {}).get("sources") == _source_settings(data)
 
 
-def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, concurrency: int = 4,
+def regenerate(data: DataConfig, server_url: str, *, shard_size: int = 1000, concurrency: int = 4,
                progress: bool = False, max_rows: int | None = None, max_consecutive_failures: int = 32,
                client: Completer | None = None, log: Callable[[str], None] = print,
                api_key: str | None = None) -> RegenStats:
-    """Regenerate every row of cfg.data.sources into {data.output_dir}/regenerated; resumes.
+    """Regenerate every row of data.sources into {data.output_dir}/regenerated; resumes.
 
     ``max_rows`` stops after that many input rows (a later run without it continues). After
     ``max_consecutive_failures`` failed rows in a row the server is taken for dead: UserError,
     without writing the shard in progress, so a re-run redoes those rows instead of losing them.
     """
     t0 = time.monotonic()
-    data = cfg.data
     if client is None:
         client = ChatClient(server_url, served_model(server_url, api_key=api_key), data.regen_max_tokens,
                             data.regen_temperature, api_key=api_key)
-    store = ShardStore(regenerated_dir(cfg), shard_size, {
-        "sources": _source_settings(cfg), "model": client.model,
+    store = ShardStore(regenerated_dir(data), shard_size, {
+        "sources": _source_settings(data), "model": client.model,
         "temperature": client.temperature, "max_tokens": client.max_tokens, "seed": data.seed})
     start = store.open()
     stats = RegenStats(resumed_rows=start, resumed_shards=len(store.shards))
@@ -198,7 +196,7 @@ def regenerate(cfg: DSparkConfig, server_url: str, *, shard_size: int = 1000, co
     shard_start = end = start
     failures = 0
     with Reporter(progress, total, start, log) as report:
-        work = islice(source_rows(cfg, max_rows), start, None)
+        work = islice(source_rows(data, max_rows), start, None)
         for out in ordered_map(lambda item: regenerate_row(client, item[0], item[1], seed), work, concurrency):
             end = out.index + 1
             if out.record is not None:

@@ -27,16 +27,17 @@ def run(args: argparse.Namespace) -> int:
     if url is None:
         log = Path(cfg.data.output_dir) / "logs" / "regenerate-vllm.log"
         print(f"starting vLLM for {cfg.verifier.model} (log: {log})", flush=True)
-        server = start_regen_server(cfg, log_path=log)
+        server = start_regen_server(cfg.verifier, log_path=log)
         url, key = server.url, server.api_key
     try:
-        stats = regenerate(cfg, url, shard_size=args.shard_size, concurrency=args.concurrency or cfg.data.regen_concurrency,
-                           progress=progress, max_rows=args.max_rows,
+        stats = regenerate(cfg.data, url, shard_size=args.shard_size,
+                           concurrency=args.concurrency or cfg.data.regen_concurrency, progress=progress,
+                           max_rows=args.max_rows,
                            log=lambda line: print(line, flush=True), api_key=key)
     finally:
         if server is not None:
             server.stop()
-    print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg)}", flush=True)
+    print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg.data)}", flush=True)
     return 0
 
 

@@ -38,11 +38,11 @@ def test_requests_spread_over_the_servers_and_rows_keep_their_order(ray_two_slot
     lines: list[str] = []
     client = start_servers(cfg, 2, tmp_path, concurrency=2, url=fake_url, log=lines.append)
     try:
-        stats = regenerate(cfg, "ray", shard_size=5, concurrency=4, client=client, log=lines.append)
+        stats = regenerate(cfg.data, "ray", shard_size=5, concurrency=4, client=client, log=lines.append)
     finally:
         stop_servers(client)
     assert stats.written == 12 and not stats.skipped
-    assert [r["id"] for r in read_shards(regenerated_dir(cfg))] == [f"r{i}" for i in range(12)]
+    assert [r["id"] for r in read_shards(regenerated_dir(cfg.data))] == [f"r{i}" for i in range(12)]
     assert sum(client.served) == 24 and all(n > 0 for n in client.served), client.served  # 2 turns a row
     assert "2 vLLM server(s) up" in lines[0]
 
@@ -61,12 +61,12 @@ def test_a_server_dying_mid_run_costs_no_row(ray_two_slots, fake_url, tmp_path):
     killer = threading.Thread(target=kill_one)
     killer.start()
     try:
-        stats = regenerate(cfg, "ray", shard_size=16, concurrency=4, client=client, log=lines.append)
+        stats = regenerate(cfg.data, "ray", shard_size=16, concurrency=4, client=client, log=lines.append)
     finally:
         killer.join()
         stop_servers(client)
     assert stats.written == 40 and not stats.skipped  # in-flight requests went to the other server
-    assert [r["id"] for r in read_shards(regenerated_dir(cfg))] == [f"r{i}" for i in range(40)]
+    assert [r["id"] for r in read_shards(regenerated_dir(cfg.data))] == [f"r{i}" for i in range(40)]
     assert client.alive == [True, False] and "(died)" in client.summary()
     assert any("is gone" in line and "1 other(s)" in line for line in lines)
 
@@ -79,9 +79,9 @@ def test_no_live_server_left_stops_the_run_like_a_dead_server(ray_two_slots, fak
     for actor in client.actors:
         ray.kill(actor)
     with pytest.raises(UserError, match="no regeneration server is left alive"):
-        regenerate(cfg, "ray", shard_size=4, concurrency=2, client=client, log=lambda _: None)
+        regenerate(cfg.data, "ray", shard_size=4, concurrency=2, client=client, log=lambda _: None)
     # Not skipped rows: nothing written, so a re-run asks for every row again.
-    assert not list(regenerated_dir(cfg).glob("shard-*"))
+    assert not list(regenerated_dir(cfg.data).glob("shard-*"))
 
 
 def test_a_dead_vllm_behind_a_live_actor_is_reported_dead_not_a_failed_row(fake_url, tmp_path):

@@ -68,7 +68,7 @@ def target(vllm_python, toy_target, tmp_path_factory):
     over = [f"verifier.model={toy_target}", f"verifier.python={vllm_python}", "verifier.health_timeout_s=420"]
     cfg = make_cfg(tmp, write_rows(tmp / "rows.jsonl"), *over)
     try:
-        server = start_regen_server(cfg, log_path=tmp / "server.log")
+        server = start_regen_server(cfg.verifier, log_path=tmp / "server.log")
     except UserError as err:
         infra_unavailable(f"vLLM server for regeneration did not start: {err}")
     yield server.url, over, server.api_key
@@ -126,9 +126,9 @@ def test_store_refuses_shards_without_manifest_and_drops_partial_writes(tmp_path
 def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target, tmp_path):
     url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=1)
+    stats = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=1)
     assert (stats.written, dict(stats.skipped), stats.shards) == (10, {"no_user_turn": 1, "malformed": 1}, 3)
-    rows = read_shards(regenerated_dir(cfg))
+    rows = read_shards(regenerated_dir(cfg.data))
     assert [r["row"] for r in rows] == WRITTEN
     multi = next(r for r in rows if r["id"] == "multi-sys")
     msgs = multi["messages"]
@@ -150,13 +150,13 @@ def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target,
 def test_concurrency_does_not_change_shard_contents_order(target, tmp_path):
     url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
-    shards = sorted(p.name for p in regenerated_dir(cfg).glob("shard-*.jsonl"))
+    stats = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4)
+    shards = sorted(p.name for p in regenerated_dir(cfg.data).glob("shard-*.jsonl"))
     assert shards == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
-    by_shard = [[r["row"] for r in read_shards_of(regenerated_dir(cfg) / s)] for s in shards]
+    by_shard = [[r["row"] for r in read_shards_of(regenerated_dir(cfg.data) / s)] for s in shards]
     assert by_shard == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 11]]
     # Batched requests give the solo greedy reply (fp32 on CPU; on GPUs batching may flip near-ties).
-    last = read_shards(regenerated_dir(cfg))[-1]["messages"]
+    last = read_shards(regenerated_dir(cfg.data))[-1]["messages"]
     assert last[-1]["content"] == greedy(url, key, last[:-1])
     print(f"\nconcurrency 4: {stats.summary()}")
 
@@ -170,7 +170,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
     url, over, key = target
     data = write_rows(tmp_path / "rows.jsonl")
     cfg = make_cfg(tmp_path, data, *over)
-    out = regenerated_dir(cfg)
+    out = regenerated_dir(cfg.data)
     cmd = [sys.executable, "-m", "hpc", "regenerate", str(ROOT / "configs/toy-cpu.yaml"),
            f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
            f"data.regen_max_tokens={MAX_TOKENS}", *over, "--server-url", url, "--shard-size", "4",
@@ -189,7 +189,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
     log = proc.communicate()[0].decode(errors="replace")
     done = sorted(p.name for p in out.glob("shard-*.jsonl"))
     assert done and done[0] == "shard-00000.jsonl" and len(done) < 3, log
-    stats = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=2)
+    stats = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=2)
     assert stats.resumed_shards >= 1 and stats.resumed_rows == 4 * stats.resumed_shards
     rows = read_shards(out)
     assert [r["row"] for r in rows] == WRITTEN  # each row once, in order
@@ -202,15 +202,15 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
 def test_row_limit_then_full_run_redoes_only_the_short_shard(target, tmp_path):
     url, over, key = target
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
-    first = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4, max_rows=6)
+    first = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4, max_rows=6)
     assert (first.written, first.shards) == (6, 2)  # shard 1 is short: rows 4..5
-    second = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
+    second = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4)
     assert (second.resumed_shards, second.resumed_rows, second.shards) == (1, 4, 2)
-    assert [r["row"] for r in read_shards(regenerated_dir(cfg))] == WRITTEN
-    third = regenerate(cfg, url, api_key=key, shard_size=4, concurrency=4)
+    assert [r["row"] for r in read_shards(regenerated_dir(cfg.data))] == WRITTEN
+    third = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4)
     assert (third.written, third.shards, third.resumed_rows) == (0, 0, 12)
     with pytest.raises(UserError, match="shard_size"):
-        regenerate(cfg, url, api_key=key, shard_size=5)
+        regenerate(cfg.data, url, api_key=key, shard_size=5)
 
 
 # --- error paths: a fake OpenAI-compatible server ----------------------------------------------
@@ -274,10 +274,10 @@ def fake_rows(path: Path, prompts: list[str]) -> Path:
 def test_failing_requests_cost_only_their_rows(fake_url, tmp_path):
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["ok", "FAIL", "REJECT", "FLAKY", "ok2", "ok3"]))
     client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=2, backoff=0.01)
-    stats = regenerate(cfg, fake_url, shard_size=4, concurrency=3, client=client)
+    stats = regenerate(cfg.data, fake_url, shard_size=4, concurrency=3, client=client)
     assert stats.written == 4 and dict(stats.skipped) == {"request_failed": 1, "rejected": 1}
     assert FakeChat.seen["FAIL"] == 3 and FakeChat.seen["REJECT"] == 1  # 5xx retried, 4xx not
-    rows = read_shards(regenerated_dir(cfg))
+    rows = read_shards(regenerated_dir(cfg.data))
     assert [r["id"] for r in rows] == ["r0", "r3", "r4", "r5"]  # FLAKY got through on its retry
     # Turn 2 was asked with the regenerated turn 1, never the original.
     second = [m for m in FakeChat.requests if len(m) == 3]
@@ -334,16 +334,16 @@ def test_dead_server_stops_the_run_without_writing_the_shard_in_progress(fake_ur
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c", "d"] + ["FAIL"] * 6))
     client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=0, backoff=0.0)
     with pytest.raises(UserError, match="server down"):
-        regenerate(cfg, fake_url, shard_size=4, concurrency=1, client=client, max_consecutive_failures=3)
-    assert sorted(p.name for p in regenerated_dir(cfg).glob("shard-*")) == ["shard-00000.jsonl"]
+        regenerate(cfg.data, fake_url, shard_size=4, concurrency=1, client=client, max_consecutive_failures=3)
+    assert sorted(p.name for p in regenerated_dir(cfg.data).glob("shard-*")) == ["shard-00000.jsonl"]
 
 
 def test_a_finished_regeneration_is_complete_only_for_its_own_sources(fake_url, tmp_path):
     from hpc.verifier.regenerate import regeneration_complete
 
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c"]))
-    assert not regeneration_complete(cfg)
-    regenerate(cfg, fake_url, shard_size=2, client=ChatClient(fake_url, "fake", MAX_TOKENS))
-    assert regeneration_complete(cfg)
+    assert not regeneration_complete(cfg.data)
+    regenerate(cfg.data, fake_url, shard_size=2, client=ChatClient(fake_url, "fake", MAX_TOKENS))
+    assert regeneration_complete(cfg.data)
     other = make_cfg(tmp_path, fake_rows(tmp_path / "more.jsonl", ["a", "b", "c", "d"]))
-    assert not regeneration_complete(other)  # same output directory, other data: not done
+    assert not regeneration_complete(other.data)  # same output directory, other data: not done
