@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                  f"train.output_dir={out / 'train'}", f"eval.output_dir={out / 'eval'}",
                  f"tracking.uri=sqlite:///{out / 'mlflow.db'}", "cluster.executor=local",
                  f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}",
-                 # A short run wants a larger step than the recipe's 1e-3 (see tests/train/test_offline.py).
+                 # A short run wants a larger step than the recipe's 1e-3 (see tests/dev/test_offline.py).
                  f"train.lr={DEMO_LR}", *args.overrides]
     cfg = resolve(args.config, overrides, check_tracking=False)
     cfg_file = out / "config.yaml"

@@ -49,7 +49,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     from hpc.model.dspark import DSparkArgs
     from hpc.model.export import load_draft
     from hpc.train.online import build_draft
-    from tests.train.test_offline import chat_prompts
+    from tests.dev.test_offline import chat_prompts
 
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]"],
                   check_tracking=False)
@@ -61,7 +61,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     before, _ = mean_acceptance_length(target, untrained.eval(), prompts, n=7, max_new_tokens=32)
     print(f"online training, mean acceptance length at n=7: untrained {before:.3f} -> trained {after:.3f}")
     # A short run wants a larger LR than the config's 1e-3. On the talking toy, 60 steps at 3e-3 gave
-    # 1.00 -> 1.17; offline (tests/train/test_offline.py) 200 steps give 1.33.
+    # 1.00 -> 1.17; offline (tests/dev/test_offline.py) 200 steps give 1.33.
     assert after > before + MARGIN
 
     client = MlflowClient(mlflow_server.uri)
