@@ -199,8 +199,8 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
     train_dirs = list(state.get("train_dirs") or [])
     rows: list[tuple[str, ...]] = []
     # In the table's order (a state file written by an older submit may list them otherwise).
-    order = sorted(state["jobs"].items(), key=lambda kv: NAMES.index(stage_of(kv[0])) if stage_of(kv[0]) in NAMES
-                   else len(NAMES))
+    rank = {name: i for i, name in enumerate(NAMES)}
+    order = sorted(state["jobs"].items(), key=lambda kv: rank.get(stage_of(kv[0]), len(NAMES)))
     for stage, jid in order:
         jid = str(jid)
         mine = [j for k, j in jobs.items() if k == jid or k.startswith(f"{jid}_")]

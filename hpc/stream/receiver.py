@@ -78,18 +78,22 @@ class StreamReceiver:
         self._events.put(("close", -1, ""))
         deadline = time.monotonic() + timeout_s
         while not self._done.wait(0.2) and time.monotonic() < deadline:
-            now = time.monotonic()
-            silent = [s for s in self.streamers
-                      if s not in self._said_stop and now - self._last_seen[s] > self.timeout]
-            if silent and self.error is None:
-                self.error = (f"{self._name(silent[0])} sent nothing for {self.timeout:.0f} s "
-                              "(no sample, no heartbeat): it died or hangs")
+            silent = self._silent(set(self.streamers) - self._said_stop)
             if silent:
+                self.error = self.error or self._silence(silent[0])
                 return False
         return self._done.is_set()
 
     def _name(self, rank: int) -> str:
         return self.names.get(rank, f"streamer rank {rank}")
+
+    def _silent(self, among: set[int]) -> list[int]:
+        """Streamers of `among` heard from neither sample nor heartbeat for `peer_timeout_s`."""
+        now = time.monotonic()
+        return sorted(s for s in among if now - self._last_seen[s] > self.timeout)
+
+    def _silence(self, rank: int) -> str:
+        return f"{self._name(rank)} sent nothing for {self.timeout:.0f} s (no sample, no heartbeat): it died or hangs"
 
     def _recv_loop(self, s: int) -> None:
         try:
@@ -141,11 +145,9 @@ class StreamReceiver:
                     if owed[d] >= batch or (kind == "tick" and owed[d]):
                         send_header(Header(Kind.CREDIT, length=owed[d]), d, self.planes)
                         owed[d] = 0
-                now = time.monotonic()
-                dead = [d for d in live if now - self._last_seen[d] > self.timeout]
+                dead = self._silent(live)
                 if dead:
-                    raise PeerDied(f"{self._name(dead[0])} sent nothing for {self.timeout:.0f} s "
-                                   "(no sample, no heartbeat): it died or hangs")
+                    raise PeerDied(self._silence(dead[0]))
         except Exception as err:  # noqa: BLE001 - reported to the training thread, which decides
             self.error = str(err)
         self.samples.put(None)
