@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 end_pipeline_run(client, parent, "FAILED", f"stage {name} failed")
             raise UserError(f"demo stage {name} failed: {str(err).splitlines()[-1][:200]}; its log: "
                             f"{job.paths.stdout} and {job.paths.stderr}") from err
-        if stage == "report":
+        if stage in ("calibrate", "report"):  # the calibration's ECE table, the comparison table
             print(job.stdout() or "", flush=True)
         print(f"[{time.monotonic() - t0:5.0f}s] {name} done in {time.monotonic() - started:.0f}s", flush=True)
     print(f"\ndemo finished in {time.monotonic() - t0:.0f}s (pipeline run {parent})")

@@ -14,7 +14,7 @@ from hpc.model.export import speculators_config
 from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.loop import Trainer
 from hpc.train.online import build_draft
-from hpc.train.prepare import load_prepared, prepare_data
+from hpc.train.prepare import load_prepared, prepare_data, split_held_out
 from hpc.train.sources import local_micro_batches
 from hpc.verifier.hf_backend import HFVerifier
 
@@ -26,21 +26,13 @@ def target_architectures(model_dir: str) -> list[str]:
     return json.loads(cfg.read_text()).get("architectures", []) if cfg.is_file() else []
 
 
-def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:
-    """(train, held out): every `every`-th sample id is held out (none when every is 0)."""
-    if not every:
-        return rows, {}
-    held = {i: r for i, r in rows.items() if i % every == every - 1}
-    return {i: r for i, r in rows.items() if i not in held}, held
-
-
 def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
-                     on_step: Callable[[int, dict], None] | None = None, hold_out_every: int = 0) -> Path:
+                     on_step: Callable[[int, dict], None] | None = None) -> Path:
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 
-    `hold_out_every` > 0 keeps every such row out of training, and afterwards fits the confidence
-    head's calibration on those rows' captures (`hpc.model.calibrate`), saved beside the last
-    checkpoint so that its export carries it."""
+    With `train.hold_out_every` > 0 those rows train nobody, and afterwards the confidence
+    head's calibration is fitted on their captures as the calibrate stage fits it
+    (`hpc.train.calibrate_stage`), saved beside the last checkpoint so that its export carries it."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
     if steps is not None:
@@ -49,7 +41,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     train_cfg.ranks_per_node = 1
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
-    rows, held_out = split_held_out(rows, hold_out_every)
+    rows, held_out = split_held_out(rows, cfg.train.hold_out_every)
     args = DSparkArgs.from_config(cfg)
     import torch
 
@@ -68,15 +60,9 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     if ckpt is None:
         raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
     if held_out and model.confidence_head is not None:
-        calibrate_on(model, head, verifier, held_out).save(ckpt)
+        from hpc.train.calibrate_stage import fit_held_out, format_fitted
+
+        fitted = fit_held_out(model, head, verifier.capture, held_out, quiet=True)
+        fitted.calibration.save(ckpt)
+        print(format_fitted(fitted), flush=True)
     return ckpt
-
-
-def calibrate_on(model, head, verifier: HFVerifier, rows: dict):
-    """Fit the confidence calibration on these rows' captures (teacher-forced, as training sees them)."""
-    from hpc.model.calibrate import fit_calibration, held_out_slots
-    from hpc.train.loop import pack
-
-    model.eval()
-    packed = (pack([verifier.capture(i, *rows[i])]) for i in sorted(rows))
-    return fit_calibration(held_out_slots(model, packed, head))

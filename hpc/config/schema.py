@@ -209,6 +209,9 @@ class TrainConfig:
     attention: str = "auto"  # auto | flex | sdpa
     # Trainer processes per trainer node; None means one per GPU (cluster.gpus_per_node).
     ranks_per_node: int | None = None
+    # Every N-th prepared row (sample id % N == N - 1) trains nobody: the calibrate stage fits the
+    # confidence head's calibration on those rows after training. 0: nothing held out, no stage.
+    hold_out_every: int = 0
     # Warm start for a fresh run (a resumed run keeps its checkpoint): a draft export directory,
     # or `champion` = the registry's champion of tracking.registered_model.
     init_from: str | None = None

@@ -224,6 +224,9 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("train.keep_checkpoints", t.keep_checkpoints)
     if t.ranks_per_node is not None:
         c.positive("train.ranks_per_node", t.ranks_per_node)
+    if t.hold_out_every == 1 or t.hold_out_every < 0:
+        c.fail("train.hold_out_every", t.hold_out_every, "would hold out every row or none; use 0 (hold none out) "
+               "or N >= 2 (every N-th row calibrates the confidence head), e.g. 50")
     loss = t.loss
     for key in ("ce_weight", "tv_weight", "kl_weight", "confidence_weight"):
         c.nonneg(f"train.loss.{key}", getattr(loss, key))

@@ -49,6 +49,12 @@ def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: b
     return train_allocation(cfg, parent_run_id)
 
 
+def _calibrate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
+    from hpc.launch.stages import calibrate_stage
+
+    return calibrate_stage(cfg, parent_run_id)
+
+
 def _eval(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     from hpc.launch.stages import eval_stage
 
@@ -73,7 +79,11 @@ STAGES: tuple[Stage, ...] = (
     # V verifier + T trainer nodes; a dead role stops the allocation instead of hanging it
     Stage("train", _train, after=(("afterok", "regenerate"),),
           nodes=lambda c: c.verifier_nodes + c.trainer_nodes, kill_on_bad_exit=True),
-    Stage("eval", _eval, after=(("aftercorr", "train"),), nodes=lambda c: c.eval_nodes, per_n=True),
+    # one verifier on one node captures the rows training held out, and writes the map into the export
+    Stage("calibrate", _calibrate, after=(("aftercorr", "train"),),
+          enabled=lambda cfg: cfg.train.hold_out_every > 0 and cfg.draft.enable_confidence_head),
+    Stage("eval", _eval, after=(("aftercorr", "train"), ("aftercorr", "calibrate")), nodes=lambda c: c.eval_nodes,
+          per_n=True),
     # the report reads MLflow only, and runs whatever the evals did
     Stage("report", _report, after=(("afterany", "eval"),), gpus=False, per_variant=False, localize=False),
 )

@@ -228,6 +228,16 @@ def requeue(env: SlurmEnv) -> None:
     print(f"job {env.requeue_id}: checkpointed; {msg}", flush=True)
 
 
+def calibrate_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
+    """Fit the confidence calibration of the training task's export on its held-out rows."""
+    from hpc.train.calibrate_stage import calibrate_export
+
+    metrics = calibrate_export(cfg)
+    if metrics and parent_run_id:
+        _log_stage_run(cfg, parent_run_id, "calibrate", metrics)
+    return 0
+
+
 def eval_stage(cfg: DSparkConfig, n: int, parent_run_id: str | None = None) -> int:
     """Evaluate the export the training task left in train.output_dir, at one n."""
     from hpc.evaluate.runner import evaluate

@@ -178,3 +178,27 @@ def ece_by_position(slots: HeldOutSlots, cal: Calibration | None, mode: str) -> 
         out.append((weighted_ece(torch.sigmoid(z), event[at], w) if float(w.sum()) > 0 else float("nan"),
                     float(w.sum())))
     return out
+
+
+def concat_slots(parts: list[HeldOutSlots]) -> HeldOutSlots:
+    return HeldOutSlots(torch.cat([p.logit for p in parts]), torch.cat([p.greedy for p in parts]),
+                        torch.cat([p.sampling for p in parts]), torch.cat([p.position for p in parts]),
+                        {m: torch.cat([p.reach[m] for p in parts]) for m in MODES})
+
+
+def calibrated(slots: HeldOutSlots, cal: Calibration, mode: str) -> HeldOutSlots:
+    """The same slots with `cal`'s `mode` map applied to each slot's logit at its position."""
+    z = slots.logit.clone()
+    for k in range(1, int(slots.position.max()) + 1):
+        at = slots.position == k
+        z[at] = cal.apply(slots.logit[at], mode, k)
+    return HeldOutSlots(z, slots.greedy, slots.sampling, slots.position, slots.reach)
+
+
+def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots) -> dict[str, list[tuple[float, float]]]:
+    """Per mode, (ECE, effective count) per position, each half scored by the map fitted on the
+    other: what the map fitted on both will read on rows it has not seen, where an in-sample ECE
+    would flatter it."""
+    cal_a, cal_b = fit_calibration(a), fit_calibration(b)
+    return {mode: ece_by_position(concat_slots([calibrated(a, cal_b, mode), calibrated(b, cal_a, mode)]), None, mode)
+            for mode in MODES}

@@ -103,10 +103,14 @@ EXPORT_FILES = {"config.json", WEIGHTS}
 
 
 def is_export(path: Path) -> bool:
-    """A directory holding exactly a draft export, which `dspark export` may replace."""
+    """A directory holding exactly a draft export, which `dspark export` may replace: its
+    calibration (written by the calibrate stage) is part of it."""
+    from hpc.model.calibrate import FILE as CALIBRATION
+
     try:
         names = {p.name for p in path.iterdir()}
-        return names == EXPORT_FILES and "speculators_model_type" in json.loads((path / "config.json").read_text())
+        return names - {CALIBRATION} == EXPORT_FILES and \
+            "speculators_model_type" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
 

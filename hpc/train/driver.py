@@ -107,7 +107,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     from hpc.dist.planes import rank_device
     from hpc.model.dspark import DSparkArgs
     from hpc.train.online import World, build_draft, init_world, run_trainer
-    from hpc.train.prepare import load_prepared
+    from hpc.train.prepare import load_prepared, split_held_out
 
     w = World(rank, n_trainers, n_streamers)
     out = Path(cfg.train.output_dir)
@@ -129,6 +129,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             signal.signal(sig, signal.SIG_IGN)
     planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, timeout_s=group_timeout_s)
     rows, vocab_file = load_prepared(out)
+    rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:
         return _stream(cfg, w, rows, planes, device, out)
     args = DSparkArgs.from_config(cfg)

@@ -140,3 +140,12 @@ def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepar
 def load_prepared(out_dir: str | Path) -> tuple[dict, Path]:
     data = Path(out_dir) / "data"
     return read_token_rows(data / "rows.jsonl"), data / "vocab.safetensors"
+
+
+def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:
+    """(train, held out): every `every`-th sample id is held out (none when every is 0). By id,
+    not by position, so a resumed run and the calibrate stage pick the very same rows."""
+    if not every:
+        return rows, {}
+    held = {i: r for i, r in rows.items() if i % every == every - 1}
+    return {i: r for i, r in rows.items() if i not in held}, held

@@ -70,6 +70,8 @@ BAD = {
                                    "draft.sample_from_anchor=true"], "draft.sample_from_anchor"),
     # OmegaConf's own words never reach the user.
     "string for int": (["train.steps=abc"], "train.steps = 'abc': must be an integer"),
+    "hold out every row": (["train.hold_out_every=1"], "train.hold_out_every = 1: would hold out every row"),
+    "negative hold out": (["train.hold_out_every=-5"], "train.hold_out_every = -5"),
     "word for enum": (["train.schedule=cosin"], "must be one of cosine, linear, constant"),
     "scalar for list": (["verifier.aux_layer_ids=3"], "must be a list"),
 }

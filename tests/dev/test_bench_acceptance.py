@@ -55,17 +55,20 @@ def test_a_missed_goal_says_so():
     assert "DSpark / ngram at n=7: 0.800x  misses the goal (>= 1.3)" in text
 
 
-def test_calibration_lines_judge_only_positions_with_enough_slots():
-    good = [([0.5, 0.5], [1, 0])] * 20 + [([0.5], [1])] * 10 + [([0.5, 0.5], [1, 1])] * 20  # pos 1: 50 slots
+def test_calibration_lines_judge_only_positions_a_perfect_head_could_pass():
+    # Position 1: confidence 0.9, always accepted (ECE 0.1); position 2: 0.5, accepted half the time (ECE 0).
+    steps = [([0.9, 0.5], [1, 1])] * 200 + [([0.9, 0.5], [1, 0])] * 200
     r = result("DSpark", 7, "gsm8k", 2.0)
-    r.calibration_steps = good
+    r.calibration_steps = steps
     lines, metrics = ba.calibration_lines({"eval-n7-DSpark": [r]})
-    assert lines[1].startswith("  position 1: ECE 0.500 over 50 slots") and lines[1].endswith("misses the goal (<= 0.05)")
-    assert lines[2].startswith("  position 2: ECE 0.000 over 40 slots") and "meets the goal" in lines[2]
-    assert len(lines) == 3 and metrics == {"ece_n7_pos1": 0.5, "ece_n7_pos2": 0.0}
+    assert lines[1].startswith("  position 1: ECE 0.100 over 400 slots") and lines[1].endswith("misses the goal (<= 0.05)")
+    assert lines[2].startswith("  position 2: ECE 0.000 over 400 slots") and lines[2].endswith("meets the goal (<= 0.05)")
+    assert len(lines) == 3 and metrics == {"ece_n7_pos1": pytest.approx(0.1), "ece_n7_pos2": 0.0}
+    # 40 slots at 0.5: a perfectly calibrated head reads about 0.06 there, over the goal, so no verdict.
     few = result("DSpark", 7, "gsm8k", 2.0)
-    few.calibration_steps = [([0.9], [1])] * 5
-    assert ba.calibration_lines({"x": [few]})[0][1].endswith("too few to judge (< 30)")
+    few.calibration_steps = [([0.5], [1])] * 20 + [([0.5], [0])] * 20
+    line = ba.calibration_lines({"x": [few]})[0][1]
+    assert "ECE 0.000 over 40 slots" in line and line.endswith("too few slots to judge against 0.05"), line
     assert ba.calibration_lines({"x": [result("DFlash", 7, "gsm8k", 2.0)]}) == ([], {})
 
 

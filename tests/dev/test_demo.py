@@ -20,8 +20,12 @@ def test_demo_runs_every_stage_and_prints_the_table(toy_target, tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    for stage in ("stage 1/4: train", "stage 2/4: eval-n3", "stage 3/4: eval-n7", "stage 4/4: report"):
+    for stage in ("stage 1/5: train", "stage 2/5: calibrate", "stage 3/5: eval-n3", "stage 4/5: eval-n7",
+                  "stage 5/5: report"):
         assert stage in out, out
+    # 24 rows, every 10th held out (configs/toy-cpu.yaml): two calibrate the head, and the export carries it.
+    assert "fitted on 2 held-out rows" in out
+    assert (tmp_path / "demo" / "train" / "export" / "confidence_calibration.json").is_file()
     assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out and "| gsm8k" in out
     assert "loss_curve.png" in out and "per_position_acceptance.png" in out and "demo finished" in out
     assert (tmp_path / "demo" / "train" / "export" / "model.safetensors").is_file()

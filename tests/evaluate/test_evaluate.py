@@ -29,7 +29,7 @@ def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Pa
     data = write_toy_conversations(tmp / f"{name}.jsonl", n=64, seed=1)
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / name}", *extra], check_tracking=False)
+                   f"train.output_dir={tmp / name}", "train.hold_out_every=0", *extra], check_tracking=False)
     ckpt = train_in_process(cfg, steps=20)
     return export_draft(load_draft(ckpt), tmp / f"{name}-export", str(toy_target),
                         target_architectures(str(toy_target)), 7)

@@ -129,6 +129,19 @@ def test_train_on_one_verifier_and_one_trainer_node(trained: Trained) -> None:
     assert steps(job.id) == {"0": ("COMPLETED", 2)}  # the whole training is one srun over both nodes
 
 
+def test_calibrate_fits_the_held_out_rows_into_the_export(slurm_cluster: SlurmCluster, trained: Trained) -> None:
+    assert trained.job.state == "COMPLETED", "the training job failed: see test_train_on_one_verifier_and_one_trainer_node"
+    tmp = trained.tmp
+    job = sbatch("calibrate.sbatch", [f"--partition={slurm_cluster.partition}", "--time=00:10:00"],
+                 [CONFIG, *trained.overrides], tmp / "calibrate.log", timeout_s=300)
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), f"{job}\n{job.log[-4000:]}"
+    assert "dspark calibrate: job" in job.log
+    # configs/toy-cpu.yaml holds every 10th row out: ids 9, 19 and 29 of the 32.
+    assert "fitted on 3 held-out rows" in job.log, job.log[-4000:]
+    assert (tmp / "train" / "export" / "confidence_calibration.json").is_file()
+    assert steps(job.id) == {"0": ("COMPLETED", 1)}
+
+
 def test_eval_of_the_trained_export_at_n3(slurm_cluster: SlurmCluster, trained: Trained) -> None:
     assert trained.job.state == "COMPLETED", "the training job failed: see test_train_on_one_verifier_and_one_trainer_node"
     tmp = trained.tmp

@@ -11,9 +11,11 @@ from hpc.launch import stage_table
 from hpc.launch.stage_table import NAMES, jobs, stage, stage_of
 
 
-def _cfg(regenerate: bool, ns=(3, 7)):
+def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True):
     return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate),
-                           eval=SimpleNamespace(num_speculative_tokens=list(ns)))
+                           eval=SimpleNamespace(num_speculative_tokens=list(ns)),
+                           train=SimpleNamespace(hold_out_every=hold_out_every),
+                           draft=SimpleNamespace(enable_confidence_head=confidence))
 
 
 def test_jobs_in_order_with_dependencies_resolved_to_job_names():
@@ -33,13 +35,23 @@ def test_a_disabled_stage_drops_out_with_its_dependencies():
     assert got["train"] == ()  # no afterok on a job that is not submitted
 
 
+def test_held_out_rows_put_calibrate_between_train_and_the_evals():
+    got = {j.name: j.after for j in jobs(_cfg(regenerate=False, hold_out_every=50))}
+    assert list(got) == ["train", "calibrate", "eval-n3", "eval-n7", "report"]
+    assert got["calibrate"] == (("aftercorr", "train"),)
+    assert got["eval-n7"] == (("aftercorr", "train"), ("aftercorr", "calibrate"))
+    # A draft with no confidence head has nothing to calibrate: no job, and the evals wait on train only.
+    got = {j.name: j.after for j in jobs(_cfg(regenerate=False, hold_out_every=50, confidence=False))}
+    assert "calibrate" not in got and got["eval-n3"] == (("aftercorr", "train"),)
+
+
 def test_stage_of_maps_job_names_back():
     assert [stage_of(j.name) for j in jobs(_cfg(True))] == ["regenerate", "train", "eval", "eval", "report"]
     assert stage_of("something-else") == "something-else"
 
 
 def test_an_unknown_stage_names_the_known_ones():
-    with pytest.raises(UserError, match="unknown stage 'evaluate'; one of regenerate, train, eval, report"):
+    with pytest.raises(UserError, match="unknown stage 'evaluate'; one of regenerate, train, calibrate, eval, report"):
         stage("evaluate")
 
 
@@ -68,7 +80,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
-        train=SimpleNamespace(output_dir=str(tmp_path / "train")), tracking=SimpleNamespace(uri="http://x"),
+        train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
     )
     monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
     monkeypatch.setattr("hpc.config.sweep_overrides", lambda c: [[]])

@@ -48,9 +48,10 @@ def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_clu
     assert "2 variant(s)" in out and "train.lr=0.001" in out and "train.lr=0.0005" in out
     assert "regenerate   1 task(s) x 2 node(s)\n" in out
     assert "train        2 task(s) x 2 node(s)  after afterok:<regenerate>" in out
-    assert "eval-n3      2 task(s) x 1 node(s)  after aftercorr:<train>" in out
+    assert "calibrate    2 task(s) x 1 node(s)  after aftercorr:<train>\n" in out
+    assert "eval-n3      2 task(s) x 1 node(s)  after aftercorr:<train>:<calibrate>" in out
     assert "report       1 task(s) x 1 node(s)  after afterany:<eval-n3>:<eval-n7>" in out
-    assert out.count("#!/bin/bash") == 5 and "#SBATCH --signal=USR2@90" in out and "#SBATCH --requeue" in out
+    assert out.count("#!/bin/bash") == 6 and "#SBATCH --signal=USR2@90" in out and "#SBATCH --requeue" in out
     assert "#SBATCH --array=0-1%2" in out and "--kill-on-bad-exit=1" in out
     assert squeue_count() == before
 
@@ -91,11 +92,11 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     state_file = next((tmp_path / "slurm" / "pipelines").glob("*/pipeline.json"))
     state = json.loads(state_file.read_text())
-    assert set(state["jobs"]) == {"regenerate", "train", "eval-n3", "eval-n7", "report"}
+    assert set(state["jobs"]) == {"regenerate", "train", "calibrate", "eval-n3", "eval-n7", "report"}
     states = wait_terminal(list(state["jobs"].values()), timeout_s=1500)
     logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in (tmp_path / "slurm").rglob("*_log.*"))
     assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{logs[-6000:]}"
-    assert len(states) == 1 + 2 + 2 + 2 + 1  # regenerate, 2 train tasks, 2 x 2 eval tasks, report
+    assert len(states) == 1 + 2 + 2 + 2 + 2 + 1  # regenerate, 2 train tasks, 2 calibrate, 2 x 2 eval tasks, report
 
     client = MlflowClient(mlflow_server.uri)
     parent = client.get_run(state["parent_run_id"])
@@ -104,7 +105,7 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     stages = sorted(r.data.tags.get("dspark.stage") for r in children)
     # Paired timing (the default): each eval runs its no-speculation baseline beside the draft,
     # so there is no baseline run of its own, and every eval records its speedup's spread.
-    assert stages == ["eval"] * 4 + ["regenerate", "report"] + ["train"] * 2, stages
+    assert stages == ["calibrate"] * 2 + ["eval"] * 4 + ["regenerate", "report"] + ["train"] * 2, stages
     evals = [r for r in children if r.data.tags["dspark.stage"] == "eval"]
     assert all(r.data.tags["dspark.timing"] == "paired" and "mean/speedup" in r.data.metrics for r in evals)
     for r in children:
@@ -113,6 +114,9 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     (regen,) = [r for r in children if r.data.tags["dspark.stage"] == "regenerate"]
     m = regen.data.metrics
     assert m["servers"] == 2 and m["served_0"] > 0 and m["served_1"] > 0 and m["written"] == 32, m
+    # Each variant's calibrate task captured its 3 held-out rows (ids 9, 19, 29 of 32) through vLLM.
+    calibrate = [r for r in children if r.data.tags["dspark.stage"] == "calibrate"]
+    assert all(r.data.metrics["calibration_rows"] == 3 and "ece_sampling_pos1" in r.data.metrics for r in calibrate)
     train = [r for r in children if r.data.tags["dspark.stage"] == "train"]
     assert all(r.data.tags.get("slurm.job_id") for r in train)
 
@@ -124,7 +128,7 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
 
 def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, toy_target, vllm_python, tmp_path,
                                                               monkeypatch):
-    """Nothing half-submitted: regenerate and train went in, eval-n3 fails, both are cancelled."""
+    """Nothing half-submitted: regenerate, train and calibrate went in, eval-n3 fails, all are cancelled."""
     from hpc.errors import UserError
     from hpc.launch import slurm
     from hpc.launch import submit as submit_mod
@@ -145,9 +149,9 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
     monkeypatch.setattr(slurm, "cancel", recording_cancel)
     args = overrides(slurm_cluster, toy_target, vllm_python, tmp_path, f"sqlite:///{tmp_path}/m.db") + [
         "tracking.allow_file_store=true"]
-    with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 2 job"):
+    with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 3 job"):
         submit_mod.submit(str(ROOT / "configs" / "toy-cpu.yaml"), args)
-    assert len(cancelled) == 2  # the regenerate job and the train array
+    assert len(cancelled) == 3  # the regenerate job, the train array and the calibrate array
 
     def sacct() -> tuple[str, list[str]]:
         out = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(cancelled), "-o", "JobID,State"],

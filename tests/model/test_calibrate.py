@@ -106,3 +106,21 @@ def test_a_row_token_outside_the_draft_vocab_is_a_greedy_miss():
     slots = held_out_slots(model, [row], VerifierHead(torch.randn(T.V, T.H), t2d))
     assert float(slots.greedy.sum()) == 0.0
     assert float(slots.reach["greedy"][slots.position > 1].sum()) == 0.0  # never past the first miss
+
+
+def test_cross_fitting_scores_each_half_with_the_other_halfs_map():
+    from hpc.model.calibrate import calibrated, concat_slots, cross_fitted_ece
+
+    a, b = synthetic_slots(seed=1), synthetic_slots(seed=2)
+    both = concat_slots([a, b])
+    assert both.logit.numel() == a.logit.numel() + b.logit.numel()
+    crossed = cross_fitted_ece(a, b)
+    raw = ece_by_position(both, None, "greedy")
+    # The distortion is the same in both halves, so a map fitted on one undoes it on the other.
+    assert all(e > 0.1 for e, _ in raw) and all(e < 0.05 for e, _ in crossed["greedy"]), (raw, crossed)
+    assert [w for _, w in crossed["greedy"]] == [w for _, w in raw]  # every slot scored once
+    # A half scored by a map that is not its own: apply b's map to a by hand, position by position.
+    cal_b = fit_calibration(b)
+    by_hand = calibrated(a, cal_b, "greedy")
+    at2 = a.position == 2
+    assert torch.allclose(by_hand.logit[at2], cal_b.apply(a.logit[at2], "greedy", 2))

@@ -81,7 +81,8 @@ def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
 
     cfg = resolve(REPO / "configs" / "toy-cpu.yaml",
                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / 'run'}", "train.lr=3e-3", *DFLASH_OVERRIDES], check_tracking=False)
+                   f"train.output_dir={tmp / 'run'}", "train.lr=3e-3", "train.hold_out_every=0", *DFLASH_OVERRIDES],
+                  check_tracking=False)
     ckpt = train_in_process(cfg, steps=STEPS)
     draft = load_draft(ckpt)
     assert draft.args.is_dflash and not draft.args.sample_from_anchor

@@ -11,6 +11,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from hpc.model.calibrate import Calibration
 from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +34,17 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "160 rows kept" in res.stdout
     state = json.loads((out / "checkpoints" / f"step_{STEPS:08d}" / "state.json").read_text())
-    # 1600 samples = 10 epochs of 160. Finished epochs are forgotten; near a boundary the stream
+    # configs/toy-cpu.yaml holds every 10th row out (ids 9, 19, ...): 144 of the 160 train.
+    # 1600 samples = 11.1 epochs of 144. Finished epochs are forgotten; near a boundary the stream
     # mixes two epochs, so what is left is the unfinished epoch's (epoch, id) pairs, each once.
+    trained = 144
     samples = STEPS * 8  # train.global_batch_size
     assert state["step"] == STEPS and state["samples_seen"] == samples
     ledger = {tuple(p) for p in state["ledger"]}
     assert len(ledger) == len(state["ledger"]) and all(e >= state["epoch"] for e, _ in ledger)
-    assert state["epoch"] * 160 + len(ledger) == samples and state["epoch"] in (samples // 160 - 1, samples // 160)
+    assert state["epoch"] * trained + len(ledger) == samples
+    assert state["epoch"] in (samples // trained - 1, samples // trained)
+    assert ledger and not any(i % 10 == 9 for _, i in ledger)  # no held-out row was ever streamed
     assert (out / "export" / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,6 +84,15 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     assert run.info.status == "FINISHED"  # not left RUNNING
     verifier = json.loads((out / "export" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier["architectures"] == ["Qwen3ForCausalLM"]  # the target's classes, not []
+
+    # The calibrate stage: a vLLM verifier captures the 16 held-out rows, the map lands in the export.
+    res = subprocess.run([sys.executable, "-m", "hpc", "stage", "calibrate", *cmd[4:-2]], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "fitted on 16 held-out rows" in res.stdout, res.stdout
+    cal = Calibration.load(out / "export")
+    assert cal is not None and len(cal.maps["greedy"]) == 8 and cal.fitted_on > 0
+    assert load_draft(out / "export").confidence_calibration is not None
 
 
 def test_dspark_train_rejects_an_indivisible_batch(tmp_path):
