@@ -140,24 +140,59 @@ def format_table(table: dict, benches: list[str]) -> str:
     return "\n".join(lines)
 
 
-def calibration_lines(results: dict, label: str = "DSpark", n: int = max(NS)) -> tuple[list[str], dict[str, float]]:
-    """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
-    from hpc.evaluate.calibration import ece_floor, position_report
+def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) -> tuple[list, int]:
+    """(verify steps, prompts): the draft decoding greedily at n, as the reference engine does in
+    the evaluation, over every prompt the benchmarks ship. The evaluation's few rows per benchmark
+    leave too few slots at any position to tell ECE from its noise floor against 0.05."""
+    import copy
 
-    steps = [s for res in results.values() for r in res if r.label == label and r.n == n and not r.temperature
-             for s in r.calibration_steps]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpc.evaluate.benchmarks import load_benchmark
+    from hpc.evaluate.engines import ReferenceEngine
+    from hpc.evaluate.harness import chat_ids
+    from hpc.model.export import load_draft
+
+    every = copy.deepcopy(cfg.eval)
+    every.rows = None  # each manifest's own count
+    v = cfg.verifier
+    target = AutoModelForCausalLM.from_pretrained(v.model, dtype=torch.float32, use_safetensors=True).eval()
+    tok = AutoTokenizer.from_pretrained(v.tokenizer or v.model)
+    engine = ReferenceEngine(target, load_draft(export).eval(), n, tok.eos_token_id)
+    prompts = 0
+    for name in every.benchmarks:
+        bench = load_benchmark(name, every)
+        for text in bench.prompts:
+            engine.generate(chat_ids(tok, text), bench.max_tokens)
+        prompts += len(bench.prompts)
+    return engine.steps, prompts
+
+
+def calibration_lines(steps: list, where: str, label: str = "DSpark",
+                      n: int = max(NS)) -> tuple[list[str], dict[str, float]]:
+    """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
+    from hpc.evaluate.calibration import perfect_head_eces, position_report
+
     if not steps:
         return [], {}
-    lines, metrics = [f"{label} confidence at n={n} (greedy, calibrated on held-out rows), ECE per position:"], {}
+    lines = [f"{label} confidence at n={n} (greedy, calibrated on held-out rows), ECE per position on {where}:"]
+    metrics: dict[str, float] = {}
     for k in range(1, n + 1):
         rep = position_report(steps, k, 10)
         if not rep["count"]:
             break
-        # A position is judged only where a perfectly calibrated head would read under the goal:
-        # with fewer slots, ECE's upward bias alone exceeds it and the verdict would be noise.
-        floor = ece_floor([c[k - 1] for c, _ in steps if len(c) >= k])
-        verdict = (("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})"
-                   if floor < ECE_GOAL else f"too few slots to judge against {ECE_GOAL}")
+        # Judged against the goal only where a perfectly calibrated head would read under it: with
+        # fewer slots, ECE's upward bias alone exceeds the goal. There, an ECE above what 95% of
+        # perfect heads read at this count is still a miss.
+        null = perfect_head_eces([c[k - 1] for c, _ in steps if len(c) >= k])
+        floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
+        if floor < ECE_GOAL:
+            verdict = ("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})"
+        elif rep["ece"] > q95:
+            verdict = f"misses: above what 95% of perfectly calibrated heads read at this count ({q95:.3f})"
+        else:
+            verdict = f"too few slots to judge against {ECE_GOAL}"
         lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (a perfectly calibrated "
                      f"head would read {floor:.3f} at this count; mean confidence {rep['mean_conf']:.3f}, "
                      f"accepted {rep['accuracy']:.3f}): {verdict}")
@@ -208,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(eval_cfg, str(by["DSpark"].export), list(NS), parent_run_id=parent, quiet=True)
     table = tau_table(results)
     print(format_table(table, list(eval_cfg.eval.benchmarks)))
-    cal_lines, cal_metrics = calibration_lines(results)
+    cal_lines: list[str] = []
+    cal_metrics: dict[str, float] = {}
+    if by["DSpark"].export.joinpath("confidence_calibration.json").is_file():
+        print(f"[{time.monotonic() - t0:5.0f}s] scoring DSpark's confidence on every benchmark prompt", flush=True)
+        steps, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export)
+        cal_lines, cal_metrics = calibration_lines(steps, f"{prompts} benchmark prompts")
     print("\n".join(["", *cal_lines]) if cal_lines else "")
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():

@@ -104,19 +104,22 @@ def position_report(steps: list[Step], position: int, bins: int) -> dict:
             "bins": out_bins}
 
 
-def ece_floor(confs: list[float], bins: int = 10, draws: int = 200, seed: int = 0) -> float:
-    """The ECE a perfectly calibrated head shows on these confidences at this count: the mean ECE
-    of `draws` event vectors drawn as Bernoulli(conf). ECE is biased upwards on few slots (60
-    slots at confidence 0.3 read about 0.08 with no miscalibration at all), so an ECE near this
-    floor is sampling noise, not a head that lies."""
+def perfect_head_eces(confs: list[float], bins: int = 10, draws: int = 200, seed: int = 0) -> list[float]:
+    """The ECEs a perfectly calibrated head shows on these confidences at this count: one per
+    event vector drawn as Bernoulli(conf), sorted."""
     if not confs:
-        return 0.0
+        return [0.0]
     rng = random.Random(seed)
-    total = 0.0
-    for _ in range(draws):
-        steps = [([c], [1 if rng.random() < c else 0]) for c in confs]
-        total += position_report(steps, 1, bins)["ece"]
-    return total / draws
+    return sorted(position_report([([c], [1 if rng.random() < c else 0]) for c in confs], 1, bins)["ece"]
+                  for _ in range(draws))
+
+
+def ece_floor(confs: list[float], bins: int = 10, draws: int = 200, seed: int = 0) -> float:
+    """The mean of `perfect_head_eces`. ECE is biased upwards on few slots (60 slots at
+    confidence 0.3 read about 0.08 with no miscalibration at all), so an ECE near this floor is
+    sampling noise, not a head that lies."""
+    eces = perfect_head_eces(confs, bins, draws, seed)
+    return sum(eces) / len(eces)
 
 
 def calibration_report(steps_by_bench: dict[str, list[Step]], cost: float = 0.03, bins: int = 10) -> dict:

@@ -58,18 +58,19 @@ def test_a_missed_goal_says_so():
 def test_calibration_lines_judge_only_positions_a_perfect_head_could_pass():
     # Position 1: confidence 0.9, always accepted (ECE 0.1); position 2: 0.5, accepted half the time (ECE 0).
     steps = [([0.9, 0.5], [1, 1])] * 200 + [([0.9, 0.5], [1, 0])] * 200
-    r = result("DSpark", 7, "gsm8k", 2.0)
-    r.calibration_steps = steps
-    lines, metrics = ba.calibration_lines({"eval-n7-DSpark": [r]})
+    lines, metrics = ba.calibration_lines(steps, "6 prompts")
+    assert lines[0].endswith("ECE per position on 6 prompts:")
     assert lines[1].startswith("  position 1: ECE 0.100 over 400 slots") and lines[1].endswith("misses the goal (<= 0.05)")
     assert lines[2].startswith("  position 2: ECE 0.000 over 400 slots") and lines[2].endswith("meets the goal (<= 0.05)")
     assert len(lines) == 3 and metrics == {"ece_n7_pos1": pytest.approx(0.1), "ece_n7_pos2": 0.0}
     # 40 slots at 0.5: a perfectly calibrated head reads about 0.06 there, over the goal, so no verdict.
-    few = result("DSpark", 7, "gsm8k", 2.0)
-    few.calibration_steps = [([0.5], [1])] * 20 + [([0.5], [0])] * 20
-    line = ba.calibration_lines({"x": [few]})[0][1]
+    few = [([0.5], [1])] * 20 + [([0.5], [0])] * 20
+    line = ba.calibration_lines(few, "2 prompts")[0][1]
     assert "ECE 0.000 over 40 slots" in line and line.endswith("too few slots to judge against 0.05"), line
-    assert ba.calibration_lines({"x": [result("DFlash", 7, "gsm8k", 2.0)]}) == ([], {})
+    assert ba.calibration_lines([], "no prompts") == ([], {})
+    # 40 slots at 0.5 that are never accepted: no count excuses that.
+    line = ba.calibration_lines([([0.5], [0])] * 40, "2 prompts")[0][1]
+    assert "ECE 0.500 over 40 slots" in line and "misses: above what 95% of perfectly calibrated heads read" in line
 
 
 @pytest.mark.slow
@@ -107,6 +108,8 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
                                        .info.run_id, "loss")
     assert len(losses) == ba.MIN_STEPS
     assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
-    assert "confidence at n=7 (greedy, calibrated on held-out rows)" in text
+    # Scored on every prompt the two benchmarks ship (6 each, the manifests' count), not the eval's one.
+    assert "confidence at n=7 (greedy, calibrated on held-out rows), ECE per position on 12 benchmark prompts" in text
+    assert "fitted on 64 held-out rows" in text  # 640 conversations, every 10th held out
     assert (out / "DSpark" / "export" / "confidence_calibration.json").is_file()
     assert not (out / "DFlash" / "export" / "confidence_calibration.json").exists()  # no head to calibrate

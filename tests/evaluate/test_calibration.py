@@ -107,3 +107,11 @@ def test_the_ece_floor_is_the_noise_of_a_calibrated_head_and_shrinks_with_the_co
     assert 0.03 < few < 0.09 and many < few / 5
     assert ece_floor([0.0] * 40 + [1.0] * 40) == 0.0  # certain events: no noise at all
     assert ece_floor([]) == 0.0 and ece_floor([0.3] * 60) == ece_floor([0.3] * 60)  # seeded
+
+
+def test_perfect_head_eces_are_the_floors_draws_sorted():
+    from hpc.evaluate.calibration import ece_floor, perfect_head_eces
+
+    eces = perfect_head_eces([0.3] * 60)
+    assert len(eces) == 200 and eces == sorted(eces) and eces[0] < eces[-1]
+    assert abs(sum(eces) / len(eces) - ece_floor([0.3] * 60)) < 1e-12
