@@ -152,8 +152,12 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
         print("calibrate: warning: the held-out rows are not the target's own greedy output (data.regenerate is "
               "false or data.regen_temperature > 0), so the greedy map is fitted against the rows' tokens, not "
               "against what greedy decoding accepts; regenerate at temperature 0 for an exact one", flush=True)
-    device = rank_device(cfg.train.device)
-    draft = load_draft(export, device=str(device))
+    # The node's last GPU, as a streamer's: vLLM's TP rank 0 on GPU 0 stages the capture copies.
+    # There the draft gets what vLLM leaves (1 - verifier.gpu_memory_utilization), so it is held in
+    # the training dtype (bf16: Kimi's draft is 6.3 GB) and run under autocast as training does.
+    device = rank_device(cfg.train.device, local=max(cfg.cluster.gpus_per_node - 1, 0))
+    amp = autocast_dtype(cfg.train, device)
+    draft = load_draft(export, device=str(device), dtype=amp or torch.float32)
     if draft.confidence_head is None:
         print(f"calibrate: {export} has no confidence head; nothing to calibrate", flush=True)
         return {}
@@ -162,7 +166,7 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
                         t["norm"].float() if cfg.train.apply_verifier_norm else None).to(device)
     capture, server = make_capture(cfg, str(device), out)
     try:
-        fitted = fit_held_out(draft, head, capture, held, device, autocast_dtype(cfg.train, device), quiet=quiet)
+        fitted = fit_held_out(draft, head, capture, held, device, amp, quiet=quiet)
     finally:
         if server is not None:
             server.close()
