@@ -17,20 +17,9 @@ from hpc.model.vocab import mapping_from_selected
 from hpc.train.calibrate_stage import calibrate_export
 from hpc.train.prepare import split_held_out
 from hpc.train.target_weights import load_target_tensors
+from tests.train.test_resume import H, V, target_dir  # noqa: F401 - the tiny random Qwen3 target, a fixture
 
-V, H, D = 96, 32, 64
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("target")
-    Qwen3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+D = 64
 
 
 def _draft(target_dir, confidence: bool = True) -> DSparkDraft:
