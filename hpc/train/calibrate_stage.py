@@ -27,7 +27,6 @@ from hpc.model.loss import PackedRow
 from hpc.tables import text_table
 
 CaptureFn = Callable[[int, list[int], list[int]], object]
-MAX_CONSECUTIVE_FAILURES = 20  # more in a row: the verifier is broken, not one row
 
 
 @dataclass
@@ -42,6 +41,7 @@ class Fitted:
 def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device,
             advance: Callable[[], None]) -> Iterator[PackedRow]:
     from hpc.errors import VerifierDown
+    from hpc.stream.streamer import MAX_CONSECUTIVE_FAILURES  # the stream's rule for a broken verifier
     from hpc.train.loop import pack
 
     streak = 0
@@ -81,10 +81,14 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     with Progress(TextColumn("calibrate: capturing held-out rows"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), disable=quiet) as bar:
         task = bar.add_task("rows", total=len(ids))
-        for half in halves:  # the precision training ran in: bf16 autocast over fp32 weights on GPU
+        for half in halves:  # the precision training ran in: bf16 autocast on GPU
             with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                parts.append(held_out_slots(model, _packed(capture, rows, half, device, lambda: bar.advance(task)),
-                                            head))
+                try:
+                    parts.append(held_out_slots(model, _packed(capture, rows, half, device,
+                                                               lambda: bar.advance(task)), head))
+                except ValueError as err:  # no row of this half had a drafted slot
+                    raise UserError(f"calibrate: {err}; held-out rows {half[:5]}{'...' if len(half) > 5 else ''} "
+                                    "gave none (captures skipped above, or rows with no assistant tokens)") from None
     slots = concat_slots(parts)
     cal = fit_calibration(slots)
     ece = cross_fitted_ece(*parts) if len(parts) == 2 else None

@@ -142,3 +142,15 @@ def _head(target_dir):
 
     _, t2d = mapping_from_selected(torch.arange(D), V)
     return VerifierHead(load_target_tensors(target_dir)["lm_head"].float(), t2d)
+
+
+def test_rows_without_a_drafted_slot_say_so_in_one_line(target_dir, tmp_path):
+    from hpc.train import calibrate_stage
+    from hpc.verifier.hf_backend import HFVerifier
+
+    _run_dir(tmp_path, target_dir)
+    rows = {i: (ids, [0] * len(mask)) for i, (ids, mask) in split_held_out(json_rows(tmp_path), 4)[1].items()}
+    hf = HFVerifier(str(target_dir), [1, 2, 3])
+    with pytest.raises(UserError, match="no held-out slots.*gave none"):
+        calibrate_stage.fit_held_out(load_draft(tmp_path / "train" / "export"), _head(target_dir), hf.capture, rows,
+                                     quiet=True)
