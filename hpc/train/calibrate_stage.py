@@ -14,6 +14,7 @@ exact on data regenerated at temperature 0 (`data.regen_temperature`), which is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,7 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     from hpc.model.loss import VerifierHead
     from hpc.train.driver import make_capture
     from hpc.train.online import autocast_dtype
-    from hpc.train.prepare import load_prepared, split_held_out
+    from hpc.train.prepare import PREPARED, load_prepared, split_held_out
     from hpc.train.target_weights import load_target_tensors
 
     out = Path(cfg.train.output_dir)
@@ -146,6 +147,12 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     if not every:
         print("calibrate: train.hold_out_every is 0, no rows were held out; nothing to calibrate", flush=True)
         return {}
+    prepared = out / "data" / PREPARED
+    trained_with = json.loads(prepared.read_text())["settings"].get("hold_out_every", 0) if prepared.is_file() \
+        else every
+    if trained_with != every:  # other rows than training held out: some were trained on
+        raise UserError(f"train.hold_out_every = {every}, but {out} was trained holding out every "
+                        f"{trained_with}-th row; calibrate with train.hold_out_every={trained_with}")
     rows, _ = load_prepared(out)
     held = split_held_out(rows, every)[1]
     if not held:

@@ -49,11 +49,11 @@ PREPARED = "prepared.json"
 
 
 def data_settings(cfg: DSparkConfig) -> dict:
-    """What decides the rows and the vocabulary."""
+    """What decides the rows and the vocabulary, and which rows train (the rest calibrate)."""
     v = cfg.verifier
     return {"sources": [list(s) for s in training_sources(cfg.data)], "max_seq_len": cfg.data.max_seq_len,
             "draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": v.vocab_size,
-            "tokenizer": v.tokenizer or v.name or v.model}
+            "tokenizer": v.tokenizer or v.name or v.model, "hold_out_every": cfg.train.hold_out_every}
 
 
 def data_hash(data_dir: Path) -> str:
@@ -90,8 +90,11 @@ def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
             raise UserError(f"{ckpt} needs the prepared data it was trained on, and {out} no longer holds it; "
                             f"restore it, or start over in a new {where.split('=')[0]}")
         return None  # a checkpoint from before data hashes: prepare and let it through
-    if meta["settings"] != data_settings(cfg):
-        changed = sorted(k for k in meta["settings"] if meta["settings"][k] != data_settings(cfg).get(k))
+    # A run prepared before rows were held out held none out. Changing that mid-run would let rows
+    # already trained on calibrate, or never train rows the ledger counts on.
+    recorded = {"hold_out_every": 0, **meta["settings"]}
+    if recorded != data_settings(cfg):
+        changed = sorted(k for k in recorded if recorded[k] != data_settings(cfg).get(k))
         raise UserError(f"{where} holds checkpoints trained on other data ({', '.join(changed)} changed); "
                         "resume with the same data settings, or use a new train.output_dir to start over")
     if (trained_on and trained_on != meta["hash"]) or data_hash(out) != meta["hash"]:

@@ -154,3 +154,11 @@ def test_rows_without_a_drafted_slot_say_so_in_one_line(target_dir, tmp_path):
     with pytest.raises(UserError, match="no held-out slots.*gave none"):
         calibrate_stage.fit_held_out(load_draft(tmp_path / "train" / "export"), _head(target_dir), hf.capture, rows,
                                      quiet=True)
+
+
+def test_calibrating_other_rows_than_training_held_out_is_refused(target_dir, tmp_path):
+    cfg = _run_dir(tmp_path, target_dir, every=4)
+    (tmp_path / "train" / "data" / "prepared.json").write_text(json.dumps({"settings": {"hold_out_every": 5}}))
+    with pytest.raises(UserError, match="train.hold_out_every = 4, but .* every 5-th row; calibrate with "
+                                        "train.hold_out_every=5"):
+        calibrate_export(cfg)

@@ -64,6 +64,9 @@ def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_
     with pytest.raises(UserError, match=r"trained on other data \(max_seq_len changed\)") as info:
         prepare_data(_cfg(tmp_path, toy_target, data, "data.max_seq_len=200"))
     assert "\n" not in str(info.value) and first.rows_file.read_bytes() == rows
+    # Holding other rows out mid-run would calibrate on rows already trained: refused the same way.
+    with pytest.raises(UserError, match=r"trained on other data \(hold_out_every changed\)"):
+        prepare_data(_cfg(tmp_path, toy_target, data, "train.hold_out_every=5"))
     # Prepared files swapped under the checkpoint: refused too.
     first.rows_file.write_bytes(rows.replace(b'"id": 3,', b'"id": 33,'))
     with pytest.raises(UserError, match="not the ones step_00000005 was trained on"):
