@@ -94,9 +94,10 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     cal = fit_calibration(slots)
     ece = cross_fitted_ece(*parts) if len(parts) == 2 else None
     floors = []
+    greedy = calibrated(slots, cal, "greedy")
     for k in range(1, int(slots.position.max()) + 1):  # greedy reach is 0/1: these are plain slots
         at = (slots.position == k) & (slots.reach["greedy"] > 0)
-        confs = torch.sigmoid(calibrated(slots, cal, "greedy").logit[at]).tolist()
+        confs = torch.sigmoid(greedy.logit[at]).tolist()
         # Fewer draws on many slots (Kimi's held-out rows): the floor is small and steady there.
         floors.append(ece_floor(confs, draws=max(10, min(200, 1_000_000 // max(1, len(confs))))))
     return Fitted(cal, len(ids), ece, floors)
