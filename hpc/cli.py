@@ -21,6 +21,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("devcluster", "hpc_dev.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
     ("toy-target", "hpc_dev.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
     ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
+    ("calibration-set", "hpc.evaluate.calibration_set",
+     "benchmark rows no evaluation reads, to calibrate the draft's confidence on (data.calibration_sources)"),
     ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
     ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),

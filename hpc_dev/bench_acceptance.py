@@ -12,9 +12,11 @@ length) per benchmark and the mean; the ratios DSpark/DFlash and DSpark/ngram at
 what the recipe claims (goals: >= 1.15 and >= 1.3). A miss prints with its figures: the
 loss curves and the per-position acceptance, as PNGs and in MLflow.
 
-Every 10th row is held out of all three trainings; the confidence calibration of the drafts
-with a confidence head is fitted on it (`hpc.model.calibrate`), and DSpark's ECE per position
-is printed as greedy decoding scored it on the benchmarks.
+The confidence calibration of the drafts with a confidence head is fitted (`hpc.model.calibrate`)
+on `data.calibration_sources` when the config has them (with --toy, the benchmark rows no
+evaluation reads: `dspark calibration-set`), else on every 10th training row, held out of all
+three trainings. DSpark's ECE per position is printed as greedy decoding scored it on every
+prompt the benchmarks evaluate.
 
 Training runs in this process with an in-process HF verifier (`hpc_dev.offline`), so the
 ablation measures the recipe, not the cluster. `--quick` checks the plumbing only.
@@ -42,7 +44,7 @@ GOALS = {"DFlash": 1.15, PEER: 1.3}  # DSpark tau@7 over each, from the DSpark r
 # Below this the drafts barely leave their initialisation (warm-up is a tenth of the run) and
 # the ratios compare noise.
 MIN_STEPS = 20
-HOLD_OUT_EVERY = 10  # every 10th row trains nobody: the confidence calibration is fitted on it
+HOLD_OUT_EVERY = 10  # without calibration sources, every 10th row trains nobody: the calibration is fitted on it
 ECE_GOAL = 0.05
 DEFAULT_STEPS = 600  # about 2.5 min per draft on 2 cores with the toy target; 25 min in all
 QUICK = ["eval.benchmarks=[gsm8k, humaneval]", "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
@@ -72,13 +74,12 @@ def _resolve(config: str, overrides: list[str]):
 def _toy_overrides(out: Path, rows: int) -> list[str]:
     """The demo's setting: the toy target (built or cached), conversations drawn from its corpus,
     and the demo's learning rate (the toy recipe's 1e-3 suits longer runs)."""
+    from hpc_dev.demo import DEMO_LR
     from hpc_dev.toy import build_toy_target
     from hpc_dev.toy_data import write_toy_conversations
 
     target = build_toy_target(arch="qwen3", seed=0)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=rows, seed=1)
-    from hpc_dev.demo import DEMO_LR
-
     return [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
             f"tracking.uri=sqlite:///{out / 'mlflow.db'}", f"train.lr={DEMO_LR}"]
 
@@ -169,14 +170,14 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) ->
     return engine.steps, prompts
 
 
-def calibration_lines(steps: list, where: str, label: str = "DSpark",
-                      n: int = max(NS)) -> tuple[list[str], dict[str, float]]:
+def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = max(NS),
+                      fitted_on: str = "held-out rows") -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
     from hpc.evaluate.calibration import perfect_head_eces, position_report
 
     if not steps:
         return [], {}
-    lines = [f"{label} confidence at n={n} (greedy, calibrated on held-out rows), ECE per position on {where}:"]
+    lines = [f"{label} confidence at n={n} (greedy, calibrated on {fitted_on}), ECE per position on {where}:"]
     metrics: dict[str, float] = {}
     for k in range(1, n + 1):
         rep = position_report(steps, k, 10)
@@ -217,8 +218,15 @@ def run(args: argparse.Namespace) -> int:
     check_budget(steps)
     out = Path(args.out).resolve()
     t0 = time.monotonic()
-    base = [f"train.hold_out_every={HOLD_OUT_EVERY}", *(QUICK if args.quick else []), *args.overrides]
+    from hpc.config import load_config, to_object
+    from hpc_dev.toy_data import calibration_overrides
+
+    base = [*(QUICK if args.quick else []), *args.overrides]
     overrides = [*(_toy_overrides(out, args.rows) if args.toy else []), *base]
+    if args.toy:  # benchmark rows no evaluation reads (--quick does not regenerate: it holds rows out)
+        overrides[:0] = calibration_overrides(args.config, out / "data", overrides)
+    if not to_object(load_config(args.config, overrides)).data.calibration_sources:
+        overrides.insert(0, f"train.hold_out_every={HOLD_OUT_EVERY}")  # first: an explicit setting wins
     cfg = _resolve(args.config, overrides)  # bad input fails here, before anything trains
     print(f"dspark bench acceptance: {len(VARIANTS)} drafts x {steps} steps (lr {cfg.train.lr:g}, seed "
           f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
@@ -248,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     if by["DSpark"].export.joinpath("confidence_calibration.json").is_file():
         print(f"[{time.monotonic() - t0:5.0f}s] scoring DSpark's confidence on every benchmark prompt", flush=True)
         steps, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export)
-        cal_lines, cal_metrics = calibration_lines(steps, f"{prompts} benchmark prompts")
+        fitted_on = "data.calibration_sources" if cfg.data.calibration_sources else "held-out training rows"
+        cal_lines, cal_metrics = calibration_lines(steps, f"{prompts} benchmark prompts", fitted_on=fitted_on)
     print("\n".join(["", *cal_lines]) if cal_lines else "")
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():

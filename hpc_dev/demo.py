@@ -2,8 +2,9 @@
 
 The toy target is built on the fly (cached), MLflow is a SQLite file, and the stages run one
 after another through submitit's local executor, exactly the stage functions a Slurm
-pipeline runs: regenerate (vLLM), train (1 verifier + 2 trainer processes over gloo),
-evaluate at n=3 and n=7, and the report with the comparison table.
+pipeline runs: regenerate (vLLM, the training rows and a calibration set of benchmark rows no
+evaluation reads), train (1 verifier + 2 trainer processes over gloo), calibrate the
+confidence, evaluate at n=3 and n=7, and the report with the comparison table.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from hpc.launch.stage_table import jobs
     from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
     from hpc_dev.toy import build_toy_target
-    from hpc_dev.toy_data import write_toy_conversations
+    from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
                  f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}",
                  # A short run wants a larger step than the recipe's 1e-3 (see tests/dev/test_offline.py).
                  f"train.lr={DEMO_LR}", *args.overrides]
+    # The benchmark rows no evaluation reads calibrate the confidence (when the data is regenerated).
+    overrides[:0] = calibration_overrides(args.config, out / "data", overrides)
     cfg = resolve(args.config, overrides, check_tracking=False)
     cfg_file = out / "config.yaml"
     cfg_file.write_text(to_yaml(OmegaConf.structured(cfg)))

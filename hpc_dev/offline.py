@@ -14,7 +14,7 @@ from hpc.model.export import speculators_config
 from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.loop import Trainer
 from hpc.train.online import build_draft
-from hpc.train.prepare import load_prepared, prepare_data, split_held_out
+from hpc.train.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
 from hpc.train.sources import local_micro_batches
 from hpc.verifier.hf_backend import HFVerifier
 
@@ -30,9 +30,10 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
                      on_step: Callable[[int, dict], None] | None = None) -> Path:
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 
-    With `train.hold_out_every` > 0 those rows train nobody, and afterwards the confidence
-    head's calibration is fitted on their captures as the calibrate stage fits it
-    (`hpc.train.calibrate_stage`), saved beside the last checkpoint so that its export carries it."""
+    With `train.hold_out_every` > 0 those rows train nobody. Afterwards the confidence head's
+    calibration is fitted on the calibration rows (`data.calibration_sources`, else the held-out
+    ones) as the calibrate stage fits it (`hpc.train.calibrate_stage`), and saved beside the last
+    checkpoint so that its export carries it."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
     if steps is not None:
@@ -59,10 +60,12 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     ckpt = latest_checkpoint(trainer.ckpt_dir)
     if ckpt is None:
         raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
-    if held_out and model.confidence_head is not None:
+    cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
+        else (held_out, "held-out rows")
+    if cal_rows and model.confidence_head is not None:
         from hpc.train.calibrate_stage import fit_held_out, format_fitted
 
-        fitted = fit_held_out(model, head, verifier.capture, held_out, quiet=True)
+        fitted = fit_held_out(model, head, verifier.capture, cal_rows, quiet=True, where=where)
         fitted.calibration.save(ckpt)
         print(format_fitted(fitted), flush=True)
     return ckpt

@@ -157,6 +157,10 @@ class DataConfig:
     sources: list[DataSource] = field(
         default_factory=lambda: [DataSource(path="mlabonne/open-perfectblend")]
     )
+    # Rows of the serving distribution (e.g. `dspark calibration-set`: benchmark rows no eval
+    # reads) that train nobody: the calibrate stage fits the confidence calibration on them, after
+    # regenerating them as data.sources are. Empty: it fits on train.hold_out_every's rows.
+    calibration_sources: list[DataSource] = field(default_factory=list)
     regenerate: bool = True  # regenerate assistant turns with the target (on-policy data)
     regen_temperature: float = 0.0
     regen_max_tokens: int = 4096

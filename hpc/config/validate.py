@@ -186,6 +186,11 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
         if not src.path:
             c.fail(f"data.sources[{i}].path", src.path, "empty; give an HF dataset id or a local file")
         c.path(f"data.sources[{i}].path", src.path, "data file")
+    for i, src in enumerate(data.calibration_sources):
+        if not src.path:
+            c.fail(f"data.calibration_sources[{i}].path", src.path,
+                   "empty; give a local file (e.g. from `dspark calibration-set CONFIG OUT`) or an HF dataset id")
+        c.path(f"data.calibration_sources[{i}].path", src.path, "data file")
     c.positive("data.max_seq_len", data.max_seq_len)
     if data.max_seq_len <= cfg.draft.block_size:
         c.fail("data.max_seq_len", data.max_seq_len, f"must exceed draft.block_size={cfg.draft.block_size}")

@@ -127,6 +127,19 @@ def load_benchmark(name: str, eval_cfg: EvalConfig) -> BenchmarkPrompts:
                             sha256=prompts_sha256(m, prompts, max_tokens), rows=len(prompts), manifest=m)
 
 
+def spare_prompts(name: str, eval_cfg: EvalConfig, limit: int) -> list[str]:
+    """Up to `limit` prompts of `name` that evaluation never reads, rendered as it renders them:
+    the rows after the ones it selects (eval.rows, or the manifest's count when that is larger).
+    A benchmark evaluated in full (a manifest with no row limit) has none."""
+    m = load_manifest(name)
+    if m.rows is None:
+        return []
+    rows, source, key = _source_rows(m, eval_cfg)
+    kept = [(i, r) for i, r in enumerate(rows) if _keep(r, m, i, source, key)]
+    skip = max(m.rows, eval_cfg.rows or 0)
+    return [_render(m, r, i, source, key) for i, r in kept[skip:skip + limit]]
+
+
 def prompts_sha256(m: Manifest, prompts: list[str], max_tokens: int) -> str:
     # Only what shapes the requests: the dataset id and revision are left out so a local copy
     # and a hub load of the same rows share a baseline; `source` records where they came from.

@@ -79,9 +79,11 @@ STAGES: tuple[Stage, ...] = (
     # V verifier + T trainer nodes; a dead role stops the allocation instead of hanging it
     Stage("train", _train, after=(("afterok", "regenerate"),),
           nodes=lambda c: c.verifier_nodes + c.trainer_nodes, kill_on_bad_exit=True),
-    # one verifier on one node captures the rows training held out, and writes the map into the export
+    # one verifier on one node captures the calibration rows (or those training held out), and
+    # writes the map into the export
     Stage("calibrate", _calibrate, after=(("aftercorr", "train"),),
-          enabled=lambda cfg: cfg.train.hold_out_every > 0 and cfg.draft.enable_confidence_head),
+          enabled=lambda cfg: (cfg.train.hold_out_every > 0 or bool(cfg.data.calibration_sources))
+          and cfg.draft.enable_confidence_head),
     Stage("eval", _eval, after=(("aftercorr", "train"), ("aftercorr", "calibrate")), nodes=lambda c: c.eval_nodes,
           per_n=True),
     # the report reads MLflow only, and runs whatever the evals did

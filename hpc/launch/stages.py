@@ -293,25 +293,30 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
 def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local: bool = False) -> int:
     """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
     `local` (`dspark demo`, even inside an salloc) one server on this machine. A requeue resumes."""
-    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
+    from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
     say = lambda line: print(line, flush=True)  # noqa: E731
     if not local:
         done = _regenerate_on_ray(cfg, say)
         if done is None:  # a worker node: node 0 reports
             return 0
-        stats, servers, served = done
+        stats, cal_stats, servers, served = done
     else:
         server = start_regen_server(cfg.verifier, log_path=Path(cfg.data.output_dir) / "logs" / "regenerate-vllm-local.log")
         try:
-            stats = regenerate(cfg.data, server.url, concurrency=cfg.data.regen_concurrency, log=say,
-                               api_key=server.api_key)
+            stats, cal_stats = regenerate_all(cfg.data, lambda data: regenerate(
+                data, server.url, concurrency=cfg.data.regen_concurrency, log=say, api_key=server.api_key))
         finally:
             server.stop()
         servers, served = 1, []
     say(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg.data)}")
+    cal = calibration_data(cfg.data)
+    if cal is not None and cal_stats is not None:
+        say(f"regenerate: calibration rows: {cal_stats.summary()} -> {regenerated_dir(cal)}")
     if parent_run_id:
         metrics = {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}
+        if cal_stats is not None:
+            metrics["calibration_written"] = float(cal_stats.written)
         metrics["servers"] = float(servers)
         metrics.update({f"served_{i}": float(n) for i, n in enumerate(served)})
         _log_stage_run(cfg, parent_run_id, "regenerate", metrics)
@@ -324,15 +329,23 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
     until node 0 is done, and return None."""
     from hpc.launch.ray_cluster import RayNode, done_marker
     from hpc.verifier.regen_ray import start_servers, stop_servers
-    from hpc.verifier.regenerate import RegenStats, regenerate, regenerated_dir, regeneration_complete
+    from hpc.verifier.regenerate import (
+        RegenStats,
+        calibration_data,
+        regenerate,
+        regenerate_all,
+        regenerated_dir,
+        regeneration_complete,
+    )
 
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"
-    if env.node_index == 0 and regeneration_complete(cfg.data):
+    cal = calibration_data(cfg.data)
+    if env.node_index == 0 and regeneration_complete(cfg.data) and (cal is None or regeneration_complete(cal)):
         say(f"regenerate: {regenerated_dir(cfg.data)} is complete; no servers started")
         logs.mkdir(parents=True, exist_ok=True)
         done_marker(logs, env).touch()
-        return RegenStats(), 0, []
+        return RegenStats(), None, 0, []
     node = RayNode(env, logs / f"ray-{env.job_id}-node{env.node_index}.log",
                    object_store_mb=cfg.cluster.ray_object_store_mb)
     try:
@@ -351,12 +364,13 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
             conc = cfg.data.regen_concurrency
             client = start_servers(cfg, env.n_nodes, logs, conc, log=say)
             try:
-                stats = regenerate(cfg.data, f"{len(client.actors)} Ray-hosted server(s)",
-                                   concurrency=conc * len(client.actors), client=client, log=say)
+                stats, cal_stats = regenerate_all(cfg.data, lambda data: regenerate(
+                    data, f"{len(client.actors)} Ray-hosted server(s)", concurrency=conc * len(client.actors),
+                    client=client, log=say))
             finally:
                 stop_servers(client)
             say(f"regenerate: requests served per node: {client.summary()}")
-            return stats, len(client.actors), client.served
+            return stats, cal_stats, len(client.actors), client.served
         finally:
             node.marker.touch()  # the workers end, whatever happened here
             ray.shutdown()

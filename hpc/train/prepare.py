@@ -45,6 +45,31 @@ def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
     return [(s.path, s.split, s.max_rows) for s in data.sources]
 
 
+def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
+    """The calibration rows, tokenised as training rows are (regenerated ones once they are)."""
+    from transformers import AutoTokenizer
+
+    from hpc.verifier.regenerate import calibration_data, regeneration_complete
+
+    cal = calibration_data(cfg.data)
+    if cal is None:
+        return {}
+    if cfg.data.regenerate and not regeneration_complete(cal):
+        raise UserError(f"data.calibration_sources are not regenerated yet ({Path(cal.output_dir) / 'regenerated'} "
+                        "is not complete); run the regenerate stage first (`dspark regenerate CONFIG` answers them "
+                        "too), or set data.regenerate=false to calibrate on the rows as they are")
+    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
+                                        trust_remote_code=cfg.verifier.trust_remote_code)
+    stats = RowStats()
+    rows: list[TokenRow] = []
+    for path, split, max_rows in training_sources(cal):
+        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
+    if not rows:
+        raise UserError(f"no usable rows in data.calibration_sources ({stats.summary()}); check the paths. Rows "
+                        "with no assistant turn (`dspark calibration-set` writes prompts) need data.regenerate=true")
+    return {i: (r.input_ids, r.loss_mask) for i, r in enumerate(rows)}
+
+
 PREPARED = "prepared.json"
 
 

@@ -12,6 +12,7 @@ the input row's global index and its original id/source; shards and resume: rege
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter, deque
@@ -36,6 +37,22 @@ R = TypeVar("R")
 
 def regenerated_dir(data: DataConfig) -> Path:
     return Path(data.output_dir) / "regenerated"
+
+
+def calibration_data(data: DataConfig) -> DataConfig | None:
+    """data.calibration_sources as a data config of their own, regenerated into (and read from)
+    {data.output_dir}/calibration, so they never mix with the training rows. None when unset."""
+    if not data.calibration_sources:
+        return None
+    return dataclasses.replace(data, sources=list(data.calibration_sources), calibration_sources=[],
+                               output_dir=str(Path(data.output_dir) / "calibration"))
+
+
+def regenerate_all(data: DataConfig, run: Callable[[DataConfig], RegenStats]) -> tuple[RegenStats, RegenStats | None]:
+    """`run` (a regenerate() call) over the training sources, then over the calibration sources
+    (None when there are none), each into its own directory."""
+    cal = calibration_data(data)
+    return run(data), (None if cal is None else run(cal))
 
 
 def serve_args(v: VerifierConfig) -> list[str]:

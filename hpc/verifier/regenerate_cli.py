@@ -1,4 +1,5 @@
-"""`dspark regenerate CONFIG [KEY=VALUE ...]`: on-policy assistant turns from the target.
+"""`dspark regenerate CONFIG [KEY=VALUE ...]`: on-policy assistant turns from the target, for
+data.sources and, into a directory of their own, data.calibration_sources.
 
 Talks to an existing OpenAI-compatible server (--server-url), or starts vLLM from the config's
 verifier section (verifier.python / model / extra_args / env; port 0 = a free port) on
@@ -17,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpc.config import resolve
     from hpc.config.target import localize
-    from hpc.verifier.regenerate import regenerate, regenerated_dir, start_regen_server
+    from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
     cfg = localize(resolve(args.config, args.overrides, check_tracking=False))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -30,14 +31,18 @@ def run(args: argparse.Namespace) -> int:
         server = start_regen_server(cfg.verifier, log_path=log)
         url, key = server.url, server.api_key
     try:
-        stats = regenerate(cfg.data, url, shard_size=args.shard_size,
-                           concurrency=args.concurrency or cfg.data.regen_concurrency, progress=progress,
-                           max_rows=args.max_rows,
-                           log=lambda line: print(line, flush=True), api_key=key)
+        # --max-rows samples the training rows; the calibration rows are few and needed whole.
+        stats, cal_stats = regenerate_all(cfg.data, lambda data: regenerate(
+            data, url, shard_size=args.shard_size, concurrency=args.concurrency or cfg.data.regen_concurrency,
+            progress=progress, max_rows=args.max_rows if data is cfg.data else None,
+            log=lambda line: print(line, flush=True), api_key=key))
     finally:
         if server is not None:
             server.stop()
     print(f"regenerate: {stats.summary()} -> {regenerated_dir(cfg.data)}", flush=True)
+    cal = calibration_data(cfg.data)
+    if cal is not None and cal_stats is not None:
+        print(f"regenerate: calibration rows: {cal_stats.summary()} -> {regenerated_dir(cal)}", flush=True)
     return 0
 
 

@@ -133,7 +133,7 @@ def test_speedbench_fixture_keeps_coding_first_turns():
 def test_eval_rows_overrides_every_manifest_limit():
     assert load_benchmark("gsm8k", EvalConfig(fixtures=True, rows=3)).rows == 3
     assert load_benchmark("livecodebench", EvalConfig(fixtures=True, rows=2)).rows == 2
-    assert load_benchmark("math500", EvalConfig(fixtures=True, rows=50)).rows == 8  # all the fixture has
+    assert load_benchmark("math500", EvalConfig(fixtures=True, rows=50)).rows == 20  # all the fixture has
 
 
 # --- local overrides -----------------------------------------------------------------------

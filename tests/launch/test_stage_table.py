@@ -11,8 +11,8 @@ from hpc.launch import stage_table
 from hpc.launch.stage_table import NAMES, jobs, stage, stage_of
 
 
-def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True):
-    return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate),
+def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True, calibration=()):
+    return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate, calibration_sources=list(calibration)),
                            eval=SimpleNamespace(num_speculative_tokens=list(ns)),
                            train=SimpleNamespace(hold_out_every=hold_out_every),
                            draft=SimpleNamespace(enable_confidence_head=confidence))
@@ -43,6 +43,12 @@ def test_held_out_rows_put_calibrate_between_train_and_the_evals():
     # A draft with no confidence head has nothing to calibrate: no job, and the evals wait on train only.
     got = {j.name: j.after for j in jobs(_cfg(regenerate=False, hold_out_every=50, confidence=False))}
     assert "calibrate" not in got and got["eval-n3"] == (("aftercorr", "train"),)
+
+
+def test_calibration_sources_alone_bring_the_calibrate_stage():
+    got = {j.name: j.after for j in jobs(_cfg(regenerate=True, calibration=[SimpleNamespace(path="cal.jsonl")]))}
+    assert list(got) == ["regenerate", "train", "calibrate", "eval-n3", "eval-n7", "report"]
+    assert got["calibrate"] == (("aftercorr", "train"),)  # the regenerate stage answered its rows already
 
 
 def test_stage_of_maps_job_names_back():
@@ -76,7 +82,8 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     extra = stage_table.Stage("lint", lambda *a: 0, after=(("afterok", "train"),), gpus=False, per_variant=False)
     monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
     cfg = SimpleNamespace(
-        name="t", data=SimpleNamespace(regenerate=False), eval=SimpleNamespace(num_speculative_tokens=[3]),
+        name="t", data=SimpleNamespace(regenerate=False, calibration_sources=[]),
+        eval=SimpleNamespace(num_speculative_tokens=[3]),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
