@@ -65,6 +65,12 @@ class PackedRow:
         if self.position_ids_T is None:
             self.position_ids_T = torch.arange(T, device=self.input_ids_T.device)
 
+    def to(self, device: torch.device | str) -> PackedRow:
+        """This row on `device` (the same row when it is there already)."""
+        assert self.doc_ids_T is not None and self.position_ids_T is not None  # __post_init__ fills them
+        return PackedRow(self.input_ids_T.to(device), self.loss_mask_T.to(device), self.aux_TnH.to(device),
+                         self.last_hidden_TH.to(device), self.doc_ids_T.to(device), self.position_ids_T.to(device))
+
 
 class VerifierHead(nn.Module):
     """Frozen verifier lm_head rows of the draft vocab, with its final norm when asked for."""

@@ -65,11 +65,7 @@ def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device
                 raise UserError(f"calibrate: {streak} captures failed in a row, last: {err}") from None
             continue
         streak = 0
-        row = pack([cap])  # type: ignore[list-item]
-        yield row if device.type == "cpu" else PackedRow(
-            row.input_ids_T.to(device), row.loss_mask_T.to(device), row.aux_TnH.to(device),
-            row.last_hidden_TH.to(device), None if row.doc_ids_T is None else row.doc_ids_T.to(device),
-            None if row.position_ids_T is None else row.position_ids_T.to(device))
+        yield pack([cap]).to(device)  # type: ignore[list-item]
 
 
 def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.device | str = "cpu",

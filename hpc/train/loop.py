@@ -115,9 +115,7 @@ class Trainer:
         row = pack(mb.mine)  # copies: the captures' buffers are free from here on
         if mb.release is not None:
             mb.release()
-        assert row.doc_ids_T is not None and row.position_ids_T is not None  # PackedRow.__post_init__ fills them
-        row = PackedRow(*(t.to(self.device) for t in (row.input_ids_T, row.loss_mask_T, row.aux_TnH,
-                                                      row.last_hidden_TH, row.doc_ids_T, row.position_ids_T)))
+        row = row.to(self.device)
         enabled = self.autocast_dtype is not None and self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             return self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.attention)
