@@ -191,6 +191,9 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
             c.fail(f"data.calibration_sources[{i}].path", src.path,
                    "empty; give a local file (e.g. from `dspark calibration-set CONFIG OUT`) or an HF dataset id")
         c.path(f"data.calibration_sources[{i}].path", src.path, "data file")
+        if not data.regenerate and _prompts_only(src.path):
+            c.fail(f"data.calibration_sources[{i}].path", src.path, "its rows have no assistant turn (prompts, as "
+                   "`dspark calibration-set` writes); set data.regenerate=true so the target answers them")
     c.positive("data.max_seq_len", data.max_seq_len)
     if data.max_seq_len <= cfg.draft.block_size:
         c.fail("data.max_seq_len", data.max_seq_len, f"must exceed draft.block_size={cfg.draft.block_size}")
@@ -200,6 +203,23 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
     c.nonneg("data.regen_temperature", data.regen_temperature)
     c.positive("data.regen_max_tokens", data.regen_max_tokens)
     c.positive("data.regen_concurrency", data.regen_concurrency)
+
+
+def _prompts_only(path: str) -> bool:
+    """A local .jsonl whose first row has no assistant turn (one line read: cheap on a login node)."""
+    import json
+
+    p = Path(path).expanduser()
+    if p.suffix != ".jsonl" or not p.is_file():
+        return False
+    with p.open(encoding="utf-8", errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(first)
+        turns = row.get("messages") or row.get("conversations") or []
+        return not any(t.get("role") == "assistant" or t.get("from") in ("gpt", "assistant") for t in turns)
+    except (ValueError, AttributeError):
+        return False  # reading the rows reports a malformed file with its line number
 
 
 def ranks_per_node(cfg: DSparkConfig) -> int:

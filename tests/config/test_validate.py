@@ -119,6 +119,19 @@ def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
     assert all("\n" not in p for p in problems)
 
 
+def test_a_calibration_set_of_prompts_needs_regeneration(tmp_path):
+    prompts = tmp_path / "cal.jsonl"
+    prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "2 + 2?"}]}) + "\n")
+    answered = tmp_path / "answered.jsonl"
+    answered.write_text(json.dumps({"messages": [{"role": "user", "content": "2 + 2?"},
+                                                 {"role": "assistant", "content": "4"}]}) + "\n")
+    got = problems_for([f"data.calibration_sources=[{{path: {prompts}}}, {{path: {answered}}}]", "data.regenerate=false"])
+    assert [p for p in got if "calibration_sources" in p] == [
+        f"data.calibration_sources[0].path = '{prompts}': its rows have no assistant turn (prompts, as "
+        "`dspark calibration-set` writes); set data.regenerate=true so the target answers them"]
+    resolve(KIMI, [f"data.calibration_sources=[{{path: {prompts}}}]"], check_tracking=False)  # regenerated: fine
+
+
 def test_a_gpu_config_is_fine_on_a_login_node_without_cuda():
     # Submitted to Slurm, the GPU is on the compute node: the login node's lack of one is no problem.
     import torch
