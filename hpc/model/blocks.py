@@ -17,11 +17,13 @@ from hpc.model.layers import AttentionFn
 
 
 def select_anchors(loss_mask_T: torch.Tensor, block_size: int, max_anchors: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sorted random anchors inside the loss mask, never in the last B positions of the row."""
+                   generator: torch.Generator | None = None, to_end: bool = False) -> torch.Tensor:
+    """Sorted random anchors inside the loss mask, never in the last B positions of the row, or
+    with `to_end` anywhere but the last one: decoding drafts there too, so calibration does
+    (the blocks' slots past the row are invalid)."""
     T = loss_mask_T.numel()
     valid = loss_mask_T.bool().clone()
-    valid[max(T - block_size, 0):] = False
+    valid[max(T - (1 if to_end else block_size), 0):] = False
     candidates = torch.nonzero(valid).flatten()
     if candidates.numel() > max_anchors:
         pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]

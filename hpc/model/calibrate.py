@@ -85,24 +85,34 @@ class HeldOutSlots:
 @torch.no_grad()
 def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 512) -> HeldOutSlots:
     """Teacher-forced blocks over held-out PackedRows, as training builds them (every anchor up to
-    `max_anchors` per row)."""
+    `max_anchors` per row), but up to the row's end: a completion's last B positions, which
+    training leaves out, are drafted in decoding like any others (on the toy target's short
+    replies they are 30% of the slots at position 1)."""
+    from hpc.model.blocks import select_anchors
     from hpc.model.loss import block_outputs
 
     a = model.args
     first = 0 if a.sample_from_anchor else 1
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
     for row in rows:
-        out = block_outputs(model, row, head, max_anchors, generator=torch.Generator().manual_seed(0))
+        anchors_N = select_anchors(row.loss_mask_T, a.block_size, max_anchors, torch.Generator().manual_seed(0),
+                                   to_end=True).to(row.input_ids_T.device)
+        out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N)
         if out is None or out.conf_NB is None:
             continue
-        logits, target, valid = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:], out.valid_NB[:, first:]
+        T = row.input_ids_T.numel()
+        # A slot whose token would follow its document's last one has no label (decoding stops there).
+        nxt_NB = out.target_idx_NB[:, first:] + 1
+        doc_T = row.doc_ids_T
+        assert doc_T is not None  # PackedRow.__post_init__ fills it
+        valid = out.valid_NB[:, first:] & (nxt_NB < T) & (doc_T[nxt_NB.clamp(max=T - 1)] == doc_T[nxt_NB - 1])
+        logits, target = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:]
         p, q = F.softmax(logits.float(), -1), F.softmax(target.float(), -1)
         # Greedy decoding accepts a draft when it is the target's argmax over the WHOLE vocab. On
         # regenerated rows (data.regen_temperature=0) that argmax is the row's next token, which
         # may lie outside the draft vocab: the draft then fails, while an argmax over the draft
         # vocab alone would call it a match. So the event is "the draft's token is the row's".
-        T = row.input_ids_T.numel()
-        label_NB = row.input_ids_T[(out.target_idx_NB[:, first:] + 1).clamp(max=T - 1)]
+        label_NB = row.input_ids_T[nxt_NB.clamp(max=T - 1)]
         g_NB = (model.draft_to_target(logits.argmax(-1)) == label_NB).float()
         s_NB = M.accept_prob(p, q)
         v = valid.float()

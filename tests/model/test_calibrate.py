@@ -77,6 +77,24 @@ def test_held_out_slots_reach_greedy_only_after_matches(tmp_path):
     assert float(slots.reach["sampling"].min()) >= 0 and float(slots.reach["sampling"].max()) <= 1
 
 
+def test_held_out_slots_run_to_each_documents_end_and_no_further():
+    """Decoding drafts up to the last token, so calibration does (training stops B short); a slot
+    whose token would lie past its document (or the row) has no label and is left out."""
+    from hpc.model.blocks import select_anchors
+
+    model = T.tiny_model().eval()
+    t2d = torch.zeros(T.V, dtype=torch.bool)
+    t2d[torch.arange(T.D) + model.d2t] = True
+    row = T.packed_row()  # documents 0..9 and 10..23, prompts at 0, 1, 10, 11
+    slots = held_out_slots(model, [row], VerifierHead(torch.randn(T.V, T.H), t2d))
+    # One position-1 slot per anchor whose next token is in its document: 2..8 and 12..22.
+    assert int((slots.position == 1).sum()) == 7 + 11
+    assert select_anchors(row.loss_mask_T, model.args.block_size, 512).numel() < 18  # training's anchors
+    # Slots per anchor p: the tokens p+1.. up to its document's last one, at most the block's B.
+    ends = {p: (9 if p < 10 else 23) for p in [*range(2, 9), *range(12, 23)]}
+    assert slots.logit.numel() == sum(min(model.args.block_size, end - p) for p, end in ends.items())
+
+
 def test_the_export_carries_the_calibration_and_decoding_applies_it_per_mode(tmp_path):
     model = T.tiny_model().eval()
     ctx = torch.randn(6, model.args.hidden_size)
