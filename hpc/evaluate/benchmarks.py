@@ -61,6 +61,9 @@ class Manifest:
     starter_format: str | None = None  # {code}; rendered only for rows with starter code
     expected_rows: int | None = None  # rows the filters keep on the pinned revision
     reject_marker: str | None = None  # text of unmaterialised placeholder rows
+    # Filters that only cut a window of one distribution (a contest-date window): the rows they
+    # drop may calibrate the draft's confidence (`spare_prompts`), which needs no unseen problems.
+    spare_outside: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +104,8 @@ def _check_manifest(m: Manifest) -> None:
         problems.append("prompt_format lacks {prompt}")
     if m.starter_field and ("{starter}" not in m.prompt_format or "{code}" not in (m.starter_format or "")):
         problems.append("starter_field needs {starter} in prompt_format and {code} in starter_format")
+    if set(m.spare_outside) - set(m.filters):
+        problems.append(f"spare_outside names {sorted(set(m.spare_outside) - set(m.filters))}, which are not filters")
     for key, cond in m.filters.items():
         if isinstance(cond, dict) and (not cond or set(cond) - set(_RANGE_OPS)):
             problems.append(f"filter {key}: use operators {', '.join(_RANGE_OPS)}")
@@ -129,15 +134,25 @@ def load_benchmark(name: str, eval_cfg: EvalConfig) -> BenchmarkPrompts:
 
 def spare_prompts(name: str, eval_cfg: EvalConfig, limit: int) -> list[str]:
     """Up to `limit` prompts of `name` that evaluation never reads, rendered as it renders them:
-    the rows after the ones it selects (eval.rows, or the manifest's count when that is larger).
-    A benchmark evaluated in full (a manifest with no row limit) has none."""
+    the rows after the ones it selects (eval.rows, or the manifest's count when that is larger),
+    or, for a benchmark evaluated in full, the rows outside its `spare_outside` window (e.g.
+    LiveCodeBench's other contest dates). Otherwise there are none."""
+    import dataclasses
+
     m = load_manifest(name)
-    if m.rows is None:
+    if m.rows is None and not m.spare_outside:
         return []
     rows, source, key = _source_rows(m, eval_cfg)
     kept = [(i, r) for i, r in enumerate(rows) if _keep(r, m, i, source, key)]
-    skip = max(m.rows, eval_cfg.rows or 0)
-    return [_render(m, r, i, source, key) for i, r in kept[skip:skip + limit]]
+    if m.rows is not None:
+        skip = max(m.rows, eval_cfg.rows or 0)
+        spare = kept[skip:skip + limit]
+    else:
+        window = dataclasses.replace(m, filters={k: v for k, v in m.filters.items() if k not in m.spare_outside})
+        evaluated = {i for i, _ in kept}
+        spare = [(i, r) for i, r in enumerate(rows)
+                 if i not in evaluated and _keep(r, window, i, source, key)][:limit]
+    return [_render(m, r, i, source, key) for i, r in spare]
 
 
 def prompts_sha256(m: Manifest, prompts: list[str], max_tokens: int) -> str:

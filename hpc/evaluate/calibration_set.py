@@ -4,10 +4,11 @@ The confidence head is calibrated on rows training never saw (the calibrate stag
 out of the training data share its distribution, and a map fitted there can be off where the
 draft serves: on the toy target it said 0.40 where the benchmarks accepted 0.33 at position 1.
 This writes the benchmarks' own rows that no evaluation reads (those after each manifest's row
-limit), rendered exactly as the evaluation renders them, as single-turn conversations in the
-training data's shape. Point data.calibration_sources at the file: the regenerate stage answers
-them with the target, and the calibrate stage fits on them. Benchmarks evaluated in full
-(livecodebench, speedbench_coding) give none; a sample of your own traffic can be added beside.
+limit; for LiveCodeBench, evaluated in full, its problems from other contest dates), rendered
+exactly as the evaluation renders them, as single-turn conversations in the training data's
+shape. Point data.calibration_sources at the file: the regenerate stage answers them with the
+target, and the calibrate stage fits on them. SPEED-Bench coding gives none (its other
+categories are not coding); a sample of your own traffic can be added beside.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAUL
     rows, counts = calibration_conversations(eval_cfg, per_benchmark)
     if not rows:
         raise UserError(f"no benchmark of eval.benchmarks={list(eval_cfg.benchmarks)} has rows that evaluation "
-                        "does not read; add a benchmark with a row limit (gsm8k, math500, aime, humaneval), or "
+                        "does not read; add one that has (gsm8k, math500, aime, humaneval, livecodebench), or "
                         "use a sample of your own traffic as data.calibration_sources")
     out = Path(out).resolve()
     write_text(out, "".join(json.dumps(r) + "\n" for r in rows))

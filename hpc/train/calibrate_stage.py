@@ -93,8 +93,9 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
                     raise UserError(f"calibrate: {err}; {where} {half[:5]}{'...' if len(half) > 5 else ''} "
                                     "gave none (captures skipped above, or rows with no assistant tokens)") from None
     slots = concat_slots(parts)
-    cal = fit_calibration(slots)
-    ece = cross_fitted_ece(*parts) if len(parts) == 2 else None
+    pair = (parts[0], parts[1]) if len(parts) == 2 else None
+    cal = fit_calibration(slots, halves=pair)
+    ece = cross_fitted_ece(pair[0], pair[1], pooled_at=cal.pooled_at) if pair else None
     floors = []
     greedy = calibrated(slots, cal, "greedy")
     for k in range(1, int(slots.position.max()) + 1):  # greedy reach is 0/1: these are plain slots
@@ -109,6 +110,10 @@ def format_fitted(f: Fitted) -> str:
     lines = [f"confidence calibration fitted on {f.rows} {f.where} ({f.calibration.fitted_on} drafted slots)"]
     if f.ece is None:
         return "\n".join([*lines, f"one of the {f.where}: no cross-fitted ECE (give more rows to measure it)"])
+    shared = f.calibration.pooled_at.get("greedy", [])
+    if shared:
+        lines.append(f"greedy positions {', '.join(map(str, shared))} share the pooled map (too few slots, or their own "
+                     "map predicted the other half of the rows worse)")
     lines.append("ECE per position, cross-fitted (each half of the rows scored by the map fitted on the other); "
                  "'floor' is what a perfectly calibrated head reads at that count")
     table = []

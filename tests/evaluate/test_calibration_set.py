@@ -29,15 +29,31 @@ def test_spare_prompts_are_the_rows_after_every_one_the_evaluation_reads():
     assert spare_prompts("gsm8k", EvalConfig(fixtures=True, rows=2), 100) == every[6:]
 
 
-def test_a_benchmark_evaluated_in_full_has_no_spare_rows():
-    assert spare_prompts("livecodebench", EvalConfig(fixtures=True), 100) == []
-    assert spare_prompts("speedbench_coding", EvalConfig(fixtures=True), 100) == []
+def test_a_benchmark_evaluated_in_full_spares_only_rows_outside_its_window():
+    cfg = EvalConfig(fixtures=True)
+    # LiveCodeBench's problems from other contest dates (the manifest's spare_outside) are its own
+    # distribution: the two fixture rows outside the window, never the eight inside it.
+    spare = spare_prompts("livecodebench", cfg, 100)
+    assert len(spare) == 2 and not set(spare) & set(load_benchmark("livecodebench", cfg).prompts)
+    assert spare_prompts("livecodebench", cfg, 1) == spare[:1]
+    # SPEED-Bench's other categories (writing, ...) are not coding: none.
+    assert spare_prompts("speedbench_coding", cfg, 100) == []
+
+
+def test_spare_outside_must_name_a_filter():
+    import dataclasses
+
+    from hpc.evaluate.benchmarks import _check_manifest, load_manifest
+
+    bad = dataclasses.replace(load_manifest("livecodebench"), spare_outside=["contest_id"])
+    with pytest.raises(ValueError, match=r"spare_outside names \['contest_id'\], which are not filters"):
+        _check_manifest(bad)
 
 
 def test_the_set_is_single_turn_conversations_in_the_training_data_shape(tmp_path):
-    cfg = EvalConfig(fixtures=True, benchmarks=["gsm8k", "humaneval", "livecodebench"])
+    cfg = EvalConfig(fixtures=True, benchmarks=["gsm8k", "humaneval", "speedbench_coding"])
     counts, path = write_calibration_set(cfg, tmp_path / "cal.jsonl", 5)
-    assert counts == {"gsm8k": 5, "humaneval": 5, "livecodebench": 0}
+    assert counts == {"gsm8k": 5, "humaneval": 5, "speedbench_coding": 0}
     rows = list(read_rows(str(path)))
     assert [r["source"] for r in rows] == ["calibration:gsm8k"] * 5 + ["calibration:humaneval"] * 5
     msgs = [to_messages(r) for r in rows]
@@ -52,7 +68,7 @@ def test_bad_input_is_one_line_naming_the_fix(tmp_path):
     with pytest.raises(UserError, match="--rows 0: give at least 1 row per benchmark"):
         write_calibration_set(EvalConfig(fixtures=True), tmp_path / "cal.jsonl", 0)
     with pytest.raises(UserError, match="no benchmark of eval.benchmarks=.*has rows that evaluation does not read"):
-        write_calibration_set(EvalConfig(fixtures=True, benchmarks=["livecodebench"]), tmp_path / "cal.jsonl", 4)
+        write_calibration_set(EvalConfig(fixtures=True, benchmarks=["speedbench_coding"]), tmp_path / "cal.jsonl", 4)
     assert not (tmp_path / "cal.jsonl").exists()
 
 

@@ -62,6 +62,30 @@ def test_a_sparse_position_shares_the_pooled_map():
     assert cal.maps["greedy"][2] == pooled.maps["greedy"][0]
 
 
+def test_a_position_keeps_its_own_map_only_where_it_predicts_the_other_half_better(tmp_path):
+    def half(seed: int, step_at_3: bool) -> HeldOutSlots:
+        s = synthetic_slots(seed=seed)
+        logit, greedy = s.logit.clone(), s.greedy.clone()
+        at2, at3 = s.position == 2, s.position == 3
+        logit[at2] = -logit[at2]  # the head is inverted at position 2: only its own map undoes that
+        if step_at_3:  # one half's events at position 3 are a step its own map fits, and the other's are not
+            greedy[at3] = (s.logit[at3] > 1.0).float()
+        return HeldOutSlots(logit, greedy, s.sampling, s.position, s.reach)
+
+    from hpc.model.calibrate import concat_slots
+
+    a, b = half(1, step_at_3=True), half(2, step_at_3=False)
+    both = concat_slots([a, b])
+    cal = fit_calibration(both, halves=(a, b))
+    assert cal.pooled_at["greedy"] == [3]
+    pooled = fit_calibration(HeldOutSlots(both.logit, both.greedy, both.sampling, torch.ones_like(both.position),
+                                          both.reach))
+    assert cal.maps["greedy"][2] == pooled.maps["greedy"][0]
+    assert cal.maps["greedy"][1][0] < 0  # position 2's own map flips the inverted head back
+    assert fit_calibration(both).pooled_at["greedy"] == []  # without halves: every position has enough slots
+    assert Calibration.load(cal.save(tmp_path).parent).pooled_at == cal.pooled_at
+
+
 def test_held_out_slots_reach_greedy_only_after_matches(tmp_path):
     model = T.tiny_model().eval()
     torch.manual_seed(3)
