@@ -108,8 +108,10 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
                                        .info.run_id, "loss")
     assert len(losses) == ba.MIN_STEPS
     assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
-    # Scored on every prompt the two benchmarks ship (6 each, the manifests' count), not the eval's one.
-    assert "confidence at n=7 (greedy, calibrated on held-out rows), ECE per position on 12 benchmark prompts" in text
+    # Scored on every prompt the two benchmarks evaluate (6 each, the manifests' count), not the eval's one.
+    # --quick does not regenerate, so the calibration set of prompts is not used: rows are held out.
+    assert ("confidence at n=7 (greedy, calibrated on held-out training rows), ECE per position on 12 benchmark "
+            "prompts") in text
     assert "fitted on 64 held-out rows" in text  # 640 conversations, every 10th held out
     assert (out / "DSpark" / "export" / "confidence_calibration.json").is_file()
     assert not (out / "DFlash" / "export" / "confidence_calibration.json").exists()  # no head to calibrate
