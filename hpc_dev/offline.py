@@ -60,9 +60,11 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     ckpt = latest_checkpoint(trainer.ckpt_dir)
     if ckpt is None:
         raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
+    if model.confidence_head is None:  # DFlash and Markov-only: nothing to calibrate
+        return ckpt
     cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
         else (held_out, "held-out rows")
-    if cal_rows and model.confidence_head is not None:
+    if cal_rows:
         from hpc.train.calibrate_stage import fit_held_out, format_fitted
 
         fitted = fit_held_out(model, head, verifier.capture, cal_rows, quiet=True, where=where)

@@ -8,7 +8,8 @@ limit; for LiveCodeBench, evaluated in full, its problems from other contest dat
 exactly as the evaluation renders them, as single-turn conversations in the training data's
 shape. Point data.calibration_sources at the file: the regenerate stage answers them with the
 target, and the calibrate stage fits on them. SPEED-Bench coding gives none (its other
-categories are not coding); a sample of your own traffic can be added beside.
+categories are not coding); a sample of your own traffic can be added beside. The rows are
+spare for the eval.rows the set is written with: evaluating more rows later would read some.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAUL
 def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
 
-    cfg = resolve(args.config, list(args.overrides), check_tracking=False)
+    # The config may name OUT as a calibration source already: it need not exist before this writes it.
+    cfg = resolve(args.config, [*args.overrides, "data.calibration_sources=[]"], check_tracking=False)
     counts, out = write_calibration_set(cfg.eval, args.out, args.rows)
     for name, n in counts.items():
         print(f"  {name}: {n} rows" + ("" if n else " (evaluated in full: none spare)"))

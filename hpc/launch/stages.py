@@ -325,7 +325,8 @@ def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local:
 
 def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
     """A Ray cluster over the job's nodes (see ray_cluster): node 0 drives `regenerate()` through one
-    server per node and returns (stats, servers, requests served per server); the other nodes host a server
+    server per node and returns (stats, calibration rows' stats or None, servers, requests served per server);
+    the other nodes host a server
     until node 0 is done, and return None."""
     from hpc.launch.ray_cluster import RayNode, done_marker
     from hpc.verifier.regen_ray import start_servers, stop_servers

@@ -74,8 +74,10 @@ def test_bad_input_is_one_line_naming_the_fix(tmp_path):
 
 def test_the_command_prints_what_it_wrote_and_the_key_to_set(tmp_path, capsys):
     out = tmp_path / "cal.jsonl"
+    # The config may already name the file it is about to write.
     code = main(["calibration-set", str(ROOT / "configs" / "kimi-k2.6-dspark.yaml"), str(out), "--rows", "3",
-                 "eval.fixtures=true", "eval.benchmarks=[aime,speedbench_coding]"])
+                 "eval.fixtures=true", "eval.benchmarks=[aime,speedbench_coding]",
+                 f"data.calibration_sources=[{{path: {out}}}]"])
     printed = capsys.readouterr().out
     assert code == 0 and len(out.read_text().splitlines()) == 3
     assert "aime: 3 rows" in printed and "speedbench_coding: 0 rows (evaluated in full" in printed

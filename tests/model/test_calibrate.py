@@ -113,7 +113,7 @@ def test_held_out_slots_run_to_each_documents_end_and_no_further():
     slots = held_out_slots(model, [row], VerifierHead(torch.randn(T.V, T.H), t2d))
     # One position-1 slot per anchor whose next token is in its document: 2..8 and 12..22.
     assert int((slots.position == 1).sum()) == 7 + 11
-    assert select_anchors(row.loss_mask_T, model.args.block_size, 512).numel() < 18  # training's anchors
+    assert select_anchors(row.loss_mask_T, model.args.block_size, 512).numel() == 16  # training's: none past 19
     # Slots per anchor p: the tokens p+1.. up to its document's last one, at most the block's B.
     ends = {p: (9 if p < 10 else 23) for p in [*range(2, 9), *range(12, 23)]}
     assert slots.logit.numel() == sum(min(model.args.block_size, end - p) for p, end in ends.items())
