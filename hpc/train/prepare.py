@@ -45,10 +45,21 @@ def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
     return [(s.path, s.split, s.max_rows) for s in data.sources]
 
 
-def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
-    """The calibration rows, tokenised as training rows are (regenerated ones once they are)."""
+def _tokenize(cfg: DSparkConfig, data: DataConfig) -> tuple[list[TokenRow], RowStats]:
+    """`data`'s rows (its regenerated shards once finished), tokenised with the verifier's tokenizer."""
     from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
+                                        trust_remote_code=cfg.verifier.trust_remote_code)
+    stats = RowStats()
+    rows: list[TokenRow] = []
+    for path, split, max_rows in training_sources(data):
+        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
+    return rows, stats
+
+
+def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
+    """The calibration rows, tokenised as training rows are (regenerated ones once they are)."""
     from hpc.verifier.regenerate import calibration_data, regeneration_complete
 
     cal = calibration_data(cfg.data)
@@ -58,12 +69,7 @@ def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]
         raise UserError(f"data.calibration_sources are not regenerated yet ({Path(cal.output_dir) / 'regenerated'} "
                         "is not complete); run the regenerate stage first (`dspark regenerate CONFIG` answers them "
                         "too), or set data.regenerate=false to calibrate on the rows as they are")
-    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
-                                        trust_remote_code=cfg.verifier.trust_remote_code)
-    stats = RowStats()
-    rows: list[TokenRow] = []
-    for path, split, max_rows in training_sources(cal):
-        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
+    rows, stats = _tokenize(cfg, cal)
     if not rows:
         raise UserError(f"no usable rows in data.calibration_sources ({stats.summary()}); check the paths. Rows "
                         "with no assistant turn (`dspark calibration-set` writes prompts) need data.regenerate=true")
@@ -132,19 +138,12 @@ def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
 
 
 def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepared:
-    from transformers import AutoTokenizer
-
     out = Path(out_dir or cfg.train.output_dir) / "data"
     if out_dir is None:
         reused = _reuse_for_resume(cfg, out)
         if reused is not None:
             return reused
-    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
-                                        trust_remote_code=cfg.verifier.trust_remote_code)
-    stats = RowStats()
-    rows: list[TokenRow] = []
-    for path, split, max_rows in training_sources(cfg.data):
-        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
+    rows, stats = _tokenize(cfg, cfg.data)
     if not rows:
         raise UserError(f"no usable training rows in data.sources ({stats.summary()}); check the paths and "
                         "that rows hold conversations/messages with an assistant turn")
