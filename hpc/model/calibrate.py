@@ -164,21 +164,32 @@ def _log_loss(slots: HeldOutSlots, mode: str, ab: tuple[float, float], at: torch
     return float((w * F.binary_cross_entropy_with_logits(a * z + b, y, reduction="none")).sum())
 
 
-def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlots] | None = None) -> Calibration:
+def _pooled(slots: HeldOutSlots, mode: str) -> tuple[float, float]:
+    """The one map fitted on every position's slots."""
+    return _fit(slots.logit, _event(slots, mode), slots.reach[mode])
+
+
+def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlots] | None = None,
+                    share: dict[str, list[int]] | None = None) -> Calibration:
     """A map per mode and position, or the pooled map where a position has too few slots. With
     the rows' two `halves`, a position also shares the pooled map when its own, fitted on one
     half, predicts the other half worse than the pooled one does: two parameters fitted on a
     few dozen reached slots mostly fit their noise (on the toy, 72 slots at position 4 read a
-    cross-fitted ECE of 0.22 where the pooled map read 0.06 on the benchmarks)."""
+    cross-fitted ECE of 0.22 where the pooled map read 0.06 on the benchmarks). `share` names
+    positions, per mode, that share the pooled map whatever their counts."""
     maps: dict[str, list[tuple[float, float]]] = {}
     pooled_at: dict[str, list[int]] = {}
     for mode in MODES:
         event, w = _event(slots, mode), slots.reach[mode]
-        pooled = _fit(slots.logit, event, w)
+        pooled = _pooled(slots, mode)
+        # Each half's pooled map, fitted once: every position's test scores against it.
+        halves_pooled = None if halves is None else (_pooled(halves[0], mode), _pooled(halves[1], mode))
         per, shared = [], []
         for k in range(1, int(slots.position.max()) + 1):
             at = slots.position == k
-            if float(w[at].sum()) < MIN_WEIGHT or (halves is not None and not _own_map_generalises(halves, mode, k)):
+            if (float(w[at].sum()) < MIN_WEIGHT or k in (share or {}).get(mode, ())
+                    or (halves is not None and halves_pooled is not None
+                        and not _own_map_generalises(halves, halves_pooled, mode, k))):
                 per.append(pooled)
                 shared.append(k)
             else:
@@ -187,17 +198,18 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
     return Calibration(maps, int(slots.logit.numel()), pooled_at)
 
 
-def _own_map_generalises(halves: tuple[HeldOutSlots, HeldOutSlots], mode: str, k: int) -> bool:
+def _own_map_generalises(halves: tuple[HeldOutSlots, HeldOutSlots],
+                         halves_pooled: tuple[tuple[float, float], tuple[float, float]], mode: str, k: int) -> bool:
     """Does position k's own map, fitted on each half, predict the other half at k better than
-    that half's pooled map does?"""
+    that half's pooled map (`halves_pooled`, in the halves' order) does?"""
     own = pooled = 0.0
-    for fit_on, score_on in (halves, halves[::-1]):
+    for (fit_on, score_on), fit_pooled in zip(((halves[0], halves[1]), (halves[1], halves[0])), halves_pooled):
         at_fit, at_score = fit_on.position == k, score_on.position == k
         w = fit_on.reach[mode]
         if float(w[at_fit].sum()) < MIN_WEIGHT or float(score_on.reach[mode][at_score].sum()) <= 0:
             return False
         own += _log_loss(score_on, mode, _fit(fit_on.logit[at_fit], _event(fit_on, mode)[at_fit], w[at_fit]), at_score)
-        pooled += _log_loss(score_on, mode, _fit(fit_on.logit, _event(fit_on, mode), w), at_score)
+        pooled += _log_loss(score_on, mode, fit_pooled, at_score)
     return own < pooled
 
 
@@ -250,12 +262,6 @@ def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots,
     other: what the map fitted on both will read on rows it has not seen, where an in-sample ECE
     would flatter it. `pooled_at` (the fit on both halves' choice) makes each half's map pooled
     at the same positions."""
-    cal_a, cal_b = fit_calibration(a), fit_calibration(b)
-    for cal, half in ((cal_a, a), (cal_b, b)):
-        for mode, positions in (pooled_at or {}).items():
-            pooled = _fit(half.logit, _event(half, mode), half.reach[mode])
-            for k in positions:
-                if k <= len(cal.maps[mode]):
-                    cal.maps[mode][k - 1] = pooled
+    cal_a, cal_b = fit_calibration(a, share=pooled_at), fit_calibration(b, share=pooled_at)
     return {mode: ece_by_position(concat_slots([calibrated(a, cal_b, mode), calibrated(b, cal_a, mode)]), None, mode)
             for mode in MODES}
