@@ -27,7 +27,7 @@ def toy_conversations(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-CALIBRATION_ROWS = 16  # spare rows per benchmark: the math fixtures have 14, humaneval 158
+CALIBRATION_ROWS = 16  # spare rows per benchmark: the math fixtures have 14, livecodebench 16, humaneval 158
 
 
 def calibration_overrides(config: str, out: Path, overrides: list[str]) -> list[str]:

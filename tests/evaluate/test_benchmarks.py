@@ -108,7 +108,7 @@ def test_livecodebench_fixture_keeps_the_date_window_and_renders_starter_code():
     b = load_benchmark("livecodebench", EvalConfig(fixtures=True, max_tokens=2048, code_max_tokens=300))
     rows = fixture_rows("livecodebench")
     inside = [r for r in rows if "2025-02-01" <= r["contest_date"] < "2025-05-01"]
-    assert len(inside) == 8 and len(rows) == 10
+    assert len(inside) == 8 and len(rows) == 24
     assert b.rows == 8  # the full filtered set: no row limit for code sets
     assert not any("window" in p for p in b.prompts)  # both out-of-window rows dropped
     assert b.max_tokens == 300

@@ -32,9 +32,9 @@ def test_spare_prompts_are_the_rows_after_every_one_the_evaluation_reads():
 def test_a_benchmark_evaluated_in_full_spares_only_rows_outside_its_window():
     cfg = EvalConfig(fixtures=True)
     # LiveCodeBench's problems from other contest dates (the manifest's spare_outside) are its own
-    # distribution: the two fixture rows outside the window, never the eight inside it.
+    # distribution: the sixteen fixture rows outside the window, never the eight inside it.
     spare = spare_prompts("livecodebench", cfg, 100)
-    assert len(spare) == 2 and not set(spare) & set(load_benchmark("livecodebench", cfg).prompts)
+    assert len(spare) == 16 and not set(spare) & set(load_benchmark("livecodebench", cfg).prompts)
     assert spare_prompts("livecodebench", cfg, 1) == spare[:1]
     # SPEED-Bench's other categories (writing, ...) are not coding: none.
     assert spare_prompts("speedbench_coding", cfg, 100) == []
