@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import tempfile
 import time
@@ -91,6 +92,7 @@ class VLLMServer(SubprocessServer):
     log_path: Path
     api_key: str | None = None
     started_at: float = field(default_factory=time.monotonic)
+    rpc_dir: Path | None = None  # holds vLLM's ZMQ sockets; removed when the server stops
 
     @property
     def url(self) -> str:
@@ -114,6 +116,11 @@ class VLLMServer(SubprocessServer):
 
     def __enter__(self) -> VLLMServer:
         return self
+
+    def stop(self, grace: float | None = None) -> None:
+        super().stop(grace)
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def start_vllm_server(
@@ -151,8 +158,15 @@ def start_vllm_server(
     full_env.update({**DEFAULT_ENV, **(env or {})})
     api_key = api_key or secrets.token_urlsafe(32)
     full_env["VLLM_API_KEY"] = api_key
+    # vLLM names a ZMQ socket file per engine in the temp dir and leaves it there when the
+    # server stops: a node (or a CI day) gathers thousands. Give each server its own dir.
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in full_env:
+        rpc_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-rpc-"))
+        full_env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     proc = spawn(cmd, log_path, env=full_env)
-    server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key)
+    server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key,
+                        rpc_dir=rpc_dir)
     if wait:
         server.wait_healthy(timeout)
     return server

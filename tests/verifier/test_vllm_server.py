@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -73,6 +76,8 @@ def test_server_refuses_requests_without_its_key(vllm_server, toy_target):
     assert ok.status_code == 200
     # The key reaches vLLM through its environment: argv is readable by every user in `ps`.
     assert vllm_server.api_key not in " ".join(map(str, vllm_server.proc.args))
+    # Its engine's ZMQ sockets are in its own dir, which stop() removes, not loose in /tmp.
+    assert vllm_server.rpc_dir is not None and any(p.is_socket() for p in vllm_server.rpc_dir.iterdir())
 
 
 def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
@@ -103,6 +108,36 @@ def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
     finally:
         squatter.shutdown()
         ours.kill()
+
+
+def test_each_server_keeps_its_sockets_in_its_own_dir_and_removes_it(tmp_path):
+    # vLLM leaves a ZMQ socket file per engine in the temp dir; a CI day left 3,500 in /tmp.
+    import sys
+
+    (tmp_path / "fakevllm.py").write_text(
+        "import os, socket, time\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine'))\n"
+        "time.sleep(60)\n")
+    server = start_vllm_server(sys.executable, "m", entrypoint="fakevllm", env={"PYTHONPATH": str(tmp_path)},
+                               log_path=tmp_path / "log", wait=False)
+    try:
+        assert server.rpc_dir is not None and server.rpc_dir.parent == Path(tempfile.gettempdir())
+        deadline = time.monotonic() + 30
+        while not (server.rpc_dir / "engine").is_socket():
+            assert time.monotonic() < deadline and server.proc.poll() is None, (tmp_path / "log").read_text()
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    assert not server.rpc_dir.exists()
+    # A caller's own VLLM_RPC_BASE_PATH is left to it.
+    own = tmp_path / "rpc"
+    own.mkdir()
+    kept = start_vllm_server(sys.executable, "m", entrypoint="fakevllm",
+                             env={"PYTHONPATH": str(tmp_path), "VLLM_RPC_BASE_PATH": str(own)},
+                             log_path=tmp_path / "log2", wait=False)
+    kept.stop()
+    assert kept.rpc_dir is None and own.is_dir()
 
 
 @pytest.mark.slow
