@@ -151,7 +151,10 @@ def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepar
         r.sample_id = i
     rows_file = write_rows(out / "rows.jsonl", rows)
     vocab_size = cfg.verifier.vocab_size
-    counts = count_assistant_tokens(((torch.tensor(r.input_ids), torch.tensor(r.loss_mask)) for r in rows), vocab_size)
+    # The held-out rows calibrate the draft: they must not choose its vocabulary either.
+    trained = split_held_out({r.sample_id: r for r in rows}, cfg.train.hold_out_every)[0].values()
+    counts = count_assistant_tokens(((torch.tensor(r.input_ids), torch.tensor(r.loss_mask)) for r in trained),
+                                    vocab_size)
     n = cfg.draft.draft_vocab_size
     seen = int((counts > 0).sum())
     d2t, t2d = mapping_from_selected(select_draft_vocab(counts, n, fill=True), vocab_size)

@@ -71,3 +71,33 @@ def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_
     first.rows_file.write_bytes(rows.replace(b'"id": 3,', b'"id": 33,'))
     with pytest.raises(UserError, match="not the ones step_00000005 was trained on"):
         prepare_data(cfg)
+
+
+def test_held_out_rows_do_not_choose_the_draft_vocabulary(tmp_path, toy_target):
+    from safetensors.torch import load_file
+
+    from hpc.train.prepare import load_prepared, prepare_data, split_held_out
+    from hpc_dev.toy_data import write_toy_conversations
+
+    data = write_toy_conversations(tmp_path / "train.jsonl", n=20, seed=3)
+    counts = {}
+    for every in (0, 4):
+        cfg = _cfg(tmp_path / str(every), toy_target, data, f"train.hold_out_every={every}")
+        prepare_data(cfg)
+        rows, vocab = load_prepared(cfg.train.output_dir)
+        counts[every] = load_file(str(vocab))["counts"]
+    trained, held = split_held_out(rows, 4)
+    assert held and trained
+
+    def tally(part):
+        import torch
+
+        c = torch.zeros_like(counts[0])
+        for ids, mask in part.values():
+            for t, m in zip(ids, mask):
+                c[t] += m
+        return c
+
+    # Every row counts without a hold-out; with one, only the rows that train.
+    assert counts[0].tolist() == tally(rows).tolist()
+    assert counts[4].tolist() == tally(trained).tolist() != counts[0].tolist()
