@@ -120,7 +120,8 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
                 # merge_with (not update) so lists of dicts become typed DataSource/... entries.
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))
         except OmegaConfBaseException as err:
-            problems.append(f"{full} = {_short(value)}: {_reason(err, child)} ({origin})")
+            inner = _item_problems(full, value, child)
+            problems.extend(f"{line} ({origin})" for line in inner or [f"{full} = {_short(value)}: {_reason(err, child)}"])
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -141,6 +142,49 @@ def _reason(err: OmegaConfBaseException, node: Any) -> str:
     if isinstance(node, DictConfig):
         return "must be a mapping of keys to values"
     return str(err).splitlines()[0]
+
+
+def _item_problems(full: str, value: Any, node: Any) -> list[str]:
+    """The bad items of a list or free mapping that failed as a whole, each named by its own key
+    (`data.sources[0].max_row`, `eval.num_speculative_tokens[1]`): "must be a list" about a list
+    would send the user looking for the wrong mistake. [] when no single item is to blame."""
+    from dataclasses import is_dataclass
+
+    if isinstance(node, ListConfig) and isinstance(value, list):
+        items: list[tuple[str, Any]] = [(f"{full}[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(node, DictConfig) and not _is_struct_section(node) and isinstance(value, dict):
+        items = [(f"{full}.{k}", v) for k, v in value.items()]
+    else:
+        return []
+    elem = node._metadata.element_type
+    out = []
+    for where, item in items:
+        if isinstance(elem, type) and is_dataclass(elem):
+            if not isinstance(item, dict):
+                out.append(f"{where} = {_short(item)}: must be a mapping of {elem.__name__} keys")
+                continue
+            section = OmegaConf.structured(elem)
+            OmegaConf.set_struct(section, True)
+            for k, v in item.items():
+                if str(k) not in section:
+                    out.append(_unknown_key(where, str(k), section))
+                    continue
+                try:
+                    section.merge_with({k: v})
+                except OmegaConfBaseException as err:
+                    out.append(f"{where}.{k} = {_short(v)}: {_reason(err, section._get_node(str(k)))}")
+            continue
+        try:
+            ListConfig(content=[], element_type=elem).append(item)
+        except OmegaConfBaseException as err:
+            if getattr(elem, "__origin__", None) is list:
+                reason = "must be a list, e.g. [1, 2]"
+            elif isinstance(elem, type) and elem in _KINDS:
+                reason = f"must be {_KINDS[elem]}"
+            else:
+                reason = str(err).splitlines()[0]
+            out.append(f"{where} = {_short(item)}: {reason}")
+    return out
 
 
 def _schema() -> DictConfig:

@@ -74,6 +74,14 @@ BAD = {
     "negative hold out": (["train.hold_out_every=-5"], "train.hold_out_every = -5"),
     "word for enum": (["train.schedule=cosin"], "must be one of cosine, linear, constant"),
     "scalar for list": (["verifier.aux_layer_ids=3"], "must be a list"),
+    # A bad item is named by its own key, not blamed on the list it is in.
+    "typo inside a source": (["data.sources=[{path: org/data, max_row: 100}]"],
+                             "data.sources[0].max_row: unknown key; did you mean `data.sources[0].max_rows`?"),
+    "word in a list of ints": (["eval.num_speculative_tokens=[3, x]"],
+                               "eval.num_speculative_tokens[1] = 'x': must be an integer"),
+    "typo inside a compare draft": (["eval.compare=[{name: a, metod: ngram}]"], "eval.compare[0].metod: unknown key"),
+    "scalar for a source": (["data.sources=[3]"], "data.sources[0] = 3: must be a mapping"),
+    "scalar sweep values": (["sweep={train.lr: 1}"], "sweep.train.lr = 1: must be a list"),
 }
 
 
