@@ -82,6 +82,8 @@ def is_our_export(method: str, model: str | None) -> bool:
 def check_ns(draft: DraftSpec, ns: list[int]) -> None:
     limit = draft.max_n()
     bad = [n for n in ns if n < 1 or (limit is not None and n > limit)]
+    if bad and limit is None:
+        raise UserError(f"--n {bad[0]}: the number of speculative tokens must be at least 1")
     if bad:
         raise UserError(f"--n {bad[0]}: the {draft.label} draft's block holds at most {limit} speculative "
                         f"tokens (block_size {draft.block_size}); use --n values in 1..{limit}")

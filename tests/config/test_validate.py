@@ -74,6 +74,11 @@ BAD_CASES = {
     "heads x head_dim != hidden": (["draft.num_attention_heads=64"], "draft.num_attention_heads"),
     "kv heads do not divide heads": (["draft.num_key_value_heads=5"], "draft.num_key_value_heads"),
     "block smaller than eval n": (["draft.block_size=4"], "draft.block_size"),
+    # DFlash's layout spends slot 0 on the bonus token: its block of 8 drafts 7, as the eval job checks.
+    "dflash block one short of eval n": (["draft.markov_rank=0", "draft.enable_confidence_head=false",
+                                          "draft.sample_from_anchor=false", "draft.block_size=7",
+                                          "eval.num_speculative_tokens=[3, 7]"],
+                                         "draft.block_size = 7: holds at most 6 speculative tokens (a DFlash"),
     "mask id outside vocab": (["draft.mask_token_id=163840"], "draft.mask_token_id"),
     "draft vocab above target vocab": (["draft.draft_vocab_size=200000"], "draft.draft_vocab_size"),
     "pre-norm capture without norm": (["verifier.final_hidden=pre_norm"], "verifier.final_hidden"),

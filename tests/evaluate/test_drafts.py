@@ -43,6 +43,8 @@ def test_n_larger_than_the_block_is_refused(tmp_path):
     with pytest.raises(UserError, match="--n 8: the DFlash draft's block holds at most 7"):
         check_ns(dflash, [3, 8])  # slot 0 of DFlash's layout is the bonus token
     check_ns(DraftSpec("ngram", "ngram", None), [3, 7, 15])  # no block: vLLM decides
+    with pytest.raises(UserError, match=r"^--n 0: the number of speculative tokens must be at least 1$"):
+        check_ns(DraftSpec("ngram", "ngram", None), [0])
 
 
 def test_engines_follow_what_the_vllm_build_can_decode(tmp_path):
