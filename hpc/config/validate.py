@@ -110,11 +110,19 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
                "or set verifier.allow_remote_host=true to expose them (API key still required)")
     if not 0 <= v.port <= 65535:
         c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
-    if v.backend.value == "vllm":
+    # vLLM also answers the regeneration and serves the evaluation's baseline and third-party
+    # drafts, whatever backend captures the training states.
+    engine = getattr(cfg.eval.engine, "value", cfg.eval.engine)
+    users = [why for why, on in (
+        ("verifier.backend=vllm", v.backend.value == "vllm"),
+        ("data.regenerate=true", cfg.data.regenerate),
+        (f"eval.engine={engine}", engine != "reference"),
+        ("eval.compare", any(d.method not in ("dspark", "dflash") for d in cfg.eval.compare))) if on]
+    if users:
         found = Path(v.python).expanduser().is_file() if "/" in v.python else shutil.which(v.python)
         if not found:
-            c.fail("verifier.python", v.python,
-                   "interpreter not found; point it at the venv vLLM is installed in (bin/python)")
+            c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({users[0]}); "
+                   "point it at the venv vLLM is installed in (bin/python)")
         elif "/" in v.python and check_vllm:
             # A path names one venv on a shared filesystem: ask its vLLM. A bare name is looked
             # up on each node's PATH, which the login node cannot speak for.

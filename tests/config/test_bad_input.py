@@ -213,3 +213,12 @@ def test_a_sweep_over_the_targets_dims_checks_each_variant_against_its_own_targe
     assert any(p.startswith("sweep variant 1 (verifier.num_hidden_layers=20): verifier.aux_layer_ids")
                and "outside 0..20" in p for p in problems), problems
     assert not any(p.startswith("sweep variant 0") for p in problems), problems
+
+
+def test_the_vllm_interpreter_is_checked_wherever_vllm_runs():
+    # An HF capture backend still needs vLLM for regeneration, the baseline and third-party drafts.
+    hf = ["verifier.backend=hf", "verifier.python=/nonexistent/bin/python"]
+    assert any("vLLM runs from it (data.regenerate=true)" in p for p in problems_for(hf))
+    assert any("vLLM runs from it (eval.compare)" in p
+               for p in problems_for([*hf, "data.regenerate=false", "eval.engine=reference"]))
+    resolve(KIMI, [*hf, "data.regenerate=false", "eval.engine=reference", "eval.compare=[]"], check_tracking=False)
