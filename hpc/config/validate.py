@@ -16,6 +16,8 @@ from hpc.config.schema import BENCHMARKS, DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
 
+# What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -105,6 +107,7 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
     c.positive("verifier.max_model_len", v.max_model_len)
     if not 0 < v.gpu_memory_utilization <= 1:
         c.fail("verifier.gpu_memory_utilization", v.gpu_memory_utilization, "must be in (0, 1]")
+    c.one_of("verifier.dtype", v.dtype, VLLM_DTYPES)
     if v.host not in ("127.0.0.1", "localhost", "::1") and not v.allow_remote_host:
         c.fail("verifier.host", v.host, "our vLLM servers listen for this node's clients only; use 127.0.0.1, "
                "or set verifier.allow_remote_host=true to expose them (API key still required)")
@@ -199,6 +202,10 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
         if not src.path:
             c.fail(f"data.sources[{i}].path", src.path, "empty; give an HF dataset id or a local file")
         c.path(f"data.sources[{i}].path", src.path, "data file")
+    for key, sources in (("data.sources", data.sources), ("data.calibration_sources", data.calibration_sources)):
+        for i, src in enumerate(sources):
+            if src.max_rows is not None and src.max_rows < 1:
+                c.fail(f"{key}[{i}].max_rows", src.max_rows, "reads no row; give at least 1, or null for every row")
     for i, src in enumerate(data.calibration_sources):
         if not src.path:
             c.fail(f"data.calibration_sources[{i}].path", src.path,
@@ -277,8 +284,7 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("train.global_batch_size", t.global_batch_size,
                f"not divisible by trainer ranks x grad_accumulation = {ranks} x {t.grad_accumulation}; "
                f"use a multiple of {ranks * t.grad_accumulation}")
-    if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", t.device):
-        c.fail("train.device", t.device, "must be cpu, cuda, cuda:N, mps or xpu")
+    _check_device(c, "train.device", t.device)
     c.one_of("train.dtype", t.dtype, DTYPES)
     if t.dtype == "float16" and t.device.startswith("cuda"):
         c.fail("train.dtype", t.dtype, "float16 needs loss scaling, which the trainer does not do; use bfloat16")
@@ -293,6 +299,11 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
     if t.init_from and t.init_from != "champion" and not (Path(t.init_from).expanduser() / "config.json").is_file():
         c.fail("train.init_from", t.init_from, "not a draft export directory (config.json + model.safetensors); "
                "point it at one, or use champion")
+
+
+def _check_device(c: Checker, key: str, device: str) -> None:
+    if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", device):
+        c.fail(key, device, "must be cpu, cuda, cuda:N, mps or xpu")
 
 
 def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
@@ -321,6 +332,7 @@ def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("eval.code_max_tokens", e.code_max_tokens)
     if e.rows is not None:
         c.positive("eval.rows", e.rows)
+    _check_device(c, "eval.device", e.device)
     c.nonneg("eval.temperature", e.temperature)
     if e.temperature > 2.0:
         c.fail("eval.temperature", e.temperature, "sampling temperatures above 2 are noise; use 0 (greedy) to 2, e.g. 0.7")

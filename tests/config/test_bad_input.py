@@ -82,6 +82,13 @@ BAD = {
     "typo inside a compare draft": (["eval.compare=[{name: a, metod: ngram}]"], "eval.compare[0].metod: unknown key"),
     "scalar for a source": (["data.sources=[3]"], "data.sources[0] = 3: must be a mapping"),
     "scalar sweep values": (["sweep={train.lr: 1}"], "sweep.train.lr = 1: must be a list"),
+    # Values only a job would trip over.
+    "source reading no row": (["data.sources=[{path: org/data, max_rows: 0}]"],
+                              "data.sources[0].max_rows = 0: reads no row"),
+    "calibration source reading no row": (["data.calibration_sources=[{path: org/cal, max_rows: -1}]"],
+                                          "data.calibration_sources[0].max_rows = -1: reads no row"),
+    "dtype vLLM does not take": (["verifier.dtype=float33"], "verifier.dtype = 'float33'"),
+    "eval device": (["eval.device=gpu"], "eval.device = 'gpu': must be cpu, cuda, cuda:N, mps or xpu"),
 }
 
 
