@@ -18,8 +18,14 @@ def run(args: argparse.Namespace) -> int:
 
     from hpc.config import resolve
     from hpc.config.target import localize
+    from hpc.errors import UserError
     from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
+    # Before anything resolves or vLLM loads the target (minutes on a node).
+    for flag, value, unset in (("--shard-size", args.shard_size, "1000"), ("--concurrency", args.concurrency,
+                               "data.regen_concurrency"), ("--max-rows", args.max_rows, "every row")):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1 (leave it out for {unset})")
     cfg = localize(resolve(args.config, args.overrides, check_tracking=False))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     server = None

@@ -347,3 +347,12 @@ def test_a_finished_regeneration_is_complete_only_for_its_own_sources(fake_url, 
     assert regeneration_complete(cfg.data)
     other = make_cfg(tmp_path, fake_rows(tmp_path / "more.jsonl", ["a", "b", "c", "d"]))
     assert not regeneration_complete(other.data)  # same output directory, other data: not done
+
+
+@pytest.mark.parametrize("flag,value", [("--shard-size", "0"), ("--max-rows", "-1"), ("--concurrency", "0")])
+def test_bad_regenerate_options_fail_before_the_config_or_a_server(flag, value):
+    # The config does not even exist: the options are checked before it is read or vLLM starts.
+    res = subprocess.run([sys.executable, "-m", "hpc", "regenerate", "/no/such.yaml", flag, value],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert f"error: {flag} {value}: must be at least 1 (leave it out for" in res.stderr, res.stderr
