@@ -26,18 +26,24 @@ CREDENTIALS = "credentials.env"
 
 def credentials(root: Path, user: str = "dspark") -> str:
     """The server's admin password: drawn once, kept owner-only under `root`."""
+    from hpc.errors import UserError
+    from hpc.fsio import write_text
+
     path = root / CREDENTIALS
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.startswith("export MLFLOW_TRACKING_PASSWORD="):
-                return line.split("=", 1)[1].strip()
-    password = secrets.token_urlsafe(24)
-    root.mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"export MLFLOW_TRACKING_USERNAME={user}\nexport MLFLOW_TRACKING_PASSWORD={password}\n")
-    return password
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o700)
+        password = secrets.token_urlsafe(24)
+        try:  # whole or absent (tmp + link): a half-written file would lock the server out for good
+            write_text(path, f"export MLFLOW_TRACKING_USERNAME={user}\nexport MLFLOW_TRACKING_PASSWORD={password}\n",
+                       mode=0o600, exclusive=True)
+        except FileExistsError:
+            pass  # another server drew one first: share it
+    for line in path.read_text().splitlines():
+        if line.startswith("export MLFLOW_TRACKING_PASSWORD="):
+            return line.split("=", 1)[1].strip()
+    raise UserError(f"{path} has no `export MLFLOW_TRACKING_PASSWORD=` line; delete the file to draw a new "
+                    "password (then re-source it wherever jobs are submitted)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,3 +65,18 @@ def test_submit_refuses_a_file_store_before_anything_happens(toy_target, tmp_pat
                           f"tracking.uri=sqlite:///{tmp_path}/m.db"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "dspark tracking serve" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "slurm").exists()
+
+
+def test_credentials_are_drawn_once_whole_and_a_broken_file_is_named(tmp_path):
+    from hpc.errors import UserError
+    from hpc.track.serve_cli import CREDENTIALS, credentials
+
+    root = tmp_path / "store"
+    first = credentials(root)
+    assert credentials(root) == first and len(first) >= 24  # drawn once, then read back
+    path = root / CREDENTIALS
+    assert path.stat().st_mode & 0o777 == 0o600 and os.stat(root).st_mode & 0o777 == 0o700
+    assert [p.name for p in root.iterdir()] == [CREDENTIALS]  # no temp file left beside it
+    path.write_text("")  # e.g. cut short by an older version
+    with pytest.raises(UserError, match=r"has no `export MLFLOW_TRACKING_PASSWORD=` line; delete the file"):
+        credentials(root)
