@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     # `dspark submit CFG --dry-run train.lr=1e-4`: argparse stops filling a positional list at
     # the first flag, so KEY=VALUE words after flags arrive here; they are overrides all the same.
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
-    if stray or (extra and not hasattr(args, "overrides")):
+    if (extra and not hasattr(args, "overrides")) or any(a.startswith("-") for a in stray):
         parser.parse_args(argv)  # argparse's own one-line usage error, exit 2
+    if stray:  # a word for an override without its value: say so, as for one before the flags
+        parser.error(f"override `{stray[0]}`: expected KEY=VALUE, e.g. train.lr=1e-4")
     if extra:
         args.overrides = list(args.overrides) + extra
     try:

@@ -194,6 +194,8 @@ def test_cli_validate_exit_codes_and_no_traceback():
     (["validate", "/no/such/config.yaml"], "config file not found"),
     (["validate", str(KIMI), "train..lr=1"], "unknown key"),
     (["validate", str(KIMI), "tracking.uri=http://127.0.0.1:9"], "MLflow server unreachable"),
+    # After a flag, a word without `=` is still a bad override, not an unknown argument.
+    (["validate", str(KIMI), "--offline", "train.lr=1e-4", "train.steps"], "override `train.steps`: expected KEY=VALUE"),
 ])
 def test_cli_user_errors_are_one_line(args, needle):
     res = run_cli(*args)
