@@ -126,9 +126,10 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         if not found:
             c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({users[0]}); "
                    "point it at the venv vLLM is installed in (bin/python)")
-        elif "/" in v.python and check_vllm:
-            # A path names one venv on a shared filesystem: ask its vLLM. A bare name is looked
-            # up on each node's PATH, which the login node cannot speak for.
+        elif "/" in v.python and check_vllm and v.backend.value == "vllm":
+            # A path names one venv on a shared filesystem: ask its vLLM whether it serves and
+            # captures this target. A bare name is looked up on each node's PATH, which the login
+            # node cannot speak for.
             from hpc.config.vllm_support import support_problems
 
             for key, msg in support_problems(v.python, v.model, list(shape.architectures),
