@@ -79,6 +79,7 @@ class LastRun:
     run_id: str
     name: str
     fingerprint: str | None
+    status: str = "FINISHED"  # the parent run's: RUNNING while its pipeline is under way
 
 
 def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
@@ -92,7 +93,8 @@ def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
                               order_by=["attributes.start_time DESC"], max_results=200)
     for run in runs:
         if run.data.tags.get(CONFIG_NAME) == cfg.name:
-            return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, run.data.tags.get(FINGERPRINT))
+            return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, run.data.tags.get(FINGERPRINT),
+                           run.info.status)
     return None
 
 
@@ -117,9 +119,12 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
     fingerprint = data_fingerprint(cfg.data)
     client = MlflowClient(cfg.tracking.uri)
     last = last_scheduled_run(client, cfg)
+    # A pipeline that failed (or was cancelled) on this data did not cover it: the tick retries.
     if last is not None and last.fingerprint == fingerprint:
-        print(f"no new data since {last.name} (run {last.run_id})")
-        return 0
+        if last.status not in ("FAILED", "KILLED"):
+            print(f"no new data since {last.name} (run {last.run_id})")
+            return 0
+        print(f"{last.name} (run {last.run_id}) ended {last.status} on this data: submitting it again")
     extra: list[str] = []
     tags = {SCHEDULED: "true", FINGERPRINT: fingerprint}
     champ = champion_version(client, cfg.tracking.registered_model)

@@ -307,6 +307,14 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     assert res.returncode == 0 and res.stdout.splitlines() == [f"no new data since {name}-1 (run {last.run_id})"]
     assert len(calls) == 2
 
+    # That pipeline failed: the data is not covered, so the next tick submits it again.
+    MlflowClient(mlflow_server.uri).set_terminated(last.run_id, "FAILED")
+    capsys.readouterr()
+    assert schedule.retrain_tick(CONFIG, ov) == 0
+    said = capsys.readouterr().out.splitlines()[0]
+    assert said == f"{name}-1 (run {last.run_id}) ended FAILED on this data: submitting it again"
+    assert len(calls) == 3 and calls[2][1]["dspark.data_fingerprint"] == fp2
+
 
 def test_fingerprint_of_files_directories_and_hub_ids(tmp_path, monkeypatch):
     from types import SimpleNamespace as NS
