@@ -19,7 +19,8 @@ def parse_ns(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from hpc.config import resolve
-    from hpc.evaluate.runner import _tracking, evaluate, upload_all
+    from hpc.evaluate.record import upload_all
+    from hpc.evaluate.runner import _tracking, evaluate
 
     cfg = resolve(args.config, list(args.overrides), check_tracking=False)
     if args.upload:

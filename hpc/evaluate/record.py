@@ -15,14 +15,19 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from hpc.config.schema import BENCHMARKS
+from hpc.config.schema import BENCHMARKS, DSparkConfig
 from hpc.evaluate.harness import BenchResult, write_json_atomic
-from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, metric
+from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, STAGE_EVAL, metric
 from hpc.track.pipeline import create_child_run
 
 
-def load_results(run_dir: Path) -> list[BenchResult]:
-    out = [BenchResult.from_json(json.loads(p.read_text())) for p in run_dir.glob("*.json") if p.name != "run.json"]
+def load_results(run_dir: Path, names: Sequence[str] | None = None) -> list[BenchResult]:
+    """The benchmarks `names`, or those run.json lists (the last evaluation's), or every file: a
+    benchmark a later config dropped keeps its file here, and must not count in this run."""
+    if names is None and (run_dir / "run.json").is_file():
+        names = json.loads((run_dir / "run.json").read_text()).get("benchmarks")
+    out = [BenchResult.from_json(json.loads(p.read_text())) for p in run_dir.glob("*.json")
+           if p.name != "run.json" and (names is None or p.stem in names)]
     order = {b: i for i, b in enumerate(BENCHMARKS)}
     return sorted(out, key=lambda r: (order.get(r.benchmark, len(order)), r.benchmark))
 
@@ -52,8 +57,6 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
 
 def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str | None]] = ()) -> str:
     """Create (once) the MLflow run for a run directory; returns its id."""
-    from mlflow.entities import Metric, Param
-
     meta = json.loads((run_dir / "run.json").read_text())
     if meta.get("mlflow_run_id"):
         return meta["mlflow_run_id"]
@@ -61,6 +64,25 @@ def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str |
     tags = {STAGE: meta["stage"], **meta["tags"],
             MANIFESTS: json.dumps({r.benchmark: r.sha256 for r in results}, sort_keys=True)}
     run_id = create_child_run(client, meta["experiment"], meta.get("parent_run_id"), meta["name"], tags)
+    try:
+        _log_run(client, run_id, run_dir, meta, results, extra_artifacts)
+    except BaseException:
+        # Half-logged, it would stay RUNNING, fail its pipeline's outcome, and be duplicated by
+        # the retry: delete it; the directory stays pending for `dspark evaluate --upload`.
+        try:
+            client.delete_run(run_id)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+        raise
+    meta["mlflow_run_id"] = run_id
+    write_json_atomic(run_dir / "run.json", meta)
+    return run_id
+
+
+def _log_run(client, run_id: str, run_dir: Path, meta: dict, results: list[BenchResult],
+             extra_artifacts: Sequence[tuple[str, str | None]]) -> None:
+    from mlflow.entities import Metric, Param
+
     metrics = [Metric(k, float(v), 0, 0) for k, v in run_metrics(results).items()]
     params = [Param(k, str(v)) for k, v in meta.get("params", {}).items()]
     for i in range(0, max(len(metrics), len(params), 1), 100):
@@ -77,9 +99,14 @@ def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str |
         elif Path(path).is_file():
             client.log_artifact(run_id, path, artifact_path)
     client.set_terminated(run_id)
-    meta["mlflow_run_id"] = run_id
-    write_json_atomic(run_dir / "run.json", meta)
-    return run_id
+
+
+def results_digest(results: list[BenchResult]) -> str:
+    """What a run directory's MLflow run was made from: re-measured results need a new one."""
+    import hashlib
+
+    blob = json.dumps(sorted((asdict(r) for r in results), key=lambda d: d["benchmark"]), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def pending_runs(out_dir: Path) -> list[Path]:
@@ -99,3 +126,62 @@ def find_baseline(client, experiment: str, key: str) -> dict[str, float] | None:
         return None
     m = runs[0].data.metrics
     return {k.split("/")[0]: v for k, v in m.items() if k.endswith("/tok_s") and not k.startswith("mean/")}
+
+
+def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: set[str] | None = None) -> list[str]:
+    """Run directories not yet in MLflow (`only`: just these names); then the registry for our
+    drafts at the largest n.
+
+    An evaluation uploads only what it ran itself: the eval-n3 and eval-n7 jobs of one training
+    task share an output directory and run at the same time.
+    """
+    ids = []
+    orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
+    for run_dir in pending_runs(out):
+        if only is not None and run_dir.name not in only:
+            continue
+        meta = json.loads((run_dir / "run.json").read_text())
+        if not meta.get("parent_run_id"):
+            if orphan_parent is None:
+                from hpc.track.pipeline import create_pipeline_run
+
+                orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
+            meta["parent_run_id"] = orphan_parent
+            write_json_atomic(run_dir / "run.json", meta)
+        extra: list[tuple[str, str | None]] = []
+        report = run_dir / "calibration.json.report"
+        if report.is_file():
+            extra.append((str(report), "calibration"))
+        ids.append(upload_run(client, run_dir, extra))
+        meta = json.loads((run_dir / "run.json").read_text())
+        if not quiet:
+            print(f"logged {meta['name']} to MLflow run {ids[-1]}")
+        # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
+        if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
+                and not meta.get("temperature"):
+            _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
+    return ids
+
+
+def _register(client, run_dir: Path, meta: dict, run_id: str, promote: bool = True) -> None:
+    """Register the draft; with `promote`, move the champion to it when it is better. Without,
+    the version waits in the registry for a person (or a later run) to promote it."""
+    import statistics
+
+    from hpc.track.registry import promote_if_better, register_draft
+
+    res = load_results(run_dir)
+    measured = [r.accept_len for r in res if r.accept_len is not None]
+    if not measured:  # vLLM exposed no spec-decode counters: nothing to rank the draft by
+        print(f"registry: {meta['name']} not registered: no benchmark has an acceptance length (the engine "
+              "reported no spec-decode counters); evaluate it on a build that reports them", flush=True)
+        return
+    score = statistics.mean(measured)
+    version = register_draft(client, meta["registered_model"], run_id, "draft", score,
+                             {r.benchmark: r.sha256 for r in res}, n=meta["n"])
+    if promote:
+        _, why = promote_if_better(client, meta["registered_model"], version)
+    else:
+        why = "champion left as it is (schedule.promote_if_better is false)"
+    print(f"registry: {meta['registered_model']} v{version} (mean acceptance length {score:.3f} at n={meta['n']}); "
+          f"{why}")

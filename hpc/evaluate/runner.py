@@ -26,7 +26,7 @@ from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
 from hpc.evaluate.hardware import hardware_id
 from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
-from hpc.evaluate.record import find_baseline, load_results, pending_runs, upload_run
+from hpc.evaluate.record import find_baseline, load_results, upload_all
 from hpc.track.keys import (
     BASELINE_KEY,
     DRAFT,
@@ -241,7 +241,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
         res = _run_job(job, factory, benches, tok, run_dir, quiet)
         _write_meta(run_dir, cfg.tracking, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
                     ENGINE: engine, ENGINE_VERSION: version, HARDWARE: hardware,
-                    TEMPERATURE: f"{temp:g}"})
+                    TEMPERATURE: f"{temp:g}"}, res)
         baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
         results[job.name] = res
         ran.append(run_dir.name)
@@ -266,7 +266,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                         HARDWARE: hardware, VLLM_VERSION: vllm_version,
                         TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
             artifacts = [(draft.model, "draft")] if draft.ours else []
-            _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, artifacts)
+            _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, res, artifacts)
             _plots(run_dir, res, job, cfg.eval)
             results[job.name] = res
             ran.append(run_dir.name)
@@ -296,7 +296,7 @@ def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quie
     from hpc.evaluate.harness import finished
 
     if all(finished(run_dir, b) for b in benches):  # a requeue: no server for nothing
-        return load_results(run_dir)
+        return load_results(run_dir, [b.name for b in benches])
     baseline = factory.baseline(job.engine, job.temperature, tok.eos_token_id) if paired and job.draft else None
     engine = factory.start(job, tok.eos_token_id)
     try:
@@ -309,12 +309,21 @@ def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quie
 
 
 def _write_meta(run_dir: Path, tracking: TrackingConfig, job: Job, stage: str, parent: str | None, tags: dict,
-                artifacts: list | None = None) -> None:
+                results: list[BenchResult], artifacts: list | None = None) -> None:
+    from hpc.evaluate.record import results_digest
+
     meta_path = run_dir / "run.json"
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    digest = results_digest(results)
+    # A requeue that measured nothing keeps its MLflow run; re-measured results (new rows, a new
+    # baseline, another benchmark set) are a new run. A directory from before digests keeps it.
+    uploaded = old.get("mlflow_run_id") if old.get("digest", digest) == digest else None
+    if old.get("mlflow_run_id") and not uploaded:
+        print(f"{job.name}: re-measured, so it is logged as a new MLflow run (the last was {old['mlflow_run_id']})")
     meta = {"stage": stage, "name": job.name, "experiment": tracking.experiment, "parent_run_id": parent,
             "tags": tags, "artifacts": artifacts or [], "n": job.n, "temperature": job.temperature,
-            "registered_model": tracking.registered_model, "mlflow_run_id": old.get("mlflow_run_id")}
+            "registered_model": tracking.registered_model, "benchmarks": sorted(r.benchmark for r in results),
+            "digest": digest, "mlflow_run_id": uploaded}
     write_json_atomic(meta_path, meta)
 
 
@@ -338,57 +347,3 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig
                  else "greedy match")
         print(f"calibration of the confidence head, {label} n={job.n}, scored against the {event}:\n"
               f"{format_report(report)}")
-
-
-def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: set[str] | None = None) -> list[str]:
-    """Run directories not yet in MLflow (`only`: just these names); then the registry for our
-    drafts at the largest n.
-
-    An evaluation uploads only what it ran itself: the eval-n3 and eval-n7 jobs of one training
-    task share an output directory and run at the same time.
-    """
-    ids = []
-    orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
-    for run_dir in pending_runs(out):
-        if only is not None and run_dir.name not in only:
-            continue
-        meta = json.loads((run_dir / "run.json").read_text())
-        if not meta.get("parent_run_id"):
-            if orphan_parent is None:
-                from hpc.track.pipeline import create_pipeline_run
-
-                orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
-            meta["parent_run_id"] = orphan_parent
-            write_json_atomic(run_dir / "run.json", meta)
-        extra: list[tuple[str, str | None]] = []
-        report = run_dir / "calibration.json.report"
-        if report.is_file():
-            extra.append((str(report), "calibration"))
-        ids.append(upload_run(client, run_dir, extra))
-        meta = json.loads((run_dir / "run.json").read_text())
-        if not quiet:
-            print(f"logged {meta['name']} to MLflow run {ids[-1]}")
-        # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
-        if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
-                and not meta.get("temperature"):
-            _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
-    return ids
-
-
-def _register(client, run_dir: Path, meta: dict, run_id: str, promote: bool = True) -> None:
-    """Register the draft; with `promote`, move the champion to it when it is better. Without,
-    the version waits in the registry for a person (or a later run) to promote it."""
-    import statistics
-
-    from hpc.track.registry import promote_if_better, register_draft
-
-    res = load_results(run_dir)
-    score = statistics.mean(r.accept_len for r in res if r.accept_len is not None)
-    version = register_draft(client, meta["registered_model"], run_id, "draft", score,
-                             {r.benchmark: r.sha256 for r in res})
-    if promote:
-        _, why = promote_if_better(client, meta["registered_model"], version)
-    else:
-        why = "champion left as it is (schedule.promote_if_better is false)"
-    print(f"registry: {meta['registered_model']} v{version} (mean acceptance length {score:.3f} at n={meta['n']}); "
-          f"{why}")

@@ -1,8 +1,9 @@
 """The model registry: every trained draft is a version; the alias `champion` marks the one to serve.
 
 A retrain replaces the champion only if it is measurably better: a strictly higher mean
-acceptance length at n=7, measured on the same benchmark manifests (same prompts, byte for
-byte). Scores on different manifests are not comparable, so they never move the alias.
+acceptance length at the same n (the config's largest, 7 in the recipes), measured on the same
+benchmark manifests (same prompts, byte for byte). Scores at another n or on other manifests are
+not comparable, so they never move the alias.
 
 MLflow has no compare-and-set for aliases, and two sweep evals may promote at once, each from
 its own read of the champion. So a promoter does not write "my version"; it writes the best of
@@ -21,7 +22,10 @@ from hpc.errors import UserError
 from hpc.track.keys import MANIFESTS
 
 CHAMPION = "champion"
+# The score's tag keeps the name it had when every score was at n=7; N_TAG says the n (a
+# version without it is from then: n=7).
 SCORE_TAG = "dspark.mean_accept_len_n7"
+N_TAG = "dspark.spec_n"
 MANIFESTS_TAG = MANIFESTS  # the key the eval run carries them under
 
 
@@ -34,14 +38,15 @@ def _is_missing(err: Exception) -> bool:
     return getattr(err, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
 
 
-def register_draft(client, model_name: str, run_id: str, artifact_path: str, score_n7: float,
-                   manifests: dict[str, str]) -> str:
-    """Register `runs:/{run_id}/{artifact_path}` as a new version of `model_name`; returns it."""
+def register_draft(client, model_name: str, run_id: str, artifact_path: str, score: float,
+                   manifests: dict[str, str], n: int = 7) -> str:
+    """Register `runs:/{run_id}/{artifact_path}` as a new version of `model_name`, scored by its
+    mean acceptance length at `n`; returns the version."""
     from mlflow.exceptions import MlflowException
 
-    if not math.isfinite(score_n7):
-        raise UserError(f"register_draft: score_n7 = {score_n7} for run {run_id}; "
-                        "pass the run's finite mean/accept_len at n=7")
+    if not math.isfinite(score):
+        raise UserError(f"register_draft: score = {score} for run {run_id}; "
+                        f"pass the run's finite mean/accept_len at n={n}")
     try:
         client.get_registered_model(model_name)
     except MlflowException as err:
@@ -52,7 +57,7 @@ def register_draft(client, model_name: str, run_id: str, artifact_path: str, sco
         except MlflowException as race:  # another job registered it between our two calls
             if getattr(race, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise
-    tags = {SCORE_TAG: repr(float(score_n7)), MANIFESTS_TAG: canonical_manifests(manifests)}
+    tags = {SCORE_TAG: repr(float(score)), N_TAG: str(n), MANIFESTS_TAG: canonical_manifests(manifests)}
     mv = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id, tags=tags)
     return str(mv.version)
 
@@ -64,14 +69,19 @@ def _score(mv) -> float | None:
         return None
 
 
-def _manifests(mv) -> dict | None:
+def _manifests(mv) -> tuple[dict, str] | None:
+    """What a score was measured on: (benchmark manifests, n); scores compare only when equal."""
     try:
-        return json.loads(mv.tags[MANIFESTS_TAG])
+        return json.loads(mv.tags[MANIFESTS_TAG]), mv.tags.get(N_TAG, "7")
     except (KeyError, ValueError):
         return None
 
 
-def _best(client, model_name: str, manifests: dict | None, incumbent: str) -> tuple[str, float]:
+def _n(mv) -> str:
+    return mv.tags.get(N_TAG, "7")
+
+
+def _best(client, model_name: str, manifests: tuple | None, incumbent: str) -> tuple[str, float]:
     """The best version measured on `manifests`: highest score; a tie keeps the incumbent,
     then the earliest version, so equal drafts never flap."""
     found = []
@@ -89,7 +99,7 @@ def _champion(client, model_name: str):
     return client.get_model_version_by_alias(model_name, CHAMPION)
 
 
-def _settle(client, model_name: str, manifests: dict | None, rounds: int = 10) -> str:
+def _settle(client, model_name: str, manifests: tuple | None, rounds: int = 10) -> str:
     """Point the alias at the best comparable version until a read-back agrees."""
     for _ in range(rounds):
         champ = _champion(client, model_name)
@@ -118,12 +128,12 @@ def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]
     new_score = _score(new)
     if new_score is None:
         raise UserError(f"{model_name} v{version} has no numeric {SCORE_TAG} tag; register it with register_draft")
-    new_manifests = _manifests(new)
+    new_manifests, at = _manifests(new), f"at n={_n(new)}"
     champ = _champion(client, model_name)
     if champ is None:
         now = _settle(client, model_name, new_manifests)
         if now == version:
-            return True, f"v{version} is champion: there was none ({new_score:.2f} at n=7)"
+            return True, f"v{version} is champion: there was none ({new_score:.2f} {at})"
         return False, f"champion is v{now}, registered meanwhile with a better score than v{version}"
     old, old_score = str(champ.version), _score(champ)
     if old == version:
@@ -132,12 +142,13 @@ def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]
         # Refuse rather than guess: an untagged champion was set by hand and stays until a person moves it.
         return False, f"champion stays v{old}: it has no {SCORE_TAG} tag to compare v{version} against"
     if new_manifests is None or new_manifests != _manifests(champ):
-        return False, (f"champion stays v{old}: v{version} ({new_score:.2f} at n=7) was measured on different "
-                       f"manifests than v{old} ({old_score:.2f})")
+        where = "on different manifests" if _n(new) == _n(champ) else "at a different n"
+        return False, (f"champion stays v{old}: v{version} ({new_score:.2f} {at}) was measured {where} "
+                       f"than v{old} ({old_score:.2f} at n={_n(champ)})")
     now = _settle(client, model_name, new_manifests)
     if now == version:
-        return True, f"champion moves v{old} -> v{version}: {new_score:.2f} > {old_score:.2f} at n=7"
+        return True, f"champion moves v{old} -> v{version}: {new_score:.2f} > {old_score:.2f} {at}"
     if now == old:
-        return False, f"champion stays v{old}: {old_score:.2f} >= {new_score:.2f} at n=7"
+        return False, f"champion stays v{old}: {old_score:.2f} >= {new_score:.2f} {at}"
     best = _score(client.get_model_version(model_name, now))
-    return False, f"champion is v{now} ({best:.2f} at n=7), better than v{version} ({new_score:.2f})"
+    return False, f"champion is v{now} ({best:.2f} {at}), better than v{version} ({new_score:.2f})"

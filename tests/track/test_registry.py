@@ -19,9 +19,9 @@ def setup(mlflow_server):
     name = f"draft-{uuid.uuid4().hex[:8]}"
     exp_id = client.create_experiment(name)
 
-    def register(score: float, manifests: dict[str, str] = MANIFESTS) -> str:
+    def register(score: float, manifests: dict[str, str] = MANIFESTS, n: int = 7) -> str:
         run_id = client.create_run(exp_id).info.run_id
-        return register_draft(client, name, run_id, "draft", score, manifests)
+        return register_draft(client, name, run_id, "draft", score, manifests, n=n)
 
     return client, name, register
 
@@ -63,6 +63,19 @@ def test_better_score_on_other_manifests_does_not_move(setup):
     moved, why = promote_if_better(client, name, v2)
     assert not moved and why.startswith("champion stays v1:") and "different manifests" in why
     assert champion(client, name) == "1"
+
+
+def test_a_score_at_another_n_does_not_move(setup):
+    # A config evaluating [3, 5] registers at n=5: its tau is not comparable with one at n=7.
+    client, name, register = setup
+    promote_if_better(client, name, register(3.10))
+    v2 = register(2.60, n=5)
+    assert client.get_model_version(name, v2).tags["dspark.spec_n"] == "5"
+    moved, why = promote_if_better(client, name, v2)
+    assert not moved and why == "champion stays v1: v2 (2.60 at n=5) was measured at a different n than v1 (3.10 at n=7)"
+    v3 = register(3.20)  # a version tagged before n was recorded counts as n=7, as its tag says
+    client.delete_model_version_tag(name, "1", "dspark.spec_n")
+    assert promote_if_better(client, name, v3) == (True, "champion moves v1 -> v3: 3.20 > 3.10 at n=7")
 
 
 def test_unknown_version_is_a_user_error(setup):

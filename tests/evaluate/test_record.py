@@ -1,0 +1,77 @@
+"""A run directory becomes one MLflow run, whole: re-measured results get a new one, a dropped
+benchmark's leftover file is not counted, and a half-logged run is removed for the retry."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+
+from hpc.evaluate.harness import BenchResult, write_json_atomic
+from hpc.evaluate.record import load_results, pending_runs, upload_run
+from hpc.evaluate.runner import Job, _write_meta
+
+TRACKING = SimpleNamespace(experiment="e", registered_model="m")
+
+
+def result(bench: str, sha: str = "a" * 64, accept_len: float = 2.0) -> BenchResult:
+    return BenchResult(benchmark=bench, rows=2, sha256=sha, source="fixture", engine="reference", label="baseline",
+                       method="none", n=0, tok_s=10.0, output_tokens=20, wall_s=2.0, max_tokens=16,
+                       accept_len=accept_len)
+
+
+def measure(run_dir, results: list[BenchResult]) -> None:
+    for r in results:
+        write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
+    _write_meta(run_dir, TRACKING, Job(None, 0, "reference"), "baseline", "parent", {}, results)
+
+
+def test_re_measured_results_are_a_new_run_and_dropped_benchmarks_do_not_count(tmp_path, capsys):
+    run_dir = tmp_path / "baseline-reference"
+    run_dir.mkdir()
+    measure(run_dir, [result("gsm8k"), result("aime")])
+    meta = json.loads((run_dir / "run.json").read_text())
+    write_json_atomic(run_dir / "run.json", {**meta, "mlflow_run_id": "r1"})  # uploaded
+    assert pending_runs(tmp_path) == []
+
+    measure(run_dir, [result("gsm8k"), result("aime")])  # a requeue: nothing re-measured
+    assert pending_runs(tmp_path) == [] and "re-measured" not in capsys.readouterr().out
+
+    # The next evaluation drops aime and reads other gsm8k rows: a new run, without aime.
+    measure(run_dir, [result("gsm8k", sha="b" * 64)])
+    assert pending_runs(tmp_path) == [run_dir]
+    assert "re-measured, so it is logged as a new MLflow run (the last was r1)" in capsys.readouterr().out
+    assert (run_dir / "aime.json").is_file()  # left on disk...
+    assert [(r.benchmark, r.sha256) for r in load_results(run_dir)] == [("gsm8k", "b" * 64)]  # ...not counted
+
+
+class BrokenClient:
+    """MLflow answering the run's creation, then failing mid-upload (a server restart, a full disk)."""
+
+    def __init__(self):
+        self.deleted: list[str] = []
+
+    def create_run(self, *_a, **_k):
+        return SimpleNamespace(info=SimpleNamespace(run_id="half"))
+
+    def get_experiment_by_name(self, _name):
+        return SimpleNamespace(experiment_id="0")
+
+    def log_batch(self, *_a, **_k):
+        raise ConnectionError("tracking server went away")
+
+    def delete_run(self, run_id):
+        self.deleted.append(run_id)
+
+
+def test_a_half_logged_run_is_deleted_and_the_directory_stays_pending(tmp_path):
+    run_dir = tmp_path / "baseline-reference"
+    run_dir.mkdir()
+    measure(run_dir, [result("gsm8k")])
+    client = BrokenClient()
+    with pytest.raises(ConnectionError):
+        upload_run(client, run_dir)
+    assert client.deleted == ["half"]  # not left RUNNING for the pipeline's outcome to read as failed
+    assert pending_runs(tmp_path) == [run_dir]  # `dspark evaluate --upload` sends it whole later
