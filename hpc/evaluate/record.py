@@ -160,6 +160,10 @@ def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: 
         if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
                 and not meta.get("temperature"):
             _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
+    if orphan_parent is not None:
+        from hpc.track.pipeline import end_pipeline_run
+
+        end_pipeline_run(client, orphan_parent, "FINISHED", f"{len(ids)} evaluation run(s) uploaded after the fact")
     return ids
 
 

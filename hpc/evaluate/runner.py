@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -216,69 +218,91 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
     from hpc.track.pipeline import common_tags
 
     tags = common_tags(cfg)
+    owned = None  # the pipeline run this evaluation made for itself: it ends it too
     if parent_run_id is None and client is not None:  # standalone: its own pipeline, so compare finds it
         from hpc.track.pipeline import create_pipeline_run
 
         parent_run_id = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
-    results: dict[str, list[BenchResult]] = {}
-    ran: list[str] = []  # run directories this evaluation wrote
+        owned = parent_run_id
+    with _ends(client, owned):
+        results: dict[str, list[BenchResult]] = {}
+        ran: list[str] = []  # run directories this evaluation wrote
 
-    baselines: dict[tuple[str, float], dict[str, float]] = {}
-    for engine, temp in sorted({(j.engine, j.temperature) for j in jobs}) if not paired else []:
-        version = vllm_version if engine == "vllm" else _torch_version()
-        key = baseline_key(cfg.verifier, engine, version, hardware, benches, temp)
-        job = Job(None, 0, engine, temp)
-        run_dir = out / f"{job.name}-{key[:8]}"
-        cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)
-        if cached is not None and set(cached) >= {b.name for b in benches}:
-            print(f"baseline ({engine}): reusing the one measured for this target, build, hardware and manifests")
-            baselines[engine, temp] = cached
-            continue
-        if force_baseline and run_dir.exists():
-            import shutil
+        baselines: dict[tuple[str, float], dict[str, float]] = {}
+        for engine, temp in sorted({(j.engine, j.temperature) for j in jobs}) if not paired else []:
+            version = vllm_version if engine == "vllm" else _torch_version()
+            key = baseline_key(cfg.verifier, engine, version, hardware, benches, temp)
+            job = Job(None, 0, engine, temp)
+            run_dir = out / f"{job.name}-{key[:8]}"
+            cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)
+            if cached is not None and set(cached) >= {b.name for b in benches}:
+                print(f"baseline ({engine}): reusing the one measured for this target, build, hardware and manifests")
+                baselines[engine, temp] = cached
+                continue
+            if force_baseline and run_dir.exists():
+                import shutil
 
-            shutil.rmtree(run_dir)
-        res = _run_job(job, factory, benches, tok, run_dir, quiet)
-        _write_meta(run_dir, cfg.tracking, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
-                    ENGINE: engine, ENGINE_VERSION: version, HARDWARE: hardware,
-                    TEMPERATURE: f"{temp:g}"}, res)
-        baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
-        results[job.name] = res
-        ran.append(run_dir.name)
-
-    prints = {d.label: d.fingerprint() for d in drafts}
-    try:
-        for job in jobs:
-            draft = job.draft
-            assert draft is not None  # jobs are draft jobs; baselines ran above or run paired beside them
-            version = vllm_version if job.engine == "vllm" else _torch_version()
-            # Results are keyed by the draft's content: a re-run with a retrained draft at the same
-            # path measures it, instead of returning the previous draft's numbers.
-            run_dir = out / f"{job.name}-{prints[draft.label][:8]}"
-            res = _run_job(job, factory, benches, tok, run_dir, quiet, paired, cfg.eval.timing_min_pairs)
-            if not paired:
-                attach_baseline(res, baselines[job.engine, job.temperature])
-                for r in res:  # the baseline is known now: the files carry the speedup too
-                    write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
-            job_tags = {**tags, DRAFT: draft.label, METHOD: draft.method,
-                        DRAFT_SHA256: prints[draft.label],
-                        SPEC_N: str(job.n), ENGINE: job.engine, ENGINE_VERSION: version,
-                        HARDWARE: hardware, VLLM_VERSION: vllm_version,
-                        TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
-            artifacts = [(draft.model, "draft")] if draft.ours else []
-            _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, res, artifacts)
-            _plots(run_dir, res, job, cfg.eval)
+                shutil.rmtree(run_dir)
+            res = _run_job(job, factory, benches, tok, run_dir, quiet)
+            _write_meta(run_dir, cfg.tracking, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
+                        ENGINE: engine, ENGINE_VERSION: version, HARDWARE: hardware,
+                        TEMPERATURE: f"{temp:g}"}, res)
+            baselines[engine, temp] = {r.benchmark: r.tok_s for r in res}
             results[job.name] = res
             ran.append(run_dir.name)
-    finally:
-        factory.close()
 
-    if client is not None:
-        upload_all(client, out, cfg, quiet, only=set(ran))
-    else:
-        print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
-              f"{redact_uri(cfg.tracking.uri)} answers")
+        prints = {d.label: d.fingerprint() for d in drafts}
+        try:
+            for job in jobs:
+                draft = job.draft
+                assert draft is not None  # jobs are draft jobs; baselines ran above or run paired beside them
+                version = vllm_version if job.engine == "vllm" else _torch_version()
+                # Results are keyed by the draft's content: a re-run with a retrained draft at the same
+                # path measures it, instead of returning the previous draft's numbers.
+                run_dir = out / f"{job.name}-{prints[draft.label][:8]}"
+                res = _run_job(job, factory, benches, tok, run_dir, quiet, paired, cfg.eval.timing_min_pairs)
+                if not paired:
+                    attach_baseline(res, baselines[job.engine, job.temperature])
+                    for r in res:  # the baseline is known now: the files carry the speedup too
+                        write_json_atomic(run_dir / f"{r.benchmark}.json", asdict(r))
+                job_tags = {**tags, DRAFT: draft.label, METHOD: draft.method,
+                            DRAFT_SHA256: prints[draft.label],
+                            SPEC_N: str(job.n), ENGINE: job.engine, ENGINE_VERSION: version,
+                            HARDWARE: hardware, VLLM_VERSION: vllm_version,
+                            TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
+                artifacts = [(draft.model, "draft")] if draft.ours else []
+                _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, res, artifacts)
+                _plots(run_dir, res, job, cfg.eval)
+                results[job.name] = res
+                ran.append(run_dir.name)
+        finally:
+            factory.close()
+
+        if client is not None:
+            upload_all(client, out, cfg, quiet, only=set(ran))
+        else:
+            print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
+                  f"{redact_uri(cfg.tracking.uri)} answers")
+
     return results
+
+
+@contextmanager
+def _ends(client, run_id: str | None) -> Iterator[None]:
+    """End `run_id` (a standalone evaluation's own pipeline run) as the work inside ends."""
+    if run_id is None:
+        yield
+        return
+    from hpc.track.pipeline import end_pipeline_run
+
+    try:
+        yield
+    except BaseException as err:
+        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        end_pipeline_run(client, run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED",
+                         f"evaluation failed: {why}")
+        raise
+    end_pipeline_run(client, run_id, "FINISHED", "evaluation finished")
 
 
 def _torch_version() -> str:

@@ -119,9 +119,10 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
     fingerprint = data_fingerprint(cfg.data)
     client = MlflowClient(cfg.tracking.uri)
     last = last_scheduled_run(client, cfg)
-    # A pipeline that failed (or was cancelled) on this data did not cover it: the tick retries.
+    # A pipeline that failed on this data did not cover it: the tick retries. One a person
+    # cancelled (`dspark cancel` ends it KILLED) is left cancelled until the data changes.
     if last is not None and last.fingerprint == fingerprint:
-        if last.status not in ("FAILED", "KILLED"):
+        if last.status != "FAILED":
             print(f"no new data since {last.name} (run {last.run_id})")
             return 0
         print(f"{last.name} (run {last.run_id}) ended {last.status} on this data: submitting it again")

@@ -283,6 +283,15 @@ def cancel(pipeline_file: Path | str) -> list[str]:
     name = state.get("pipeline", state_file.parent.name)
     print(f"cancelled pipeline {name}: " + ", ".join(f"{k} {v}" for k, v in state["jobs"].items())
           + " (jobs that had already ended are unchanged)")
+    uri = state.get("tracking_uri", "")
+    gone = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()
+    if state.get("parent_run_id") and uri and not gone:  # its report job, which would end it, is cancelled
+        from mlflow.tracking import MlflowClient
+
+        from hpc.track.pipeline import end_pipeline_run
+
+        end_pipeline_run(MlflowClient(uri), state["parent_run_id"], "KILLED",
+                         "cancelled with `dspark cancel`")
     return ids
 
 

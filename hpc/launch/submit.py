@@ -201,9 +201,12 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
                 ids[s.name] = jobs[0].job_id.split("_")[0]
             submitted.append(ids[s.name])
     except Exception as err:
+        from hpc.track.pipeline import end_pipeline_run
+
         cancel(submitted)
-        raise UserError(f"submission failed at stage {s.name} ({str(err).splitlines()[0][:200]}); "
-                        f"cancelled the {len(submitted)} job(s) already submitted") from err
+        why = f"submission failed at stage {s.name} ({str(err).splitlines()[0][:200]})"
+        end_pipeline_run(client, parent, "FAILED", why)  # nothing will run to end it
+        raise UserError(f"{why}; cancelled the {len(submitted)} job(s) already submitted") from err
     state = {"pipeline": p.id, "config": str(Path(config).resolve()), "overrides": overrides,
              "parent_run_id": parent, "tracking_uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment,
              "jobs": ids, "variants": [str(f) for f in p.variant_files],

@@ -84,6 +84,9 @@ def test_vllm_cpu_runs_ngram_and_dflash_at_n3_and_n7(toy_target, vllm_python, ml
         assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"results.json", "plots"}
     # ngram on a target that repeats itself: prompt lookup finds real matches.
     assert runs["eval-n3-ngram"].data.metrics["mean/accept_len"] > 1.0
+    # Standalone, the evaluation made its own pipeline run, and ends it.
+    [parent] = [r for r in runs.values() if r.data.tags.get("dspark.stage") == "pipeline"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["dspark.outcome"] == "evaluation finished"
 
 
 def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(

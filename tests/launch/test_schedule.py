@@ -314,6 +314,10 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     said = capsys.readouterr().out.splitlines()[0]
     assert said == f"{name}-1 (run {last.run_id}) ended FAILED on this data: submitting it again"
     assert len(calls) == 3 and calls[2][1]["dspark.data_fingerprint"] == fp2
+    # One a person cancelled stays cancelled until the data changes.
+    last = schedule.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
+    MlflowClient(mlflow_server.uri).set_terminated(last.run_id, "KILLED")
+    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 3
 
 
 def test_fingerprint_of_files_directories_and_hub_ids(tmp_path, monkeypatch):

@@ -170,13 +170,23 @@ def test_expand_pending_array_ids() -> None:
 
 
 def test_cancel_one_scancel_and_finished_jobs_are_fine(monkeypatch, tmp_path: Path, capsys) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("toy")).info.run_id
     fake = FakeRun(rc=1, stderr="scancel: error: Kill job error on job id 11: "
                                 "Job/step already completing or completed\n")
     monkeypatch.setattr(subprocess, "run", fake)
-    pf = _write_pipeline(tmp_path, "toy", {"regenerate": "11", "train": "12", "report": "15"}, [])
+    pf = _write_pipeline(tmp_path, "toy", {"regenerate": "11", "train": "12", "report": "15"}, [], uri=uri)
+    state = json.loads(pf.read_text())
+    pf.write_text(json.dumps({**state, "parent_run_id": parent}))
     assert cancel(pf) == ["11", "12", "15"]
     assert fake.calls == [["scancel", "11", "12", "15"]]
     assert "cancelled pipeline toy: regenerate 11, train 12, report 15" in capsys.readouterr().out
+    # The report job would have ended the pipeline's run; it is cancelled too, so cancel ends it.
+    run = client.get_run(parent)
+    assert run.info.status == "KILLED" and run.data.tags["dspark.outcome"] == "cancelled with `dspark cancel`"
 
 
 def test_cancel_without_scancel_fails_clearly(monkeypatch, tmp_path: Path) -> None:

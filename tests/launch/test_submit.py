@@ -160,3 +160,10 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
 
     out, states = poll(sacct, lambda o_s: bool(o_s[1]) and all(st.startswith("CANCELLED") for st in o_s[1]), 30, 1)
     assert states and all(st.startswith("CANCELLED") for st in states), out
+    # Nothing will run to end the pipeline's MLflow run: the failed submission ends it.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    [parent] = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  "tags.`dspark.stage` = 'pipeline'")
+    assert parent.info.status == "FAILED" and "submission failed at stage eval-n3" in parent.data.tags["dspark.outcome"]
