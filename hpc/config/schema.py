@@ -286,6 +286,10 @@ class ScheduleConfig:
     # Every evaluation at the largest n registers its draft; false leaves the champion alias to
     # a person, e.g. while the benchmarks are being changed.
     promote_if_better: bool = True
+    # A tick resubmits a pipeline that FAILED on unchanged data this many times in a row, then
+    # waits for new data (or a person): a failure that always recurs must not take an allocation
+    # every tick.
+    retries: int = 2
 
 
 @dataclass

@@ -87,6 +87,7 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
 def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
     from hpc.config.cron import HINT, parse_cron
 
+    c.nonneg("schedule.retries", cfg.schedule.retries)
     cron = cfg.schedule.cron
     if cron is not None:
         try:

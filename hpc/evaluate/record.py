@@ -18,7 +18,7 @@ from pathlib import Path
 from hpc.config.schema import BENCHMARKS, DSparkConfig
 from hpc.evaluate.harness import BenchResult, write_json_atomic
 from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, STAGE_EVAL, metric
-from hpc.track.pipeline import create_child_run
+from hpc.track.pipeline import create_child_run, create_pipeline_run, end_pipeline_run
 
 
 def load_results(run_dir: Path, names: Sequence[str] | None = None) -> list[BenchResult]:
@@ -137,32 +137,33 @@ def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: 
     """
     ids = []
     orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
-    for run_dir in pending_runs(out):
-        if only is not None and run_dir.name not in only:
-            continue
-        meta = json.loads((run_dir / "run.json").read_text())
-        if not meta.get("parent_run_id"):
-            if orphan_parent is None:
-                from hpc.track.pipeline import create_pipeline_run
-
-                orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
-            meta["parent_run_id"] = orphan_parent
-            write_json_atomic(run_dir / "run.json", meta)
-        extra: list[tuple[str, str | None]] = []
-        report = run_dir / "calibration.json.report"
-        if report.is_file():
-            extra.append((str(report), "calibration"))
-        ids.append(upload_run(client, run_dir, extra))
-        meta = json.loads((run_dir / "run.json").read_text())
-        if not quiet:
-            print(f"logged {meta['name']} to MLflow run {ids[-1]}")
-        # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
-        if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
-                and not meta.get("temperature"):
-            _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
+    try:
+        for run_dir in pending_runs(out):
+            if only is not None and run_dir.name not in only:
+                continue
+            meta = json.loads((run_dir / "run.json").read_text())
+            if not meta.get("parent_run_id"):
+                if orphan_parent is None:
+                    orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
+                meta["parent_run_id"] = orphan_parent
+                write_json_atomic(run_dir / "run.json", meta)
+            extra: list[tuple[str, str | None]] = []
+            report = run_dir / "calibration.json.report"
+            if report.is_file():
+                extra.append((str(report), "calibration"))
+            ids.append(upload_run(client, run_dir, extra))
+            meta = json.loads((run_dir / "run.json").read_text())
+            if not quiet:
+                print(f"logged {meta['name']} to MLflow run {ids[-1]}")
+            # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
+            if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
+                    and not meta.get("temperature"):
+                _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
+    except BaseException as err:
+        if orphan_parent is not None:  # it would stay RUNNING: the retry attaches to it, not to a new one
+            end_pipeline_run(client, orphan_parent, "FAILED", f"upload failed: {(str(err).splitlines() or ['?'])[0][:160]}")
+        raise
     if orphan_parent is not None:
-        from hpc.track.pipeline import end_pipeline_run
-
         end_pipeline_run(client, orphan_parent, "FINISHED", f"{len(ids)} evaluation run(s) uploaded after the fact")
     return ids
 

@@ -80,6 +80,7 @@ class LastRun:
     name: str
     fingerprint: str | None
     status: str = "FINISHED"  # the parent run's: RUNNING while its pipeline is under way
+    failures: int = 0  # newest scheduled runs in a row that FAILED on this fingerprint
 
 
 def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
@@ -91,11 +92,15 @@ def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
         return None
     runs = client.search_runs([exp.experiment_id], f"tags.`{SCHEDULED}` = 'true' and tags.`{STAGE}` = '{STAGE_PIPELINE}'",
                               order_by=["attributes.start_time DESC"], max_results=200)
-    for run in runs:
-        if run.data.tags.get(CONFIG_NAME) == cfg.name:
-            return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, run.data.tags.get(FINGERPRINT),
-                           run.info.status)
-    return None
+    mine = [r for r in runs if r.data.tags.get(CONFIG_NAME) == cfg.name]
+    if not mine:
+        return None
+    run, fp = mine[0], mine[0].data.tags.get(FINGERPRINT)
+    failures = 0
+    while failures < len(mine) and mine[failures].info.status == "FAILED" \
+            and mine[failures].data.tags.get(FINGERPRINT) == fp:
+        failures += 1
+    return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, fp, run.info.status, failures)
 
 
 def champion_version(client, model_name: str) -> str | None:
@@ -124,6 +129,11 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
     if last is not None and last.fingerprint == fingerprint:
         if last.status != "FAILED":
             print(f"no new data since {last.name} (run {last.run_id})")
+            return 0
+        if last.failures > cfg.schedule.retries:
+            print(f"{last.failures} pipelines in a row failed on this data, the last {last.name} (run {last.run_id}); "
+                  f"not submitting again (schedule.retries={cfg.schedule.retries}) until the data changes: "
+                  "fix the cause and `dspark submit` it by hand")
             return 0
         print(f"{last.name} (run {last.run_id}) ended {last.status} on this data: submitting it again")
     extra: list[str] = []

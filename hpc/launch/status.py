@@ -283,16 +283,30 @@ def cancel(pipeline_file: Path | str) -> list[str]:
     name = state.get("pipeline", state_file.parent.name)
     print(f"cancelled pipeline {name}: " + ", ".join(f"{k} {v}" for k, v in state["jobs"].items())
           + " (jobs that had already ended are unchanged)")
-    uri = state.get("tracking_uri", "")
-    gone = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()
-    if state.get("parent_run_id") and uri and not gone:  # its report job, which would end it, is cancelled
+    _end_cancelled(state)
+    return ids
+
+
+def _end_cancelled(state: dict) -> None:
+    """The report job, which ends the pipeline's MLflow run, is cancelled too: end a run still
+    RUNNING as KILLED. One that already ended keeps its outcome; a tracking outage costs a line."""
+    uri, run_id = str(state.get("tracking_uri") or ""), state.get("parent_run_id")
+    if not run_id or not uri or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
+        return
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # seconds, not MLflow's minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    try:
         from mlflow.tracking import MlflowClient
 
-        from hpc.track.pipeline import end_pipeline_run
+        client = MlflowClient(uri)
+        if client.get_run(run_id).info.status != "RUNNING":
+            return
+    except Exception as err:  # noqa: BLE001 - the jobs are cancelled; the run is a record of it
+        print(f"warning: pipeline run {run_id} not marked KILLED: {str(err).splitlines()[0][:160]}", flush=True)
+        return
+    from hpc.track.pipeline import end_pipeline_run
 
-        end_pipeline_run(MlflowClient(uri), state["parent_run_id"], "KILLED",
-                         "cancelled with `dspark cancel`")
-    return ids
+    end_pipeline_run(client, run_id, "KILLED", "cancelled with `dspark cancel`")
 
 
 # ---- CLI -----------------------------------------------------------------------------------

@@ -75,3 +75,35 @@ def test_a_half_logged_run_is_deleted_and_the_directory_stays_pending(tmp_path):
         upload_run(client, run_dir)
     assert client.deleted == ["half"]  # not left RUNNING for the pipeline's outcome to read as failed
     assert pending_runs(tmp_path) == [run_dir]  # `dspark evaluate --upload` sends it whole later
+
+
+def test_results_evaluated_while_tracking_was_down_get_one_pipeline_run_that_ends(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from hpc.config import load_config, to_object
+    from hpc.evaluate import record
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    cfg = to_object(load_config("configs/toy-cpu.yaml", [f"tracking.uri={uri}", "tracking.experiment=offline"]))
+    client = MlflowClient(uri)
+    out = tmp_path / "eval"
+    for name in ("baseline-reference", "baseline-vllm"):
+        (out / name).mkdir(parents=True)
+        for r in [result("gsm8k")]:
+            write_json_atomic(out / name / "gsm8k.json", asdict(r))
+        _write_meta(out / name, cfg.tracking, Job(None, 0, "reference"), "baseline", None, {}, [result("gsm8k")])
+
+    def parents():
+        exp = client.get_experiment_by_name("offline").experiment_id
+        return client.search_runs([exp], "tags.`dspark.stage` = 'pipeline'", order_by=["attributes.start_time ASC"])
+
+    real = record.upload_run
+    monkeypatch.setattr(record, "upload_run", lambda *_a: (_ for _ in ()).throw(ConnectionError("server went away")))
+    with pytest.raises(ConnectionError):
+        record.upload_all(client, out, cfg, quiet=True)
+    [failed] = parents()  # not left RUNNING
+    assert failed.info.status == "FAILED" and failed.data.tags["dspark.outcome"] == "upload failed: server went away"
+
+    monkeypatch.setattr(record, "upload_run", real)
+    assert len(record.upload_all(client, out, cfg, quiet=True)) == 2
+    assert [r.info.status for r in parents()] == ["FAILED", "FINISHED"]  # the first attempt's, then the retry's

@@ -315,9 +315,19 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     assert said == f"{name}-1 (run {last.run_id}) ended FAILED on this data: submitting it again"
     assert len(calls) == 3 and calls[2][1]["dspark.data_fingerprint"] == fp2
     # One a person cancelled stays cancelled until the data changes.
-    last = schedule.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
-    MlflowClient(mlflow_server.uri).set_terminated(last.run_id, "KILLED")
+    client = MlflowClient(mlflow_server.uri)
+    cancelled = schedule.last_scheduled_run(client, resolve(CONFIG, ov))
+    client.set_terminated(cancelled.run_id, "KILLED")
     assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 3
+
+    # Failing again and again: schedule.retries (2) resubmissions after the first failure, then it waits.
+    client.set_terminated(cancelled.run_id, "FAILED")
+    assert schedule.last_scheduled_run(client, resolve(CONFIG, ov)).failures == 2
+    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
+    client.set_terminated(schedule.last_scheduled_run(client, resolve(CONFIG, ov)).run_id, "FAILED")
+    capsys.readouterr()
+    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
+    assert capsys.readouterr().out.startswith("3 pipelines in a row failed on this data, the last ")
 
 
 def test_fingerprint_of_files_directories_and_hub_ids(tmp_path, monkeypatch):

@@ -187,6 +187,12 @@ def test_cancel_one_scancel_and_finished_jobs_are_fine(monkeypatch, tmp_path: Pa
     # The report job would have ended the pipeline's run; it is cancelled too, so cancel ends it.
     run = client.get_run(parent)
     assert run.info.status == "KILLED" and run.data.tags["dspark.outcome"] == "cancelled with `dspark cancel`"
+    # A pipeline that had already ended keeps its outcome.
+    done = client.create_run(run.info.experiment_id).info.run_id
+    client.set_terminated(done, "FINISHED")
+    pf.write_text(json.dumps({**state, "parent_run_id": done}))
+    cancel(pf)
+    assert client.get_run(done).info.status == "FINISHED"
 
 
 def test_cancel_without_scancel_fails_clearly(monkeypatch, tmp_path: Path) -> None:
