@@ -47,6 +47,10 @@ class Checker:
         if value not in allowed:
             self.fail(key, value, f"must be one of {', '.join(map(str, allowed))}")
 
+    def device(self, key: str, value: str) -> None:
+        if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", value):
+            self.fail(key, value, "must be cpu, cuda, cuda:N, mps or xpu")
+
     def path(self, key: str, value: str | None, what: str) -> None:
         if value and looks_like_path(value) and not Path(value).expanduser().exists():
             self.fail(key, value, f"{what} does not exist; fix the path or use a hub id")

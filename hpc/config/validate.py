@@ -6,19 +6,17 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
-from hpc.config.schema import BENCHMARKS, DSparkConfig, FinalHidden
+from hpc.config.schema import DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-SPEC_METHODS = ("dspark", "dflash", "eagle", "eagle3", "ngram", "draft_model", "mtp", "medusa")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -285,7 +283,7 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("train.global_batch_size", t.global_batch_size,
                f"not divisible by trainer ranks x grad_accumulation = {ranks} x {t.grad_accumulation}; "
                f"use a multiple of {ranks * t.grad_accumulation}")
-    _check_device(c, "train.device", t.device)
+    c.device("train.device", t.device)
     c.one_of("train.dtype", t.dtype, DTYPES)
     if t.dtype == "float16" and t.device.startswith("cuda"):
         c.fail("train.dtype", t.dtype, "float16 needs loss scaling, which the trainer does not do; use bfloat16")
@@ -302,11 +300,6 @@ def _check_train(c: Checker, cfg: DSparkConfig) -> None:
                "point it at one, or use champion")
 
 
-def _check_device(c: Checker, key: str, device: str) -> None:
-    if not re.match(r"^(cpu|cuda|cuda:\d+|mps|xpu)$", device):
-        c.fail(key, device, "must be cpu, cuda, cuda:N, mps or xpu")
-
-
 def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     st = cfg.stream
     c.one_of("stream.dtype", st.dtype, ("auto", *DTYPES))
@@ -315,47 +308,6 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("stream.heartbeat_s", st.heartbeat_s)
     if st.peer_timeout_s <= st.heartbeat_s:
         c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")
-
-
-def _check_eval(c: Checker, cfg: DSparkConfig) -> None:
-    e = cfg.eval
-    if not e.benchmarks:
-        c.fail("eval.benchmarks", [], f"need at least one of {', '.join(BENCHMARKS)}")
-    for b in e.benchmarks:
-        if b not in BENCHMARKS:
-            c.fail("eval.benchmarks", b, f"unknown benchmark; choose from {', '.join(BENCHMARKS)}")
-    if not e.num_speculative_tokens:
-        c.fail("eval.num_speculative_tokens", [], "need at least one n, e.g. [3, 7]")
-    for n in e.num_speculative_tokens:
-        if n < 1:
-            c.fail("eval.num_speculative_tokens", n, "every n must be >= 1")
-    c.positive("eval.max_tokens", e.max_tokens)
-    c.positive("eval.code_max_tokens", e.code_max_tokens)
-    if e.rows is not None:
-        c.positive("eval.rows", e.rows)
-    _check_device(c, "eval.device", e.device)
-    c.nonneg("eval.temperature", e.temperature)
-    if e.temperature > 2.0:
-        c.fail("eval.temperature", e.temperature, "sampling temperatures above 2 are noise; use 0 (greedy) to 2, e.g. 0.7")
-    c.positive("eval.timing_min_pairs", e.timing_min_pairs)
-    c.path("eval.data_dir", e.data_dir, "benchmark data directory")
-    for name, path in e.datasets.items():
-        if name not in BENCHMARKS:
-            c.fail(f"eval.datasets.{name}", path, f"unknown benchmark; choose from {', '.join(BENCHMARKS)}")
-        elif not Path(path).expanduser().is_file():
-            c.fail(f"eval.datasets.{name}", path, f"no such file; point it at a local {name} JSONL or parquet file")
-    if not 0 <= e.draft_token_cost < 1:
-        c.fail("eval.draft_token_cost", e.draft_token_cost, "the share of a verify step one drafted token costs: "
-               "use a value in [0, 1), e.g. 0.03")
-    names = [d.name for d in e.compare]
-    for i, d in enumerate(e.compare):
-        if not d.name:
-            c.fail(f"eval.compare[{i}].name", d.name, "give the draft a name for the table, e.g. eagle3")
-        c.one_of(f"eval.compare[{i}].method", d.method, SPEC_METHODS)
-        if not d.model and d.method != "ngram":
-            c.fail(f"eval.compare[{i}].model", d.model, "needs the draft model path or hub id")
-    if len(set(names)) != len(names):
-        c.fail("eval.compare", names, "draft names must be unique")
 
 
 def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
@@ -392,6 +344,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     """All problems found, one line each; empty when the config is good to submit. `shapes`: a
     dict shared by calls that validate variants of one config, so the target is read once."""
     from hpc.config.inputs import check_leaves, check_names, check_repeats
+    from hpc.config.validate_eval import check_eval
     from hpc.config.validate_ops import check_plan, check_schedule
     from hpc.config.validate_ops import check_tracking as tracking_checks
 
@@ -410,7 +363,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     _check_data(c, cfg)
     _check_train(c, cfg)
     _check_stream(c, cfg)
-    _check_eval(c, cfg)
+    check_eval(c, cfg)
     tracking_checks(c, cfg, check_tracking)
     check_schedule(c, cfg)
     check_plan(c, cfg)

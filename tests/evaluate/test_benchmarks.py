@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config.schema import EvalConfig
-from hpc.config.validate import BENCHMARKS
+from hpc.config.schema import BENCHMARKS, EvalConfig
 from hpc.errors import UserError
 from hpc.evaluate.benchmarks import known_benchmarks, load_benchmark, load_manifest
 
