@@ -133,6 +133,10 @@ def _executor(folder: Path, params: dict, dependency: str | None, array: int):
     extra = dict(p.pop("slurm_additional_parameters", {}))
     if dependency:
         extra["dependency"] = dependency
+        # A stage after a failed one would otherwise pend forever (Slurm's default keeps it, as
+        # DependencyNeverSatisfied): the report never runs, the pipeline's MLflow run stays
+        # RUNNING, and the scheduled retrain takes that for a pipeline under way.
+        extra["kill-on-invalid-dep"] = "yes"
     ex.update_parameters(**p, slurm_additional_parameters=extra, slurm_array_parallelism=max(array, 1))
     return ex
 

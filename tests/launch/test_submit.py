@@ -53,6 +53,8 @@ def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_clu
     assert "report       1 task(s) x 1 node(s)  after afterany:<eval-n3>:<eval-n7>" in out
     assert out.count("#!/bin/bash") == 6 and "#SBATCH --signal=USR2@90" in out and "#SBATCH --requeue" in out
     assert "#SBATCH --array=0-1%2" in out and "--kill-on-bad-exit=1" in out
+    # Every stage with a dependency is cancelled, not left pending, when that dependency fails.
+    assert out.count("#SBATCH --kill-on-invalid-dep=yes") == 5
     assert squeue_count() == before
 
 
