@@ -220,6 +220,12 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
     return rows
 
 
+def _fail_fast() -> None:
+    """MLflow's defaults retry for minutes; status and cancel have to come back in seconds."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
 def mlflow_link(state: dict) -> str:
     """Where the pipeline's parent run is; never fails, since a dead server must not hide the table."""
     uri, run = str(state.get("tracking_uri") or ""), state.get("parent_run_id") or "?"
@@ -227,9 +233,7 @@ def mlflow_link(state: dict) -> str:
         return f"mlflow: run {run}; browse with `mlflow ui --backend-store-uri {uri}`"
     if not uri.startswith(("http://", "https://")):
         return f"mlflow: run {run} at {redact_uri(uri) if uri else '(no tracking uri)'}"
-    # MLflow's defaults retry for minutes; a status line has to come back in seconds.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    _fail_fast()
     try:
         from mlflow.tracking import MlflowClient
 
@@ -293,8 +297,7 @@ def _end_cancelled(state: dict) -> None:
     uri, run_id = str(state.get("tracking_uri") or ""), state.get("parent_run_id")
     if not run_id or not uri or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
         return
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # seconds, not MLflow's minutes of retries
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    _fail_fast()
     try:
         from mlflow.tracking import MlflowClient
 

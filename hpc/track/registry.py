@@ -72,7 +72,7 @@ def _score(mv) -> float | None:
 def _manifests(mv) -> tuple[dict, str] | None:
     """What a score was measured on: (benchmark manifests, n); scores compare only when equal."""
     try:
-        return json.loads(mv.tags[MANIFESTS_TAG]), mv.tags.get(N_TAG, "7")
+        return json.loads(mv.tags[MANIFESTS_TAG]), _n(mv)
     except (KeyError, ValueError):
         return None
 
