@@ -67,7 +67,8 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     if cal_rows:
         from hpc.train.calibrate_stage import fit_held_out, format_fitted
 
-        fitted = fit_held_out(model, head, verifier.capture, cal_rows, quiet=True, where=where)
+        fitted = fit_held_out(model, head, verifier.capture, cal_rows, quiet=True, where=where,
+                              ns=cfg.eval.num_speculative_tokens)
         fitted.calibration.save(ckpt)
         print(format_fitted(fitted), flush=True)
     return ckpt

@@ -139,8 +139,9 @@ def speculative_generate(
     """Speculative decoding; returns (generated ids, stats). n <= draft block size.
 
     `record`, when given, collects (confidences, accepted) per verify step for the calibration
-    report, up to and including the first rejected position: the confidence head predicts
-    "slot i is accepted given every earlier slot was", and later slots never face that event.
+    report, up to and including the first rejected position (and no slot past the output's
+    end): the confidence head predicts "slot i is accepted given every earlier slot was", and
+    later slots never face that event.
     Accepted means "equals the target's greedy token" at temperature 0 and "survived the
     min(1, q/p) test" when sampling: the event each decoding mode actually runs on.
     """
@@ -184,8 +185,15 @@ def speculative_generate(
             accepted = int(torch.cumprod((drafts == target_next[:k]).int(), 0).sum())
             follow = int(target_next[accepted])
         if record is not None and confs is not None:
-            seen = min(accepted + 1, k)
-            record.append(([float(c) for c in confs[:seen]], [1] * accepted + [0] * (seen - accepted)))
+            # A slot past the output's end (after a drafted EOS, or beyond max_new_tokens) has no
+            # token in any output: the target's guess there is off the text it was calibrated on,
+            # and on the toy it rejected ~one slot per prompt that no held-out row can hold.
+            drafted = drafts[:accepted].tolist()
+            live = min(k, max_new_tokens - len(out),
+                       drafted.index(eos_token_id) + 1 if eos_token_id in drafted else k)
+            seen = min(accepted + 1, live)
+            hits = min(accepted, seen)
+            record.append(([float(c) for c in confs[:seen]], [1] * hits + [0] * (seen - hits)))
         stats.drafts += 1
         stats.draft_tokens += k
         stats.accepted += accepted

@@ -17,7 +17,7 @@ target's greedy choice on regenerated data: fit on rows regenerated at temperatu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,52 +87,107 @@ class HeldOutSlots:
 
 
 @torch.no_grad()
-def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 512) -> HeldOutSlots:
-    """Teacher-forced blocks over held-out PackedRows, as training builds them (every anchor up to
-    `max_anchors` per row), but up to the row's end: a completion's last B positions, which
-    training leaves out, are drafted in decoding like any others (on the toy target's short
-    replies they are 30% of the slots at position 1)."""
+def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 512,
+                   ns: Sequence[int] = ()) -> HeldOutSlots:
+    """Teacher-forced blocks over held-out PackedRows at every anchor, `max_anchors` blocks per
+    forward, up to the row's end: a completion's last B positions, which training leaves out,
+    are drafted in decoding like any others (on the toy target's short replies they are 30% of
+    the slots at position 1).
+
+    With `ns`, the n decoding runs at, each slot also weighs by the chance that decoding at n
+    drafts a block at its anchor (`decode_visits`), averaged over ns. Decoding does not draft at
+    every anchor: after k accepted drafts its next block starts k + 1 tokens on, so the anchors
+    inside an easy run are skipped and those after a miss are not. On the toy target, slots at
+    position 3 were accepted 0.55 of the time over every anchor of the benchmarks' answers and
+    0.43 over the anchors decoding drafted at. The weights are exact for greedy decoding at
+    n = block_size (less one without sample_from_anchor); a narrower block's slots attend to
+    fewer mask slots, so its drafts differ a little from these teacher-forced ones."""
     from hpc.model.blocks import select_anchors
     from hpc.model.loss import block_outputs
 
     a = model.args
     first = 0 if a.sample_from_anchor else 1
+    if ns and max(ns) > a.block_size - first:
+        raise ValueError(f"n={max(ns)} needs more draft slots than the draft's block_size={a.block_size} has")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
     for row in rows:
-        anchors_N = select_anchors(row.loss_mask_T, a.block_size, max_anchors, torch.Generator().manual_seed(0),
-                                   to_end=True).to(row.input_ids_T.device)
-        out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N)
-        if out is None or out.conf_NB is None:
-            continue
         T = row.input_ids_T.numel()
-        # A slot whose token would follow its document's last one has no label (decoding stops there).
-        nxt_NB = out.target_idx_NB[:, first:] + 1
-        doc_T = row.doc_ids_T
-        assert doc_T is not None  # PackedRow.__post_init__ fills it
-        valid = out.valid_NB[:, first:] & (nxt_NB < T) & (doc_T[nxt_NB.clamp(max=T - 1)] == doc_T[nxt_NB - 1])
-        logits, target = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:]
-        p, q = F.softmax(logits.float(), -1), F.softmax(target.float(), -1)
-        # Greedy decoding accepts a draft when it is the target's argmax over the WHOLE vocab. On
-        # regenerated rows (data.regen_temperature=0) that argmax is the row's next token, which
-        # may lie outside the draft vocab: the draft then fails, while an argmax over the draft
-        # vocab alone would call it a match. So the event is "the draft's token is the row's".
-        label_NB = row.input_ids_T[nxt_NB.clamp(max=T - 1)]
-        g_NB = (model.draft_to_target(logits.argmax(-1)) == label_NB).float()
-        s_NB = M.accept_prob(p, q)
-        v = valid.float()
+        segment_T = response_segments(row.loss_mask_T, row.doc_ids_T)
+        anchors = select_anchors(row.loss_mask_T, a.block_size, T, to_end=True).to(row.input_ids_T.device)
+        blocks: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "v")}
+        for anchors_N in anchors.split(max_anchors):
+            out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N)
+            if out is None or out.conf_NB is None:
+                break
+            # A slot whose token is not its response's (past its end: decoding stopped) has no label.
+            nxt_NB = out.target_idx_NB[:, first:] + 1
+            inside = nxt_NB < T
+            at = nxt_NB.clamp(max=T - 1)
+            valid = out.valid_NB[:, first:] & inside & (segment_T[at] == segment_T[nxt_NB - 1]) & (segment_T[at] >= 0)
+            logits, target = out.logits_NBD[:, first:], out.target_logits_NBD[:, first:]
+            p, q = F.softmax(logits.float(), -1), F.softmax(target.float(), -1)
+            # Greedy decoding accepts a draft when it is the target's argmax over the WHOLE vocab. On
+            # regenerated rows (data.regen_temperature=0) that argmax is the row's next token, which
+            # may lie outside the draft vocab: the draft then fails, while an argmax over the draft
+            # vocab alone would call it a match. So the event is "the draft's token is the row's".
+            g_NB = (model.draft_to_target(logits.argmax(-1)) == row.input_ids_T[at]).float()
+            for key, t in (("z", out.conf_NB[:, first:].float()), ("g", g_NB), ("s", M.accept_prob(p, q)),
+                           ("v", valid.float())):
+                blocks[key].append(t)
+        if not blocks["z"]:
+            continue
+        z, g_NB, s_NB, v = (torch.cat(blocks[k]) for k in ("z", "g", "s", "v"))
         # Slot k is read only after every earlier draft in the block was accepted.
         ones = torch.ones_like(g_NB[:, :1])
         reach_g = torch.cumprod(torch.cat([ones, (g_NB * v)[:, :-1]], 1), 1) * v
         reach_s = torch.cumprod(torch.cat([ones, (s_NB * v)[:, :-1]], 1), 1) * v
+        if ns:
+            for r, acc in ((reach_g, g_NB * v), (reach_s, s_NB * v)):
+                visits = torch.stack([decode_visits(acc, anchors, segment_T, n) for n in ns]).mean(0)
+                r *= visits.to(r.dtype)[:, None]
         pos = torch.arange(1, g_NB.shape[1] + 1, device=g_NB.device).expand_as(g_NB)
         sel = v.bool()
-        for key, t in (("z", out.conf_NB[:, first:].float()), ("g", g_NB), ("s", s_NB), ("k", pos),
-                       ("rg", reach_g), ("rs", reach_s)):
+        for key, t in (("z", z), ("g", g_NB), ("s", s_NB), ("k", pos), ("rg", reach_g), ("rs", reach_s)):
             parts[key].append(t[sel])
     if not parts["z"]:
         raise ValueError("no held-out slots: the draft has no confidence head, or the rows have no loss mask")
     cat = {k: torch.cat(v) for k, v in parts.items()}
     return HeldOutSlots(cat["z"], cat["g"], cat["s"], cat["k"], {"greedy": cat["rg"], "sampling": cat["rs"]})
+
+
+def response_segments(loss_mask_T: torch.Tensor, doc_ids_T: torch.Tensor | None) -> torch.Tensor:
+    """Per position, the index of the response (a run of loss-mask tokens inside one document)
+    it belongs to, -1 outside every response: each response is one decode."""
+    mask = loss_mask_T.bool()
+    doc = doc_ids_T if doc_ids_T is not None else torch.zeros_like(loss_mask_T, dtype=torch.long)
+    starts = mask.clone()
+    starts[1:] &= ~mask[:-1] | (doc[1:] != doc[:-1])
+    return torch.where(mask, torch.cumsum(starts.long(), 0) - 1, torch.full_like(doc, -1))
+
+
+def decode_visits(accept_NB: torch.Tensor, anchors_N: torch.Tensor, segment_T: torch.Tensor, n: int) -> torch.Tensor:
+    """[N] The chance that decoding at n drafts a block at each anchor of one row, when slot j of
+    the block at anchor i is accepted with chance accept_NB[i, j] (0/1 for greedy, so the visits
+    are too). Each response's decode starts at its first token; a block that accepts j of its n
+    drafts hands over to the anchor j + 1 tokens on, within the same response."""
+    pos = anchors_N.tolist()
+    index = {t: i for i, t in enumerate(pos)}
+    seg = segment_T.tolist()
+    acc = accept_NB[:, :n].double().cpu().tolist()
+    visit = [0.0] * len(pos)
+    for i, t in enumerate(pos):
+        if t == 0 or seg[t - 1] != seg[t]:
+            visit[i] += 1.0
+        here = visit[i]
+        for j in range(n + 1):  # j drafts accepted, then a miss (or all n accepted)
+            if here == 0.0:
+                break
+            stop = 1.0 - acc[i][j] if j < n else 1.0
+            nxt = index.get(t + j + 1)
+            if nxt is not None and seg[t + j + 1] == seg[t]:
+                visit[nxt] += here * stop
+            here *= acc[i][j] if j < n else 0.0
+    return torch.tensor(visit, device=accept_NB.device)
 
 
 def _fit(z: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
@@ -224,6 +279,17 @@ def weighted_ece(conf: torch.Tensor, event: torch.Tensor, weight: torch.Tensor, 
         if wb > 0:
             ece += wb / total * abs(float((weight[at] * event[at]).sum()) / wb - float((weight[at] * conf[at]).sum()) / wb)
     return ece
+
+
+def weighted_ece_floor(conf: torch.Tensor, weight: torch.Tensor, draws: int = 200, seed: int = 0) -> float:
+    """The mean `weighted_ece` of a perfectly calibrated head (events drawn as Bernoulli(conf))
+    on these slots and weights: ECE is biased upwards on few slots, so one near this floor is noise."""
+    if conf.numel() == 0 or float(weight.sum()) <= 0:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    conf, weight = conf.double().cpu(), weight.double().cpu()
+    return sum(weighted_ece(conf, (torch.rand(conf.shape, generator=gen, dtype=torch.float64) < conf).double(), weight)
+               for _ in range(draws)) / draws
 
 
 def ece_by_position(slots: HeldOutSlots, cal: Calibration | None, mode: str) -> list[tuple[float, float]]:

@@ -20,7 +20,7 @@ exact on data regenerated at temperature 0 (`data.regen_temperature`), which is 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,15 +69,18 @@ def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device
 
 
 def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.device | str = "cpu",
-                 autocast: torch.dtype | None = None, quiet: bool = False, where: str = "held-out rows") -> Fitted:
-    """Capture `rows`, fit on all of them, report ECE cross-fitted on their two halves."""
+                 autocast: torch.dtype | None = None, quiet: bool = False, where: str = "held-out rows",
+                 ns: Sequence[int] = ()) -> Fitted:
+    """Capture `rows`, fit on all of them, report ECE cross-fitted on their two halves. With `ns`
+    (eval.num_speculative_tokens), slots weigh as decoding at those n reads them."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from hpc.evaluate.calibration import ece_floor
-    from hpc.model.calibrate import calibrated, fit_calibration
+    from hpc.model.calibrate import calibrated, fit_calibration, weighted_ece_floor
 
     device = torch.device(device)
     model.eval()
+    most = model.args.block_size - (0 if model.args.sample_from_anchor else 1)
+    ns = [n for n in ns if n <= most]  # a larger n fails in its eval job, which says why
     ids = sorted(rows)
     halves = [h for h in (ids[0::2], ids[1::2]) if h]
     parts: list[HeldOutSlots] = []
@@ -88,7 +91,7 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
             with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 try:
                     parts.append(held_out_slots(model, _packed(capture, rows, half, device,
-                                                               lambda: bar.advance(task)), head))
+                                                               lambda: bar.advance(task)), head, ns=ns))
                 except ValueError as err:  # no row of this half had a drafted slot
                     raise UserError(f"calibrate: {err}; {where} {half[:5]}{'...' if len(half) > 5 else ''} "
                                     "gave none (captures skipped above, or rows with no assistant tokens)") from None
@@ -98,11 +101,11 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     ece = cross_fitted_ece(pair[0], pair[1], pooled_at=cal.pooled_at) if pair else None
     floors = []
     greedy = calibrated(slots, cal, "greedy")
-    for k in range(1, int(slots.position.max()) + 1):  # greedy reach is 0/1: these are plain slots
+    for k in range(1, int(slots.position.max()) + 1):
         at = (slots.position == k) & (slots.reach["greedy"] > 0)
-        confs = torch.sigmoid(greedy.logit[at]).tolist()
         # Fewer draws on many slots (Kimi's held-out rows): the floor is small and steady there.
-        floors.append(ece_floor(confs, draws=max(10, min(200, 1_000_000 // max(1, len(confs))))))
+        floors.append(weighted_ece_floor(torch.sigmoid(greedy.logit[at]), slots.reach["greedy"][at],
+                                         draws=max(10, min(200, 1_000_000 // max(1, int(at.sum()))))))
     return Fitted(cal, len(ids), ece, floors, where)
 
 
@@ -200,7 +203,8 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
                         t["norm"].float() if cfg.train.apply_verifier_norm else None).to(device)
     capture, server = make_capture(cfg, str(device), out)
     try:
-        fitted = fit_held_out(draft, head, capture, held, device, amp, quiet=quiet, where=where)
+        fitted = fit_held_out(draft, head, capture, held, device, amp, quiet=quiet, where=where,
+                              ns=cfg.eval.num_speculative_tokens)
     finally:
         if server is not None:
             server.close()

@@ -210,3 +210,33 @@ def test_calibration_record_stops_at_the_first_rejection():
     record: list = []
     speculative_generate(target, draft, [5, 17, 33, 2], 24, 5, record=record)
     assert record and all(len(c) == len(m) and m.count(0) <= 1 and (0 not in m or m[-1] == 0) for c, m in record)
+
+
+class ConfidentOracle(OracleDraft):
+    def propose(self, ctx_TH, anchor_id, anchor_pos, n):
+        drafts, _ = super().propose(ctx_TH, anchor_id, anchor_pos, n)
+        return drafts, torch.full((n,), 0.5, dtype=torch.float64)
+
+
+def test_calibration_record_ends_where_the_output_does():
+    """A slot past max_new_tokens or past a drafted EOS holds no output token, so no held-out row
+    can hold it either: the record leaves it out."""
+    target, prompt = random_target(), [5, 17, 33, 2]
+    want = greedy_generate(target, prompt, 40)
+    base = random_draft(target, [1, 2, 3])
+
+    def oracle():
+        o = ConfidentOracle(base.args).double()
+        o.load_state_dict(base.state_dict())
+        return o.setup(prompt + want, [7], target, len(prompt))  # every draft is the truth
+
+    record: list = []
+    out, _ = speculative_generate(target, oracle(), prompt, 10, 7, record=record)
+    # token 0 from the prefill, 7 drafts and a bonus: 9 tokens; the next block's first slot is the 10th
+    assert out == want[:10] and [m for _, m in record] == [[1] * 7, [1]]
+    e = next(i for i in range(3, 40) if i % 8 and want[i] not in want[:i])  # a drafted slot, unseen before
+    record = []
+    out, _ = speculative_generate(target, oracle(), prompt, 40, 7, eos_token_id=want[e], record=record)
+    assert out == want[:e + 1]
+    assert all(all(m) for _, m in record)
+    assert sum(len(m) for _, m in record) == sum(1 for i in range(1, e + 1) if i % 8)  # drafted up to the EOS

@@ -166,3 +166,16 @@ def test_cross_fitting_scores_each_half_with_the_other_halfs_map():
     by_hand = calibrated(a, cal_b, "greedy")
     at2 = a.position == 2
     assert torch.allclose(by_hand.logit[at2], cal_b.apply(a.logit[at2], "greedy", 2))
+
+
+def test_the_weighted_floor_is_a_perfect_heads_ece_whatever_the_weights_scale():
+    from hpc.evaluate.calibration import ece_floor
+    from hpc.model.calibrate import weighted_ece_floor
+
+    conf = torch.rand(200, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1
+    ones = torch.ones(200)
+    floor = weighted_ece_floor(conf, ones)
+    assert floor == weighted_ece_floor(conf, 3 * ones)
+    assert abs(floor - ece_floor(conf.tolist())) < 0.015  # the same null, drawn apart
+    assert weighted_ece_floor(conf.repeat(10), torch.ones(2000)) < floor / 2  # more slots, less noise
+    assert weighted_ece_floor(conf, torch.zeros(200)) == 0.0
