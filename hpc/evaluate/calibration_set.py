@@ -36,6 +36,18 @@ def calibration_conversations(eval_cfg, per_benchmark: int) -> tuple[list[dict],
     return rows, counts
 
 
+def decoded_tokens(row: dict, eval_cfg) -> int | None:
+    """The max_tokens the evaluation decodes this calibration row's benchmark at (the `source`
+    this module writes); None for a row of any other source (served traffic has its own)."""
+    from hpc.evaluate.benchmarks import known_benchmarks, load_manifest
+
+    source = str(row.get("source", ""))
+    name = source[len("calibration:"):] if source.startswith("calibration:") else ""
+    if name not in known_benchmarks():
+        return None
+    return int(eval_cfg.code_max_tokens if load_manifest(name).code else eval_cfg.max_tokens)
+
+
 def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAULT_ROWS) -> tuple[dict[str, int], Path]:
     """Write the calibration set as JSONL, atomically; returns (rows per benchmark, the file)."""
     from hpc.fsio import write_text

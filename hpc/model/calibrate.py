@@ -95,7 +95,8 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
     the slots at position 1).
 
     With `ns`, the n decoding runs at, each slot also weighs by the chance that decoding at n
-    drafts a block at its anchor (`decode_visits`), averaged over ns. Decoding does not draft at
+    drafts a block at its anchor (`decode_visits`) and reads that slot (its first n), averaged
+    over ns. Decoding does not draft at
     every anchor: after k accepted drafts its next block starts k + 1 tokens on, so the anchors
     inside an easy run are skipped and those after a miss are not. On the toy target, slots at
     position 3 were accepted 0.55 of the time over every anchor of the benchmarks' answers and
@@ -142,9 +143,11 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
         reach_g = torch.cumprod(torch.cat([ones, (g_NB * v)[:, :-1]], 1), 1) * v
         reach_s = torch.cumprod(torch.cat([ones, (s_NB * v)[:, :-1]], 1), 1) * v
         if ns:
+            # Decoding at n reads only a block's first n slots: at n=3 a block's slot 5 weighs nothing.
+            col_B = torch.arange(g_NB.shape[1], device=g_NB.device)
             for r, acc in ((reach_g, g_NB * v), (reach_s, s_NB * v)):
-                visits = torch.stack([decode_visits(acc, anchors, segment_T, n) for n in ns]).mean(0)
-                r *= visits.to(r.dtype)[:, None]
+                r *= torch.stack([decode_visits(acc, anchors, segment_T, n).to(r.dtype)[:, None] * (col_B < n)
+                                  for n in ns]).mean(0)
         pos = torch.arange(1, g_NB.shape[1] + 1, device=g_NB.device).expand_as(g_NB)
         sel = v.bool()
         for key, t in (("z", z), ("g", g_NB), ("s", s_NB), ("k", pos), ("rg", reach_g), ("rs", reach_s)):
@@ -169,7 +172,9 @@ def decode_visits(accept_NB: torch.Tensor, anchors_N: torch.Tensor, segment_T: t
     """[N] The chance that decoding at n drafts a block at each anchor of one row, when slot j of
     the block at anchor i is accepted with chance accept_NB[i, j] (0/1 for greedy, so the visits
     are too). Each response's decode starts at its first token; a block that accepts j of its n
-    drafts hands over to the anchor j + 1 tokens on, within the same response."""
+    drafts hands over to the anchor j + 1 tokens on, within the same response. For sampling this
+    assumes the decode stays on the row's tokens (rows regenerated at temperature 0): an
+    approximation where sampling would have written other text."""
     pos = anchors_N.tolist()
     index = {t: i for i, t in enumerate(pos)}
     seg = segment_T.tolist()

@@ -68,6 +68,17 @@ def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device
         yield pack([cap]).to(device)  # type: ignore[list-item]
 
 
+def decodable(model, ns: Sequence[int]) -> list[int]:
+    """The n of `ns` this draft's block can draft: a larger one fails in its eval job, which says
+    why; when none is left, every anchor weighs the same (said in one line)."""
+    most = model.args.block_size - (0 if model.args.sample_from_anchor else 1)
+    fit = [n for n in ns if 1 <= n <= most]
+    if ns and not fit:
+        print(f"calibrate: no n of {list(ns)} fits the draft's {most} draft slots; every anchor weighs the same",
+              flush=True)
+    return fit
+
+
 def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.device | str = "cpu",
                  autocast: torch.dtype | None = None, quiet: bool = False, where: str = "held-out rows",
                  ns: Sequence[int] = ()) -> Fitted:
@@ -79,8 +90,7 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
 
     device = torch.device(device)
     model.eval()
-    most = model.args.block_size - (0 if model.args.sample_from_anchor else 1)
-    ns = [n for n in ns if n <= most]  # a larger n fails in its eval job, which says why
+    ns = decodable(model, ns)
     ids = sorted(rows)
     halves = [h for h in (ids[0::2], ids[1::2]) if h]
     parts: list[HeldOutSlots] = []

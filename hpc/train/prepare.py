@@ -14,6 +14,7 @@ the ones the checkpoint was trained on, the run stops with one line before any r
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +46,10 @@ def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
     return [(s.path, s.split, s.max_rows) for s in data.sources]
 
 
-def _tokenize(cfg: DSparkConfig, data: DataConfig) -> tuple[list[TokenRow], RowStats]:
-    """`data`'s rows (its regenerated shards once finished), tokenised with the verifier's tokenizer."""
+def _tokenize(cfg: DSparkConfig, data: DataConfig,
+              remask: Callable[[dict, list[int]], list[int]] | None = None) -> tuple[list[TokenRow], RowStats]:
+    """`data`'s rows (its regenerated shards once finished), tokenised with the verifier's
+    tokenizer; `remask(row, loss_mask)` may then narrow each row's loss mask."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
@@ -54,8 +57,29 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig) -> tuple[list[TokenRow], RowS
     stats = RowStats()
     rows: list[TokenRow] = []
     for path, split, max_rows in training_sources(data):
-        rows.extend(tokenize_rows(tok, read_rows(path, split, max_rows), cfg.data.max_seq_len, stats))
+        raw: list[dict] = []
+
+        def kept(it: Iterator[dict], raw: list[dict] = raw) -> Iterator[dict]:
+            for row in it:
+                if remask is not None:
+                    raw.append(row)
+                yield row
+
+        for r in tokenize_rows(tok, kept(read_rows(path, split, max_rows)), cfg.data.max_seq_len, stats):
+            if remask is not None:
+                r.loss_mask = remask(raw[r.sample_id], r.loss_mask)
+            rows.append(r)
     return rows, stats
+
+
+def cap_responses(loss_mask: list[int], cap: int) -> list[int]:
+    """The mask with each response (a run of 1s) cut to its first `cap` tokens: what decoding
+    at max_tokens=cap emits of it."""
+    out, run = [], 0
+    for m in loss_mask:
+        run = run + 1 if m else 0
+        out.append(1 if m and run <= cap else 0)
+    return out
 
 
 def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
@@ -69,7 +93,15 @@ def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]
         raise UserError(f"data.calibration_sources are not regenerated yet ({Path(cal.output_dir) / 'regenerated'} "
                         "is not complete); run the regenerate stage first (`dspark regenerate CONFIG` answers them "
                         "too), or set data.regenerate=false to calibrate on the rows as they are")
-    rows, stats = _tokenize(cfg, cal)
+    from hpc.evaluate.calibration_set import decoded_tokens
+
+    def remask(row: dict, mask: list[int]) -> list[int]:
+        # A benchmark's spare row is read as its evaluation decodes it: regeneration answers at
+        # data.regen_max_tokens (4096), the evaluation stops at eval.max_tokens (2048, 512 for code).
+        cap = decoded_tokens(row, cfg.eval)
+        return mask if cap is None else cap_responses(mask, cap)
+
+    rows, stats = _tokenize(cfg, cal, remask)
     if not rows:
         raise UserError(f"no usable rows in data.calibration_sources ({stats.summary()}); check the paths. Rows "
                         "with no assistant turn (`dspark calibration-set` writes prompts) need data.regenerate=true")

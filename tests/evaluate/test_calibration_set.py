@@ -82,3 +82,13 @@ def test_the_command_prints_what_it_wrote_and_the_key_to_set(tmp_path, capsys):
     assert code == 0 and len(out.read_text().splitlines()) == 3
     assert "aime: 3 rows" in printed and "speedbench_coding: 0 rows (evaluated in full" in printed
     assert f"data.calibration_sources=[{{path: {out}}}]" in printed
+
+
+def test_a_calibration_row_is_capped_as_its_benchmark_is_evaluated():
+    from hpc.evaluate.calibration_set import decoded_tokens
+
+    cfg = EvalConfig(max_tokens=100, code_max_tokens=30)
+    assert decoded_tokens({"source": "calibration:gsm8k"}, cfg) == 100
+    assert decoded_tokens({"source": "calibration:livecodebench"}, cfg) == 30
+    assert decoded_tokens({"source": "calibration:nope"}, cfg) is None
+    assert decoded_tokens({"source": "traffic"}, cfg) is None and decoded_tokens({}, cfg) is None

@@ -92,3 +92,22 @@ def test_weighted_slots_are_exactly_the_ones_greedy_decoding_reads(fitted):
     assert max(len(m) for _, m in record) >= 4  # runs of acceptances: later positions were compared
     every = held_out_slots(draft, [_captured_row(target, aux, prompt, out)], head)
     assert float(every.reach["greedy"][every.position == 1].sum()) > float(w[slots.position == 1].sum())
+
+
+def test_a_slot_weighs_only_for_the_n_that_draft_it(fitted):
+    """With ns=[3, 7], positions 4-7 weigh only by n=7's visits: n=3 never drafts them."""
+    from hpc.model.calibrate import response_segments as segs
+
+    target, aux, prompt, draft, head = fitted
+    out, _ = speculative_generate(target, draft, prompt, 40, 8)
+    row = _captured_row(target, aux, prompt, out)
+    both = held_out_slots(draft, [row], head, ns=[3, 7])
+    seven = held_out_slots(draft, [row], head, ns=[7])
+    three = held_out_slots(draft, [row], head, ns=[3])
+    late = both.position > 3
+    assert torch.equal(both.reach["greedy"][late], seven.reach["greedy"][late] / 2)
+    assert float(three.reach["greedy"][late].sum()) == 0.0
+    early = ~late
+    assert torch.equal(both.reach["greedy"][early], (three.reach["greedy"][early] + seven.reach["greedy"][early]) / 2)
+    assert float(seven.reach["greedy"][both.position == 8].sum()) == 0.0
+    assert segs(row.loss_mask_T, row.doc_ids_T).max() == 0  # one response

@@ -101,3 +101,11 @@ def test_held_out_rows_do_not_choose_the_draft_vocabulary(tmp_path, toy_target):
     # Every row counts without a hold-out; with one, only the rows that train.
     assert counts[0].tolist() == tally(rows).tolist()
     assert counts[4].tolist() == tally(trained).tolist() != counts[0].tolist()
+
+
+def test_each_response_is_cut_to_what_decoding_at_the_cap_emits():
+    from hpc.train.prepare import cap_responses
+
+    mask = [0, 1, 1, 1, 1, 0, 0, 1, 1, 1]  # two assistant turns
+    assert cap_responses(mask, 2) == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    assert cap_responses(mask, 4) == mask

@@ -75,6 +75,15 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(t
     assert cal_stats is not None and cal_stats.written == 8
     rows = calibration_rows(cfg)
     assert 0 < len(rows) <= 8 and all(sum(mask) > 0 for _, mask in rows.values())
+    # Read as the evaluation decodes them: a reply past eval.max_tokens is cut there.
+    import copy
+
+    capped = copy.deepcopy(cfg)
+    capped.eval.max_tokens = 3
+    short = calibration_rows(capped)
+    assert short.keys() == rows.keys() and any(sum(m) > 3 for _, m in rows.values())
+    for i, (ids, mask) in short.items():
+        assert ids == rows[i][0] and sum(mask) == min(3, sum(rows[i][1]))
     # The prompt is the benchmark's, rendered as the evaluation renders it; the target's reply follows.
     tok = AutoTokenizer.from_pretrained(toy_target)
     from hpc.evaluate.benchmarks import spare_prompts
