@@ -39,7 +39,7 @@ class Calibration:
     """Per mode, one (a, b) per drafted position: p = sigmoid(a * logit + b)."""
 
     maps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    fitted_on: int = 0  # held-out drafted slots
+    fitted_on: int = 0  # held-out drafted slots that decoding reads (weight > 0)
     # Per mode, the positions that share the pooled map (too few slots, or their own map
     # predicted the other half of the rows worse): a record of the fit, not read by `apply`.
     pooled_at: dict[str, list[int]] = field(default_factory=dict)
@@ -108,8 +108,8 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
 
     a = model.args
     first = 0 if a.sample_from_anchor else 1
-    if ns and max(ns) > a.block_size - first:
-        raise ValueError(f"n={max(ns)} needs more draft slots than the draft's block_size={a.block_size} has")
+    if ns and (min(ns) < 1 or max(ns) > a.block_size - first):
+        raise ValueError(f"ns={list(ns)}: each n must be 1..{a.block_size - first}, the draft slots of its block")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
     for row in rows:
         T = row.input_ids_T.numel()
@@ -255,7 +255,9 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
             else:
                 per.append(_fit(slots.logit[at], event[at], w[at]))
         maps[mode], pooled_at[mode] = per, shared
-    return Calibration(maps, int(slots.logit.numel()), pooled_at)
+    # Slots no decode reads (weight 0 in both modes) are not counted as fitted on.
+    read = int(((slots.reach["greedy"] > 0) | (slots.reach["sampling"] > 0)).sum())
+    return Calibration(maps, read, pooled_at)
 
 
 def _own_map_generalises(halves: tuple[HeldOutSlots, HeldOutSlots],

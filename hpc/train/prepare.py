@@ -74,7 +74,8 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
 
 def cap_responses(loss_mask: list[int], cap: int) -> list[int]:
     """The mask with each response (a run of 1s) cut to its first `cap` tokens: what decoding
-    at max_tokens=cap emits of it."""
+    at max_tokens=cap emits of it. Exact when the mask covers the generated tokens only, as the
+    toy's and Kimi's templates render it (one that adds a newline after EOS counts one more)."""
     out, run = [], 0
     for m in loss_mask:
         run = run + 1 if m else 0
@@ -105,7 +106,10 @@ def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]
     if not rows:
         raise UserError(f"no usable rows in data.calibration_sources ({stats.summary()}); check the paths. Rows "
                         "with no assistant turn (`dspark calibration-set` writes prompts) need data.regenerate=true")
-    return {i: (r.input_ids, r.loss_mask) for i, r in enumerate(rows)}
+    # Tokens after the last scored one change no slot: they are not captured (a 4096-token
+    # regenerated reply cut at code_max_tokens=512 costs an eighth).
+    ends = [max(j for j, m in enumerate(r.loss_mask) if m) + 1 for r in rows]
+    return {i: (r.input_ids[:end], r.loss_mask[:end]) for i, (r, end) in enumerate(zip(rows, ends))}
 
 
 PREPARED = "prepared.json"

@@ -111,3 +111,11 @@ def test_a_slot_weighs_only_for_the_n_that_draft_it(fitted):
     assert torch.equal(both.reach["greedy"][early], (three.reach["greedy"][early] + seven.reach["greedy"][early]) / 2)
     assert float(seven.reach["greedy"][both.position == 8].sum()) == 0.0
     assert segs(row.loss_mask_T, row.doc_ids_T).max() == 0  # one response
+
+
+def test_an_n_no_block_can_draft_is_refused(fitted):
+    target, aux, prompt, draft, head = fitted
+    row = _captured_row(target, aux, prompt, [7, 8, 9, 10])
+    for ns in ([0, 3], [draft.args.block_size + 1]):
+        with pytest.raises(ValueError, match="each n must be 1"):
+            held_out_slots(draft, [row], head, ns=ns)
