@@ -15,12 +15,14 @@ spare for the eval.rows the set is written with: evaluating more rows later woul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 from hpc.errors import UserError
 
 DEFAULT_ROWS = 64  # per benchmark
+SOURCE = "calibration:"  # + the benchmark's name: each row's `source`, which regeneration keeps
 
 
 def calibration_conversations(eval_cfg, per_benchmark: int) -> tuple[list[dict], dict[str, int]]:
@@ -31,7 +33,7 @@ def calibration_conversations(eval_cfg, per_benchmark: int) -> tuple[list[dict],
     for name in eval_cfg.benchmarks:
         prompts = spare_prompts(name, eval_cfg, per_benchmark)
         counts[name] = len(prompts)
-        rows += [{"id": f"calibration-{name}-{i}", "source": f"calibration:{name}",
+        rows += [{"id": f"calibration-{name}-{i}", "source": f"{SOURCE}{name}",
                   "conversations": [{"from": "human", "value": p}]} for i, p in enumerate(prompts)]
     return rows, counts
 
@@ -39,13 +41,18 @@ def calibration_conversations(eval_cfg, per_benchmark: int) -> tuple[list[dict],
 def decoded_tokens(row: dict, eval_cfg) -> int | None:
     """The max_tokens the evaluation decodes this calibration row's benchmark at (the `source`
     this module writes); None for a row of any other source (served traffic has its own)."""
+    source = str(row.get("source", ""))
+    code = _is_code(source.removeprefix(SOURCE)) if source.startswith(SOURCE) else None
+    return None if code is None else int(eval_cfg.code_max_tokens if code else eval_cfg.max_tokens)
+
+
+@functools.cache
+def _is_code(name: str) -> bool | None:
+    """Whether benchmark `name` decodes at eval.code_max_tokens; None when there is no such
+    benchmark. Cached: a calibration set asks once per row."""
     from hpc.evaluate.benchmarks import known_benchmarks, load_manifest
 
-    source = str(row.get("source", ""))
-    name = source[len("calibration:"):] if source.startswith("calibration:") else ""
-    if name not in known_benchmarks():
-        return None
-    return int(eval_cfg.code_max_tokens if load_manifest(name).code else eval_cfg.max_tokens)
+    return load_manifest(name).code if name in known_benchmarks() else None
 
 
 def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAULT_ROWS) -> tuple[dict[str, int], Path]:

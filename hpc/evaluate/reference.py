@@ -151,7 +151,7 @@ def speculative_generate(
     width = n if a.sample_from_anchor else n + 1
     if n < 1 or width > a.block_size:
         raise UserError(f"n={n} needs {width} draft slots but the draft's block_size is {a.block_size}; "
-                        f"use n <= {a.block_size - (0 if a.sample_from_anchor else 1)}")
+                        f"use n <= {a.max_n}")
     sampled = temperature > 0
     runner = TargetRunner(target, a.aux_layer_ids)
     stats = SpecStats(n=n)

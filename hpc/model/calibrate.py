@@ -108,16 +108,17 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
 
     a = model.args
     first = 0 if a.sample_from_anchor else 1
-    if ns and (min(ns) < 1 or max(ns) > a.block_size - first):
-        raise ValueError(f"ns={list(ns)}: each n must be 1..{a.block_size - first}, the draft slots of its block")
+    if ns and (min(ns) < 1 or max(ns) > a.max_n):
+        raise ValueError(f"ns={list(ns)}: each n must be 1..{a.max_n}, the draft slots of its block")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
     for row in rows:
         T = row.input_ids_T.numel()
         segment_T = response_segments(row.loss_mask_T, row.doc_ids_T)
         anchors = select_anchors(row.loss_mask_T, a.block_size, T, to_end=True).to(row.input_ids_T.device)
         blocks: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "v")}
+        ctx_TH = model.project_context(row.aux_TnH)  # once per row, not per chunk
         for anchors_N in anchors.split(max_anchors):
-            out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N)
+            out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N, ctx_TH=ctx_TH)
             if out is None or out.conf_NB is None:
                 break
             # A slot whose token is not its response's (past its end: decoding stopped) has no label.

@@ -76,6 +76,11 @@ class DSparkArgs:
     def is_dflash(self) -> bool:
         return self.markov_rank == 0 and not self.enable_confidence_head
 
+    @property
+    def max_n(self) -> int:
+        """Draft tokens one block holds: all B slots, or B - 1 when slot 0 is the bonus."""
+        return self.block_size - (0 if self.sample_from_anchor else 1)
+
 
 class MarkovHead(nn.Module):
     """Low-rank first-order bias: what usually follows the previous token."""

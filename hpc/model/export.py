@@ -152,7 +152,7 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
     if a.is_dflash and a.sample_from_anchor:
         raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
     check_d2t(model.d2t, a.target_vocab_size)
-    cfg = speculators_config(a, verifier, verifier_arch or [], n or (a.block_size - (0 if a.sample_from_anchor else 1)))
+    cfg = speculators_config(a, verifier, verifier_arch or [], n or a.max_n)
     with atomic_dir(out) as tmp:
         save_file(export_tensors(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -150,9 +150,11 @@ class BlockOutputs:
 def block_outputs(
     model: DSparkDraft, row: PackedRow, head: VerifierHead, max_anchors: int,
     generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
-    detach_confidence: bool = False,
+    detach_confidence: bool = False, ctx_TH: torch.Tensor | None = None,
 ) -> BlockOutputs | None:
-    """Blocks at anchors drawn from the row's loss mask, through the draft; None if none fit."""
+    """Blocks at anchors drawn from the row's loss mask, through the draft; None if none fit.
+    `ctx_TH`, the row's projected context, saves projecting it again per call (calibration
+    drafts a row's anchors a chunk at a time)."""
     a = model.args
     B = a.block_size
     if anchors_N is None:
@@ -163,7 +165,8 @@ def block_outputs(
     assert doc_ids_T is not None and position_ids_T is not None  # PackedRow.__post_init__ fills them
     blocks = make_blocks(row.input_ids_T, row.loss_mask_T, position_ids_T, doc_ids_T, anchors_N, B,
                          a.mask_token_id, a.sample_from_anchor)
-    ctx_TH = model.project_context(row.aux_TnH)
+    if ctx_TH is None:
+        ctx_TH = model.project_context(row.aux_TnH)
     if check_attention(attention, ctx_TH.device) == "flex":
         attend = flex_attention_fn(anchors_N, doc_ids_T, B)
     else:

@@ -71,7 +71,7 @@ def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device
 def decodable(model, ns: Sequence[int]) -> list[int]:
     """The n of `ns` this draft's block can draft: a larger one fails in its eval job, which says
     why; when none is left, every anchor weighs the same (said in one line)."""
-    most = model.args.block_size - (0 if model.args.sample_from_anchor else 1)
+    most = model.args.max_n
     fit = [n for n in ns if 1 <= n <= most]
     if ns and not fit:
         print(f"calibrate: no n of {list(ns)} fits the draft's {most} draft slots; every anchor weighs the same",

@@ -14,7 +14,7 @@ the ones the checkpoint was trained on, the run stops with one line before any r
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,16 +57,11 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
     stats = RowStats()
     rows: list[TokenRow] = []
     for path, split, max_rows in training_sources(data):
-        raw: list[dict] = []
-
-        def kept(it: Iterator[dict], raw: list[dict] = raw) -> Iterator[dict]:
-            for row in it:
-                if remask is not None:
-                    raw.append(row)
-                yield row
-
-        for r in tokenize_rows(tok, kept(read_rows(path, split, max_rows)), cfg.data.max_seq_len, stats):
-            if remask is not None:
+        # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
+        raw = list(read_rows(path, split, max_rows)) if remask is not None else None
+        for r in tokenize_rows(tok, iter(raw) if raw is not None else read_rows(path, split, max_rows),
+                               cfg.data.max_seq_len, stats):
+            if remask is not None and raw is not None:
                 r.loss_mask = remask(raw[r.sample_id], r.loss_mask)
             rows.append(r)
     return rows, stats
