@@ -65,9 +65,11 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
         else (held_out, "held-out rows")
     if cal_rows:
+        from hpc.model.export import as_served
         from hpc.train.calibrate_stage import fit_held_out, format_fitted
 
-        fitted = fit_held_out(model, head, verifier.capture, cal_rows, quiet=True, where=where,
+        # Fitted on the weights the export serves, as the calibrate stage fits on the export.
+        fitted = fit_held_out(as_served(model), head, verifier.capture, cal_rows, quiet=True, where=where,
                               ns=cfg.eval.num_speculative_tokens)
         fitted.calibration.save(ckpt)
         print(format_fitted(fitted), flush=True)

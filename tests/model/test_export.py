@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
 from hpc.model.dspark import DSparkArgs
-from hpc.model.export import export_draft, load_draft, shapes_only_inventory
+from hpc.model.export import as_served, export_draft, load_draft, shapes_only_inventory
 from tests.model.test_dspark import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +49,18 @@ def test_dspark_export_round_trips_bit_exact(tmp_path):
     # Re-exporting the import is byte-identical: nothing is lost on the way back.
     again = export_draft(back, tmp_path / "again", verifier="/models/toy", verifier_arch=["Qwen3ForCausalLM"], n=4)
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_as_served_holds_the_exports_weights_and_leaves_the_model(tmp_path):
+    """The calibration is fitted on as_served(model): it must compute what the export computes."""
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    served = as_served(model)
+    back = load_draft(export_draft(model, tmp_path / "draft", n=4))
+    for name, t in served.state_dict().items():
+        assert torch.equal(t, back.state_dict()[name]), name
+        assert torch.equal(model.state_dict()[name], before[name]), name  # the training weights stay
+    assert any(not torch.equal(served.state_dict()[k], before[k]) for k in before)  # bf16 rounding bites
 
 
 def test_dflash_ablation_exports_as_dflash(tmp_path):
