@@ -55,15 +55,19 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
     return m
 
 
-def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str | None]] = ()) -> str:
-    """Create (once) the MLflow run for a run directory; returns its id."""
+def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str | None]] = (),
+               parent: str | None = None) -> str:
+    """Create (once) the MLflow run for a run directory; returns its id. `parent` is the pipeline
+    run for a directory that has none: saved with the run id, so a failed upload's retry does
+    not attach to the pipeline run that failed with it."""
     meta = json.loads((run_dir / "run.json").read_text())
     if meta.get("mlflow_run_id"):
         return meta["mlflow_run_id"]
     results = load_results(run_dir)
     tags = {STAGE: meta["stage"], **meta["tags"],
             MANIFESTS: json.dumps({r.benchmark: r.sha256 for r in results}, sort_keys=True)}
-    run_id = create_child_run(client, meta["experiment"], meta.get("parent_run_id"), meta["name"], tags)
+    meta["parent_run_id"] = meta.get("parent_run_id") or parent
+    run_id = create_child_run(client, meta["experiment"], meta["parent_run_id"], meta["name"], tags)
     try:
         _log_run(client, run_id, run_dir, meta, results, extra_artifacts)
     except BaseException:
@@ -109,9 +113,22 @@ def results_digest(results: list[BenchResult]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def pending_runs(out_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in out_dir.glob("*/run.json")
-                  if not json.loads(p.read_text()).get("mlflow_run_id"))
+def pending_runs(out_dir: Path, cfg: DSparkConfig | None = None) -> list[Path]:
+    """Run directories not in MLflow yet; with `cfg`, also those uploaded whose draft the
+    registry still lacks (a registration that failed after the upload)."""
+    out = []
+    for p in sorted(out_dir.glob("*/run.json")):
+        meta = json.loads(p.read_text())
+        if not meta.get("mlflow_run_id") or (cfg is not None and _registrable(meta, cfg) and "registered" not in meta):
+            out.append(p.parent)
+    return out
+
+
+def _registrable(meta: dict, cfg: DSparkConfig) -> bool:
+    """Our draft at the largest n, greedy: the registry ranks drafts by greedy acceptance, so
+    sampled runs are reported, not ranked."""
+    return bool(meta["stage"] == STAGE_EVAL and meta.get("artifacts") and not meta.get("temperature")
+                and meta.get("n") == max(cfg.eval.num_speculative_tokens))
 
 
 def find_baseline(client, experiment: str, key: str) -> dict[str, float] | None:
@@ -138,26 +155,24 @@ def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: 
     ids = []
     orphan_parent = None  # runs evaluated while tracking was down get one pipeline run now
     try:
-        for run_dir in pending_runs(out):
+        for run_dir in pending_runs(out, cfg):
             if only is not None and run_dir.name not in only:
                 continue
             meta = json.loads((run_dir / "run.json").read_text())
-            if not meta.get("parent_run_id"):
-                if orphan_parent is None:
-                    orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
-                meta["parent_run_id"] = orphan_parent
-                write_json_atomic(run_dir / "run.json", meta)
+            if meta.get("mlflow_run_id"):  # uploaded; its registration failed: only that is retried
+                _register(client, run_dir, meta, meta["mlflow_run_id"], promote=cfg.schedule.promote_if_better)
+                continue
+            if not meta.get("parent_run_id") and orphan_parent is None:
+                orphan_parent = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
             extra: list[tuple[str, str | None]] = []
             report = run_dir / "calibration.json.report"
             if report.is_file():
                 extra.append((str(report), "calibration"))
-            ids.append(upload_run(client, run_dir, extra))
+            ids.append(upload_run(client, run_dir, extra, parent=orphan_parent))
             meta = json.loads((run_dir / "run.json").read_text())
             if not quiet:
                 print(f"logged {meta['name']} to MLflow run {ids[-1]}")
-            # The registry ranks drafts by greedy acceptance: sampled runs are reported, not ranked.
-            if meta["stage"] == STAGE_EVAL and meta["artifacts"] and meta["n"] == max(cfg.eval.num_speculative_tokens) \
-                    and not meta.get("temperature"):
+            if _registrable(meta, cfg):
                 _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
     except BaseException as err:
         if orphan_parent is not None:  # it would stay RUNNING: the retry attaches to it, not to a new one
@@ -180,13 +195,23 @@ def _register(client, run_dir: Path, meta: dict, run_id: str, promote: bool = Tr
     if not measured:  # vLLM exposed no spec-decode counters: nothing to rank the draft by
         print(f"registry: {meta['name']} not registered: no benchmark has an acceptance length (the engine "
               "reported no spec-decode counters); evaluate it on a build that reports them", flush=True)
+        _mark_registered(run_dir, None)
         return
     score = statistics.mean(measured)
-    version = register_draft(client, meta["registered_model"], run_id, "draft", score,
-                             {r.benchmark: r.sha256 for r in res}, n=meta["n"])
+    # A retry after a failure between registering and promoting finds the version it made.
+    earlier = client.search_model_versions(f"name = '{meta['registered_model']}' and run_id = '{run_id}'")
+    version = str(earlier[0].version) if earlier else register_draft(
+        client, meta["registered_model"], run_id, "draft", score, {r.benchmark: r.sha256 for r in res}, n=meta["n"])
     if promote:
         _, why = promote_if_better(client, meta["registered_model"], version)
     else:
         why = "champion left as it is (schedule.promote_if_better is false)"
+    _mark_registered(run_dir, version)
     print(f"registry: {meta['registered_model']} v{version} (mean acceptance length {score:.3f} at n={meta['n']}); "
           f"{why}")
+
+
+def _mark_registered(run_dir: Path, version: str | None) -> None:
+    """Registration done (version None: nothing to register); until then `--upload` retries it."""
+    meta = json.loads((run_dir / "run.json").read_text())
+    write_json_atomic(run_dir / "run.json", {**meta, "registered": version})

@@ -98,12 +98,56 @@ def test_results_evaluated_while_tracking_was_down_get_one_pipeline_run_that_end
         return client.search_runs([exp], "tags.`dspark.stage` = 'pipeline'", order_by=["attributes.start_time ASC"])
 
     real = record.upload_run
-    monkeypatch.setattr(record, "upload_run", lambda *_a: (_ for _ in ()).throw(ConnectionError("server went away")))
+    monkeypatch.setattr(record, "upload_run", lambda *_a, **_k: (_ for _ in ()).throw(ConnectionError("server went away")))
     with pytest.raises(ConnectionError):
         record.upload_all(client, out, cfg, quiet=True)
     [failed] = parents()  # not left RUNNING
     assert failed.info.status == "FAILED" and failed.data.tags["dspark.outcome"] == "upload failed: server went away"
 
     monkeypatch.setattr(record, "upload_run", real)
-    assert len(record.upload_all(client, out, cfg, quiet=True)) == 2
-    assert [r.info.status for r in parents()] == ["FAILED", "FINISHED"]  # the first attempt's, then the retry's
+    ids = record.upload_all(client, out, cfg, quiet=True)
+    assert len(ids) == 2
+    failed, retry = parents()
+    assert [failed.info.status, retry.info.status] == ["FAILED", "FINISHED"]  # the first attempt's, then the retry's
+    # The runs hang under the retry's pipeline run, not the one that failed with the first attempt.
+    assert {client.get_run(i).data.tags["mlflow.parentRunId"] for i in ids} == {retry.info.run_id}
+
+
+def test_a_registration_that_failed_after_the_upload_is_retried_once(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from hpc.config import load_config, to_object
+    from hpc.evaluate import record
+    from hpc.evaluate.drafts import DraftSpec
+    from hpc.track import registry
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    cfg = to_object(load_config("configs/toy-cpu.yaml", [f"tracking.uri={uri}", "tracking.experiment=reg"]))
+    client = MlflowClient(uri)
+    run_dir = tmp_path / "eval" / "eval-n7-DSpark"
+    run_dir.mkdir(parents=True)
+    r = BenchResult(**{**asdict(result("gsm8k", accept_len=3.0)), "n": 7, "label": "DSpark", "method": "dspark"})
+    write_json_atomic(run_dir / "gsm8k.json", asdict(r))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    _write_meta(run_dir, cfg.tracking, Job(DraftSpec("DSpark", "dspark", str(draft), True, 8), 7, "reference"),
+                "eval", None, {}, [r], [(str(draft), "draft")])
+
+    real = registry.register_draft
+    calls = []
+
+    def register_then_fail(*a, **k):  # the version is made, then the server goes away
+        calls.append(real(*a, **k))
+        raise ConnectionError("tracking server restarted")
+
+    monkeypatch.setattr(registry, "register_draft", register_then_fail)
+    with pytest.raises(ConnectionError):
+        record.upload_all(client, tmp_path / "eval", cfg, quiet=True)
+    assert record.pending_runs(tmp_path / "eval", cfg) == [run_dir]  # uploaded, but not yet registered
+    monkeypatch.setattr(registry, "register_draft", real)
+    assert record.upload_all(client, tmp_path / "eval", cfg, quiet=True) == []  # nothing uploaded twice
+    versions = client.search_model_versions(f"name = '{cfg.tracking.registered_model}'")
+    assert [str(v.version) for v in versions] == calls == ["1"]  # the version made before the failure, once
+    assert str(client.get_model_version_by_alias(cfg.tracking.registered_model, "champion").version) == "1"
+    assert record.pending_runs(tmp_path / "eval", cfg) == []
