@@ -63,3 +63,11 @@ def test_brier_and_ece():
     assert brier(conf, out).item() == pytest.approx(0.225)
     # bins: {0.9,0.9} acc 0.5 -> |0.9-0.5| ; {0.2,0.2} acc 0 -> |0.2-0| ; weights 1/2 each
     assert expected_calibration_error(conf, out).item() == pytest.approx(0.5 * 0.4 + 0.5 * 0.2)
+
+
+def test_ece_stays_on_the_confidences_device():
+    """A CPU accumulator `+=` a CUDA value raises on every GPU training step; the meta device
+    stands in for CUDA here: the old accumulator left the result on the CPU."""
+    conf = torch.rand(64, device="meta")
+    assert expected_calibration_error(conf, conf > 0.5).device.type == "meta"
+    assert expected_calibration_error(conf[:0], conf[:0]).device.type == "meta"
