@@ -44,6 +44,12 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+# YAML 1.1 reads `1:00:00` as the base-60 integer 3600, which Slurm then reads as 3600 minutes:
+# `cluster.time: 1:00:00` asked for 60 hours. Colon-separated digits stay strings (times), ahead
+# of the int and float resolvers.
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?$")
+for _first in "-+0123456789":
+    _Loader.yaml_implicit_resolvers[_first].insert(0, ("tag:yaml.org,2002:str", _SEXAGESIMAL))
 
 
 def _schema_keys(node: DictConfig) -> list[str]:

@@ -47,6 +47,19 @@ def test_dotlist_overrides_apply_with_types():
     assert cfg.cluster.account == "abc"
 
 
+def test_an_unquoted_slurm_time_is_a_time_not_a_base_60_number(tmp_path):
+    """YAML 1.1 reads 1:00:00 as 3600, which Slurm reads as 3600 minutes (60 hours)."""
+    from hpc.config.slurm_time import parse_slurm_time
+
+    text = KIMI.read_text().replace('time: "48:00:00"', "time: 2:00:00")
+    assert "time: 2:00:00" in text
+    (tmp_path / "c.yaml").write_text(text)
+    assert resolve(tmp_path / "c.yaml", [], check_tracking=False).cluster.time == "2:00:00"
+    cfg = resolve(KIMI, ["cluster.time=1:00:00"], check_tracking=False)
+    assert cfg.cluster.time == "1:00:00" and parse_slurm_time(cfg.cluster.time) == 60
+    assert resolve(KIMI, ["train.steps=1200", "train.lr=3e-4"], check_tracking=False).train.steps == 1200  # numbers stay
+
+
 def test_free_dicts_are_replaced_not_merged():
     cfg = resolve(KIMI, ["verifier.compilation_config={}", "verifier.env={A: '1'}"], check_tracking=False)
     assert cfg.verifier.compilation_config == {} and cfg.verifier.env == {"A": "1"}
