@@ -181,15 +181,32 @@ def block_outputs(
                         conf_Q.view(N, B) if conf_Q is not None else None, blocks.valid_NB, blocks.target_idx_NB)
 
 
+def _empty_loss(model: DSparkDraft, head: VerifierHead) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A zero loss that reaches every trainable parameter: DDP (no find_unused_parameters) waits
+    for each bucket's gradient, so a rank whose loss touched fewer parameters hung every rank. The
+    metrics carry the keys a row with anchors gives, at zero slots: the ranks all-reduce them by key."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    zero = torch.stack([p.sum() for p in params]).sum() * 0.0
+    nil = zero.detach()
+    first = 0 if model.args.sample_from_anchor else 1
+    keys = ["loss", "loss_ce", "loss_tv", "loss_kl", "accept_rate", "accept_len", "greedy_accept_len", "supervised_slots"]
+    if model.confidence_head is not None:
+        keys += ["loss_confidence", "confidence_ece", "confidence_brier"]
+    if head.full_VH is not None:
+        keys.append("target_mass_outside_vocab")
+    out = {k: nil.clone() for k in keys}
+    out["per_position_accept"] = nil.new_zeros(model.args.block_size - first)
+    return zero, out
+
+
 def dspark_loss(
     model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
     generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = model.args
     out_b = block_outputs(model, row, head, max_anchors, generator, attention, anchors_N, weights.confidence_detach)
-    if out_b is None:
-        zero = model.fc.weight.sum() * 0.0  # keeps DDP's graph connected on an empty row
-        return zero, {"supervised_slots": torch.tensor(0.0)}
+    if out_b is None:  # no anchor fits the row (a short reply at its end)
+        return _empty_loss(model, head)
     logits_NBD, target_NBD, conf_NB, valid_NB = out_b.logits_NBD, out_b.target_logits_NBD, out_b.conf_NB, out_b.valid_NB
     loss, parts, accept_NB = objective(logits_NBD, target_NBD, valid_NB, conf_NB, weights, a.sample_from_anchor)
     mask_NB = valid_NB.float()

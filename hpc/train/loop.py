@@ -125,34 +125,40 @@ class Trainer:
         lr = cfg.lr * lr_factor(self.state.step, cfg.warmup_steps, cfg.steps, cfg.schedule.value, cfg.min_lr_ratio)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        totals: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        counted = 0  # micro-batches with a supervised slot: an empty one has no metric to average
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             sync = self.ddp.no_sync() if (isinstance(self.ddp, DDP) and not last) else contextlib.nullcontext()
             with sync:
                 loss, metrics = self._micro_loss(mb)
                 (loss / len(micro_batches)).backward()
-            for k, v in metrics.items():
-                if v.numel() == 1:
-                    totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+            scalars = {k: float(v) for k, v in metrics.items() if v.numel() == 1}
+            has_slots = scalars.get("supervised_slots", 0.0) > 0
+            counted += has_slots
+            for k, v in scalars.items():
+                sums[k] = sums.get(k, 0.0) + (v if has_slots else 0.0)
             self.state.record(mb.consumed, self.epoch_size)
+        totals: dict[str, float] = {}
         if cfg.grad_clip > 0:
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state.step += 1
-        totals = self._mean_over_ranks(totals)
+        totals = {**totals, **self._mean_over_ranks(sums, counted)}
         totals["lr"] = lr
         self.state.losses.append(totals.get("loss", float("nan")))
         return totals
 
-    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
-        if self.world == 1 or not values:
-            return values
-        keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=self.control_group)
-        return {k: float(v) / self.world for k, v in zip(keys, t)}
+    def _mean_over_ranks(self, sums: dict[str, float], counted: int) -> dict[str, float]:
+        """Each metric's mean over the micro-batches of every rank that had a supervised slot.
+        Every rank all-reduces the same keys (an empty micro-batch reports them at zero)."""
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] for k in keys] + [float(counted)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t, group=self.control_group)
+        n = float(t[-1])
+        return {k: float(v) / n if n else float("nan") for k, v in zip(keys, t[:-1])}
 
     # -- the loop -----------------------------------------------------------------------------
     def _install_signals(self) -> dict:

@@ -275,3 +275,27 @@ def test_a_detached_confidence_loss_trains_its_head_and_nothing_else(detach):
     backbone = [model.fc.weight.grad, model.markov_head.markov_w1.weight.grad]
     reached = any(g is not None and g.abs().sum() > 0 for g in backbone)
     assert reached is not detach
+
+
+@pytest.mark.parametrize("kw", [{}, {"markov_rank": 0, "enable_confidence_head": False, "sample_from_anchor": False}])
+@pytest.mark.parametrize("keep_full", [True, False])
+def test_a_row_with_no_anchor_reports_the_same_metrics_and_reaches_every_parameter(kw, keep_full):
+    """Ranks all-reduce the metrics by key, and DDP waits for every parameter's gradient: a row no
+    anchor fits (a short reply at its end) must give both, or every rank hangs."""
+    model = tiny_model(**kw)
+    lm_head = torch.randn(V, H)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(D) + model.d2t] = True
+    head = VerifierHead(lm_head, t2d, keep_full=keep_full)
+    _, full = dspark_loss(model, packed_row(), head, LossWeights(), max_anchors=5,
+                          generator=torch.Generator().manual_seed(0), attention="sdpa")
+    row = packed_row()
+    row.loss_mask_T.zero_()
+    row.loss_mask_T[-3:] = 1  # three reply tokens at the row's end: no block fits
+    loss, empty = dspark_loss(model, row, head, LossWeights(), max_anchors=5, attention="sdpa")
+    assert set(empty) == set(full)
+    assert {k: v.shape for k, v in empty.items()} == {k: v.shape for k, v in full.items()}
+    assert empty["supervised_slots"].item() == 0 and loss.item() == 0.0
+    loss.backward()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for n, p in model.named_parameters() if n in trainable)

@@ -28,3 +28,40 @@ def main(rank: int, world: int, port: int, target_dir: str, out_dir: str) -> Non
             {"losses": trainer.state.losses, "digest": digest, "ledger": trainer.state.ledger}))
     finally:
         dist.destroy_process_group()
+
+
+def empty_row_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Two ranks, and rank 1's row has no anchor (a three-token reply at its end): both must
+    finish their steps, with the same all-reduced metrics and the same weights."""
+    torch.set_num_threads(1)
+    from hpc.config.schema import TrainConfig
+    from hpc.dist.planes import init_planes
+    from hpc.model.loss import VerifierHead
+    from hpc.stream.sample import Capture, MicroBatch
+    from hpc.train.loop import Trainer
+    from tests.model.test_dspark import D, H, V, tiny_model
+
+    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port,
+                         timeout_s=60)  # a regression fails in a minute instead of hanging the suite
+    try:
+        model = tiny_model(seed=0)
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.arange(D) + model.d2t] = True
+        head = VerifierHead(torch.randn(V, H, generator=torch.Generator().manual_seed(0)), t2d)
+        cfg = TrainConfig(device="cpu", dist_backend="gloo", global_batch_size=2, grad_accumulation=1,
+                          warmup_steps=0, steps=10, checkpoint_interval=1000, output_dir=out_dir)
+        trainer = Trainer(cfg, model, head, {}, out_dir, group=planes.train_data, control_group=planes.train_control)
+        g = torch.Generator().manual_seed(rank)
+        T = 40
+        mask = torch.zeros(T, dtype=torch.long)
+        if rank == 0:
+            mask[5:] = 1
+        else:
+            mask[-3:] = 1
+        cap = Capture(rank, torch.randint(0, V - 1, (T,), generator=g), mask, torch.randn(T, 3, H, generator=g),
+                      torch.randn(T, H, generator=g))
+        steps = [trainer.step([MicroBatch([cap], [(0, 2 * s), (0, 2 * s + 1)])]) for s in range(2)]
+        digest = float(sum(p.double().sum() for p in trainer.model.parameters()))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"steps": steps, "digest": digest}))
+    finally:
+        dist.destroy_process_group()

@@ -136,6 +136,24 @@ def test_two_rank_gloo_ddp_keeps_replicas_identical(target_dir, tmp_path):
     assert len(list((tmp_path / "checkpoints").glob("step_*/rank1.safetensors"))) == 1
 
 
+@pytest.mark.slow
+def test_a_rank_whose_row_has_no_anchor_does_not_hang_the_others(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from hpc.net import free_port
+    from tests.train import ddp_worker
+
+    mp.start_processes(ddp_worker.empty_row_main, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0 == r1  # same all-reduced metrics, same weights
+    for m in r0["steps"]:
+        # Averaged over the micro-batches that had slots: rank 1's empty row does not halve them.
+        assert m["accept_len"] >= 1.0 and m["supervised_slots"] > 0 and m["loss"] > 0
+
+
 def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_path):
     from hpc.errors import UserError
     from hpc.stream.sample import Capture, MicroBatch
