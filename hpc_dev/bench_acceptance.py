@@ -173,7 +173,7 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) ->
 def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = max(NS),
                       fitted_on: str = "held-out rows") -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
-    from hpc.evaluate.calibration import perfect_head_eces, position_report
+    from hpc.evaluate.calibration import perfect_head_eces, position_report, reached
 
     if not steps:
         return [], {}
@@ -186,7 +186,7 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
         # Judged against the goal only where a perfectly calibrated head would read under it: with
         # fewer slots, ECE's upward bias alone exceeds the goal. There, an ECE above what 95% of
         # perfect heads read at this count is still a miss.
-        null = perfect_head_eces([c[k - 1] for c, _ in steps if len(c) >= k])
+        null = perfect_head_eces([c for c, _ in reached(steps, k)])
         floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
         if floor < ECE_GOAL:
             verdict = ("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})"

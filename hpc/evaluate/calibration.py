@@ -1,8 +1,9 @@
 """How far to trust the DSpark confidence head, and what it buys: the calibration report.
 
 Input per benchmark: the verify steps the eval recorded, each `(confs, matches)` over the k
-drafted positions (head confidence for position i; 1 if draft token i equalled the target's
-greedy token there). A step accepts the leading run of 1s.
+drafted positions (head confidence for position i; 1 if draft token i was accepted). A step
+accepts the leading run of 1s. A position's confidence is scored only in the steps that reached
+it (every earlier draft accepted): that is the event the head predicts.
 
 Two questions are answered from the same data:
 - is the head calibrated? ECE and Brier score per position, pooled over benchmarks;
@@ -84,9 +85,15 @@ def benchmark_report(steps: list[Step], cost: float) -> dict:
             "best_threshold": _best(thresholds), "fixed_n": fixed, "thresholds": thresholds}
 
 
+def reached(steps: list[Step], position: int) -> list[tuple[float, int]]:
+    """(confidence, accepted) at `position` in the steps that drafted it with every earlier
+    draft accepted: a slot after a rejection was drafted (and cost its share) but never judged."""
+    return [(c[position - 1], m[position - 1]) for c, m in steps if len(c) >= position and all(m[:position - 1])]
+
+
 def position_report(steps: list[Step], position: int, bins: int) -> dict:
     """ECE (equal-width bins, count-weighted |accuracy - confidence|) and Brier at one position."""
-    pairs = [(c[position - 1], m[position - 1]) for c, m in steps if len(c) >= position]
+    pairs = reached(steps, position)
     table = [[0, 0.0, 0.0] for _ in range(bins)]  # count, sum conf, sum match
     for conf, match in pairs:
         b = table[min(int(conf * bins), bins - 1)]
@@ -129,7 +136,7 @@ def calibration_report(steps_by_bench: dict[str, list[Step]], cost: float = 0.03
     n_max = max(len(c) for c, _ in pooled)
     return {"cost": cost, "bins": bins, "n_max": n_max,
             "positions": [{**position_report(pooled, i, bins),
-                           "ece_floor": ece_floor([c[i - 1] for c, _ in pooled if len(c) >= i], bins)}
+                           "ece_floor": ece_floor([c for c, _ in reached(pooled, i)], bins)}
                           for i in range(1, n_max + 1)],
             "benchmarks": {b: benchmark_report(steps, cost) for b, steps in steps_by_bench.items()}}
 

@@ -120,9 +120,10 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
             passes = math.ceil(min_pairs / len(b.prompts)) if baseline is not None else 1
             task = bar.add_task(f"{label} n={n} {b.name}", total=passes * len(b.prompts), rate="")
             steps_before = len(getattr(engine, "steps", []))
+            first_pass: list = []
             before = engine.counters()
             rates, base_rates, ratios, tokens, wall = [], [], [], 0, 0.0
-            for _ in range(passes):
+            for p in range(passes):
                 for text in b.prompts:
                     ids = chat_ids(tokenizer, text)
                     if baseline is not None:
@@ -133,12 +134,14 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                         ratios.append(rates[-1] / base_rates[-1])
                     tokens, wall = tokens + k, wall + seconds
                     bar.update(task, advance=1, rate=f"{statistics.mean(rates):.1f} tok/s")
+                if p == 0:  # the calibration report reads one decode per prompt: more passes repeat it
+                    first_pass = list(getattr(engine, "steps", [])[steps_before:])
             delta = engine.counters().minus(before)
             res = BenchResult(b.name, len(b.prompts), b.sha256, b.source, engine.name, label, method, n,
                               statistics.mean(rates) if rates else 0.0, tokens, wall, b.max_tokens,
                               drafts=delta.drafts, accepted=delta.accepted, accept_len=delta.accept_len if n else None,
                               per_position=delta.per_position(n) if n else [], temperature=temperature,
-                              calibration_steps=list(getattr(engine, "steps", [])[steps_before:]))
+                              calibration_steps=first_pass)
             if ratios:
                 res.speedup, res.speedup_lo, res.speedup_hi = ratio_spread(ratios)
                 res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), "paired"

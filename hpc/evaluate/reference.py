@@ -139,9 +139,10 @@ def speculative_generate(
     """Speculative decoding; returns (generated ids, stats). n <= draft block size.
 
     `record`, when given, collects (confidences, accepted) per verify step for the calibration
-    report, up to and including the first rejected position (and no slot past the output's
-    end): the confidence head predicts "slot i is accepted given every earlier slot was", and
-    later slots never face that event.
+    report: every drafted slot up to the output's end, accepted = 1 on the accepted prefix. The
+    confidence head predicts "slot i is accepted given every earlier slot was", so the report
+    scores a slot's confidence only where every earlier one was accepted; the policies it
+    replays count every drafted slot as drafted.
     Accepted means "equals the target's greedy token" at temperature 0 and "survived the
     min(1, q/p) test" when sampling: the event each decoding mode actually runs on.
     """
@@ -191,9 +192,8 @@ def speculative_generate(
             drafted = drafts[:accepted].tolist()
             live = min(k, max_new_tokens - len(out),
                        drafted.index(eos_token_id) + 1 if eos_token_id in drafted else k)
-            seen = min(accepted + 1, live)
-            hits = min(accepted, seen)
-            record.append(([float(c) for c in confs[:seen]], [1] * hits + [0] * (seen - hits)))
+            hits = min(accepted, live)
+            record.append(([float(c) for c in confs[:live]], [1] * hits + [0] * (live - hits)))
         stats.drafts += 1
         stats.draft_tokens += k
         stats.accepted += accepted

@@ -21,8 +21,9 @@ def test_perfect_calibration_has_zero_ece():
 
 
 def test_constant_overconfident_head():
-    # Always 0.9, right half the time: ECE |0.5 - 0.9|, Brier (0.1^2 + 0.9^2) / 2.
-    steps = [([0.9, 0.9], [1, 1]), ([0.9, 0.9], [0, 0])] * 5
+    # Always 0.9, right half the time where reached: ECE |0.5 - 0.9|, Brier (0.1^2 + 0.9^2) / 2.
+    # Position 2 is judged only in the two steps whose first draft was accepted.
+    steps = [([0.9, 0.9], [1, 1]), ([0.9, 0.9], [1, 0]), ([0.9, 0.9], [0, 0]), ([0.9, 0.9], [0, 0])] * 5
     report = calibration_report({"math500": steps})
     assert report["n_max"] == 2
     for pos in report["positions"]:
@@ -31,12 +32,13 @@ def test_constant_overconfident_head():
         assert pos["mean_conf"] == pytest.approx(0.9) and pos["accuracy"] == pytest.approx(0.5)
 
 
-def test_positions_count_only_steps_that_drafted_them():
-    steps = [([0.9, 0.8, 0.7], [1, 0, 1]), ([0.6], [0])]
+def test_positions_count_only_steps_that_reached_them():
+    steps = [([0.9, 0.8, 0.7], [1, 0, 0]), ([0.6], [0])]
     report = calibration_report({"aime": steps, "humaneval": [([0.5, 0.5], [1, 1])]})
-    assert [p["count"] for p in report["positions"]] == [3, 2, 1]
+    # Position 3 was drafted once, after a miss at 2: drafted, never judged.
+    assert [p["count"] for p in report["positions"]] == [3, 2, 0]
     aime = report["benchmarks"]["aime"]
-    # n=3 replays [1,0,1] -> 1 accepted (leading run only) and [0] -> 0; drafted 3 and 1.
+    # n=3 replays [1,0,0] -> 1 accepted and [0] -> 0; drafted 3 and 1.
     assert aime["full"]["expected_accepted"] == pytest.approx(0.5)
     assert aime["full"]["mean_drafted"] == pytest.approx(2.0)
 

@@ -52,6 +52,12 @@ def test_requests_alternate_until_the_pairs_are_there(tmp_path, temperature):
     assert res.pairs == 6 and res.timing == "paired" and res.temperature == temperature
     assert res.speedup_lo <= res.speedup <= res.speedup_hi and res.baseline_tok_s > 0
     assert json.loads((tmp_path / "gsm8k.json").read_text())["speedup_hi"] == res.speedup_hi
+    # The calibration report reads the first pass only: three greedy copies would triple the
+    # count its noise floor assumes independent.
+    assert res.calibration_steps and spec.steps[:len(res.calibration_steps)] == res.calibration_steps
+    assert 2 * len(res.calibration_steps) < len(spec.steps)
+    if temperature == 0:
+        assert spec.steps == res.calibration_steps * 3
 
 
 def test_spread_and_the_noise_flag_by_hand():

@@ -204,12 +204,24 @@ def test_plain_sampling_is_seeded_and_temperature_zero_is_greedy():
     assert a == b and plain_generate(target, PROMPT, 12, temperature=0.0) == greedy_generate(target, PROMPT, 12)
 
 
-def test_calibration_record_stops_at_the_first_rejection():
+def test_calibration_record_holds_every_drafted_slot_and_the_accepted_prefix():
+    """The report replays policies on the record: it must count what was drafted, not only the
+    slots up to the first rejection (which made n=7 look as cheap as n=1 to a poor draft)."""
+    from hpc.evaluate.calibration import benchmark_report, reached
+
     target = random_target()
     draft = random_draft(target, [1, 2, 3])
     record: list = []
-    speculative_generate(target, draft, [5, 17, 33, 2], 24, 5, record=record)
-    assert record and all(len(c) == len(m) and m.count(0) <= 1 and (0 not in m or m[-1] == 0) for c, m in record)
+    out, stats = speculative_generate(target, draft, [5, 17, 33, 2], 24, 5, record=record)
+    assert record and all(len(c) == len(m) for c, m in record)
+    assert all(m == sorted(m, reverse=True) for _, m in record)  # the accepted prefix, then misses
+    lens = [len(c) for c, _ in record]
+    assert lens[0] == 5 and lens == sorted(lens, reverse=True)  # only the output's end cuts a block
+    assert sum(lens) <= stats.draft_tokens == 5 * len(record)
+    full = benchmark_report(record, cost=0.1)["full"]
+    assert full["n"] == 5 and full["mean_drafted"] > 4.0 and any(0 in m for _, m in record)
+    # Scored only where reached: a slot after a miss is drafted, never judged.
+    assert len(reached(record, 2)) == sum(1 for _, m in record if len(m) >= 2 and m[0])
 
 
 class ConfidentOracle(OracleDraft):
