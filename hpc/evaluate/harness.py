@@ -67,7 +67,11 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=1) + "\n")
 
 
-def finished(out_dir: Path, bench) -> BenchResult | None:
+def finished(out_dir: Path, bench, engine: str | None = None, timing: str | None = None) -> BenchResult | None:
+    """The result already measured for `bench` in `out_dir`, if it was measured on these prompts,
+    on this `engine` and with this `timing`: a run directory is named for the draft, so an
+    evaluation on another engine (vLLM after the reference loop) or timing would read the last
+    one's figures as its own."""
     path = out_dir / f"{bench.name}.json"
     if not path.is_file():
         return None
@@ -75,7 +79,10 @@ def finished(out_dir: Path, bench) -> BenchResult | None:
         data = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # a torn file cannot exist (atomic writes), but a hand-edited one can: rerun
-    return BenchResult.from_json(data) if data.get("sha256") == bench.sha256 else None
+    if data.get("sha256") != bench.sha256 or (engine is not None and data.get("engine") != engine) \
+            or (timing is not None and data.get("timing", "cached") != timing):
+        return None
+    return BenchResult.from_json(data)
 
 
 # A speedup above the acceptance length is impossible (a verify step costs at least a target
@@ -106,7 +113,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
     results = []
     todo = []
     for b in benches:
-        done = finished(out_dir, b)
+        done = finished(out_dir, b, engine.name, "paired" if baseline is not None else "cached")
         if done is not None:
             if not quiet:
                 print(f"{label} n={n}: {b.name} already done ({out_dir / (b.name + '.json')}), not re-run")

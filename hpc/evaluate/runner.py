@@ -319,7 +319,8 @@ def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quie
              min_pairs: int = 1) -> list[BenchResult]:
     from hpc.evaluate.harness import finished
 
-    if all(finished(run_dir, b) for b in benches):  # a requeue: no server for nothing
+    timing = "paired" if paired and job.draft else "cached"
+    if all(finished(run_dir, b, job.engine, timing) for b in benches):  # a requeue: no server for nothing
         return load_results(run_dir, [b.name for b in benches])
     baseline = factory.baseline(job.engine, job.temperature, tok.eos_token_id) if paired and job.draft else None
     engine = factory.start(job, tok.eos_token_id)

@@ -64,3 +64,39 @@ def test_spread_and_the_noise_flag_by_hand():
     assert ratio_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
     assert ratio_spread([1.5]) == (1.5, 1.5, 1.5)
     assert implausible(7.32, 3.56) and not implausible(3.7, 3.56) and not implausible(2.0, None)
+
+
+class Counted:
+    """An engine that makes up its figures and counts its requests."""
+
+    def __init__(self, name: str):
+        self.name, self.requests = name, 0
+
+    def generate(self, ids, max_tokens):
+        self.requests += 1
+        return 4, 0.5
+
+    def counters(self):
+        return ReferenceEngine(None).counters()
+
+
+def test_a_result_is_reused_only_on_the_engine_and_timing_that_measured_it(tmp_path):
+    """Run directories are named for the draft: a result measured on the reference loop must not
+    come back as vLLM's, nor a cached-timing one as paired."""
+    from hpc.evaluate.harness import finished
+
+    b = bench("gsm8k", ["one two"])
+    first = Counted("reference")
+    run_benchmarks(first, [b], CharTokenizer(), tmp_path, "DSpark", "dspark", 3, quiet=True)
+    assert first.requests == 1 and finished(tmp_path, b, "reference", "cached") is not None
+    again = Counted("reference")
+    run_benchmarks(again, [b], CharTokenizer(), tmp_path, "DSpark", "dspark", 3, quiet=True)
+    assert again.requests == 0  # a requeue: nothing re-measured
+    other = Counted("vllm")
+    [res] = run_benchmarks(other, [b], CharTokenizer(), tmp_path, "DSpark", "dspark", 3, quiet=True)
+    assert other.requests == 1 and res.engine == "vllm"
+    paired = Counted("vllm")
+    [res] = run_benchmarks(paired, [b], CharTokenizer(), tmp_path, "DSpark", "dspark", 3, quiet=True,
+                           baseline=Counted("vllm"), min_pairs=1)
+    assert paired.requests == 1 and res.timing == "paired"
+    assert finished(tmp_path, b, "vllm", "cached") is None and finished(tmp_path, b, "reference") is None
