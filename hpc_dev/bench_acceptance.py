@@ -212,8 +212,6 @@ def per_position(results: dict, n: int) -> dict[str, list[float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.evaluate.runner import evaluate
-
     steps = args.steps if args.steps is not None else (MIN_STEPS if args.quick else DEFAULT_STEPS)
     check_budget(steps)
     out = Path(args.out).resolve()
@@ -232,6 +230,18 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
           flush=True)
     client, parent = _parent_run(cfg, steps, args.quick)
+    from hpc.track.pipeline import ends
+
+    with ends(client, parent, "bench acceptance"):  # a failure must not leave it RUNNING
+        _bench(args, cfg, overrides, client, parent, out, steps, t0)
+    print(f"bench acceptance finished in {time.monotonic() - t0:.0f}s (MLflow parent run {parent})")
+    return 0
+
+
+def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], client, parent: str, out: Path,
+           steps: int, t0: float) -> None:
+    from hpc.evaluate.runner import evaluate
+
     if cfg.data.regenerate:
         from hpc.launch.stages import regenerate_stage
 
@@ -255,17 +265,15 @@ def run(args: argparse.Namespace) -> int:
     cal_metrics: dict[str, float] = {}
     if by["DSpark"].export.joinpath("confidence_calibration.json").is_file():
         print(f"[{time.monotonic() - t0:5.0f}s] scoring DSpark's confidence on every benchmark prompt", flush=True)
-        steps, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export)
+        decoded, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export)
         fitted_on = "data.calibration_sources" if cfg.data.calibration_sources else "held-out training rows"
-        cal_lines, cal_metrics = calibration_lines(steps, f"{prompts} benchmark prompts", fitted_on=fitted_on)
+        cal_lines, cal_metrics = calibration_lines(decoded, f"{prompts} benchmark prompts", fitted_on=fitted_on)
     print("\n".join(["", *cal_lines]) if cal_lines else "")
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():
         client.log_metric(parent, key, value)
     _log_summary(client, parent, table, pngs)
     print(f"\nfigures: {', '.join(str(p) for p in pngs)}")
-    print(f"bench acceptance finished in {time.monotonic() - t0:.0f}s (MLflow parent run {parent})")
-    return 0
 
 
 def _parent_run(cfg: DSparkConfig, steps: int, quick: bool):
@@ -316,7 +324,6 @@ def _log_summary(client, parent: str, table: dict, pngs: list[Path]) -> None:
             client.log_metric(parent, f"ratio_n{max(NS)}/DSpark_over_{rival}", r)
     for p in pngs:
         client.log_artifact(parent, str(p), "bench")
-    client.set_terminated(parent, "FINISHED")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

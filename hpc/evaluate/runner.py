@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -215,7 +213,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     hardware = hardware_id()
     factory = EngineFactory(cfg, out)
-    from hpc.track.pipeline import common_tags
+    from hpc.track.pipeline import common_tags, ends
 
     tags = common_tags(cfg)
     owned = None  # the pipeline run this evaluation made for itself: it ends it too
@@ -224,7 +222,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
 
         parent_run_id = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
         owned = parent_run_id
-    with _ends(client, owned):
+    with ends(client, owned, "evaluation"):
         results: dict[str, list[BenchResult]] = {}
         ran: list[str] = []  # run directories this evaluation wrote
 
@@ -285,24 +283,6 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                   f"{redact_uri(cfg.tracking.uri)} answers")
 
     return results
-
-
-@contextmanager
-def _ends(client, run_id: str | None) -> Iterator[None]:
-    """End `run_id` (a standalone evaluation's own pipeline run) as the work inside ends."""
-    if run_id is None:
-        yield
-        return
-    from hpc.track.pipeline import end_pipeline_run
-
-    try:
-        yield
-    except BaseException as err:
-        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
-        end_pipeline_run(client, run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED",
-                         f"evaluation failed: {why}")
-        raise
-    end_pipeline_run(client, run_id, "FINISHED", "evaluation finished")
 
 
 def _torch_version() -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpc.config.schema import DSparkConfig
@@ -133,3 +135,20 @@ def end_pipeline_run(client, parent_run_id: str, status: str, why: str) -> None:
     except Exception as err:  # noqa: BLE001
         print(f"warning: pipeline run {parent_run_id} not marked {status}: {str(err).splitlines()[0][:160]}",
               flush=True)
+
+
+@contextmanager
+def ends(client, run_id: str | None, what: str) -> Iterator[None]:
+    """End `run_id`, a pipeline run the work inside owns, as that work ends: FINISHED, FAILED (with
+    the error's first line), or KILLED on Ctrl-C. A run left RUNNING reads as still working."""
+    if run_id is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException as err:
+        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        end_pipeline_run(client, run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED",
+                         f"{what} failed: {why}")
+        raise
+    end_pipeline_run(client, run_id, "FINISHED", f"{what} finished")

@@ -27,6 +27,34 @@ def test_a_budget_too_small_names_the_minimum(capsys):
     assert len(err.splitlines()) == 1 and f"at least --steps {ba.MIN_STEPS}" in err
 
 
+def test_a_failure_ends_the_parent_run_failed_not_running(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    def oom(*_a, **_k):
+        raise RuntimeError("out of memory while training DSpark")
+
+    from hpc.config import load_config, to_object
+
+    monkeypatch.setattr(ba, "train_variant", oom)
+    # No toy target built: the config is read as written (what it names is not looked at).
+    monkeypatch.setattr(ba, "_resolve", lambda config, overrides: to_object(load_config(config, overrides)))
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ba.run(ba_args(tmp_path, [f"tracking.uri={uri}"]))
+    client = MlflowClient(uri)
+    [parent] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["dspark.outcome"] == "bench acceptance failed: out of memory while training DSpark"
+
+
+def ba_args(tmp_path: Path, overrides: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ba.add_args(p)
+    return p.parse_args(["configs/toy-cpu.yaml", *overrides, "--quick", "--out", str(tmp_path / "bench")])
+
+
 def test_table_means_and_ratios_by_hand():
     results = {
         "eval-n7-DSpark": [result("DSpark", 7, "gsm8k", 3.0, [0.8, 0.5]), result("DSpark", 7, "aime", 2.0, [0.6, 0.3])],
