@@ -57,22 +57,28 @@ def make_capture(cfg: DSparkConfig, device: str, log_dir: Path):
 class Progress:
     """Step, loss, samples/s, data-wait share and ETA on one line (rich), for trainer rank 0."""
 
-    def __init__(self, total: int, start: int, global_batch: int):
+    def __init__(self, total: int, global_batch: int):
         from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
 
         self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.task = self.bar.add_task("train", total=total, completed=0, info="")
         self.total = total
         self.global_batch = global_batch
-        self.t0, self.start = time.monotonic(), start
+        # The step this job started from is known at its first step only (a resume happens after
+        # this is made): counting from 0, a run resumed at 5000 credited 5000 steps to its first second.
+        self.t0 = time.monotonic()
+        self.start: int | None = None
         self.bar.start()
 
     def update(self, step: int, m: dict) -> dict:
+        if self.start is None:
+            self.start = step - 1
+        done = step - self.start
         elapsed = max(time.monotonic() - self.t0, 1e-6)
-        rate = (step - self.start) * self.global_batch / elapsed
-        steps_per_s = (step - self.start) / elapsed
+        rate = done * self.global_batch / elapsed
+        steps_per_s = done / elapsed
         extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed,
                  "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else float("nan")}
         self.bar.update(self.task, completed=step, info=f"loss {m.get('loss', float('nan')):.3f}  "
@@ -165,7 +171,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
             resolved = out / "config.yaml"
             resolved.write_text(OmegaConf.to_yaml(_as_dictconfig(redacted(cfg))))  # an artifact: no secrets
             logger.log_artifact(str(resolved))
-            progress = Progress(cfg.train.steps, 0, cfg.train.global_batch_size)
+            progress = Progress(cfg.train.steps, cfg.train.global_batch_size)
 
         def on_step(step: int, metrics: dict) -> None:
             if progress is not None and logger is not None:  # rank 0, which has both
