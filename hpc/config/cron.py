@@ -56,17 +56,30 @@ def _field(text: str, name: str, low: int, high: int, names: tuple[str, ...]) ->
     return out
 
 
+# The longest each month gets (29 February fires in leap years).
+MONTH_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
 def parse_cron(expr: str) -> None:
-    """Check `expr`; ValueError says which field is wrong."""
+    """Check `expr`; ValueError says which field is wrong, or that it never fires."""
     parts = expr.split()
     if len(parts) != 5:
         raise ValueError(f"has {len(parts)} field(s), not 5")
+    values = []
     for text, (name, low, high, names) in zip(parts, FIELDS):
         try:
-            _field(text, name, low, high, names)
+            values.append(_field(text, name, low, high, names))
         except ValueError as err:
             msg = str(err)
             raise ValueError(msg if msg.startswith(name) else f"{name}: {msg}") from None
+    # croniter reads a weekday range or step from 7 as every day; Vixie cron reads 7 as Sunday.
+    if any(("-" in p or "/" in p) and p.split("-")[0].split("/")[0].lower() == "7" for p in parts[4].split(",")):
+        raise ValueError(f"day of week: {parts[4]!r}: write Sunday as 0 in a range or step (0-6, 0/2)")
+    days, months = values[2], values[3]
+    # Refused even with a weekday beside it: cron would then fire on that weekday, croniter (the
+    # fallback schedule's clock) never.
+    if not any(d <= MONTH_DAYS[m - 1] for m in months for d in days):
+        raise ValueError(f"never fires: no month of {parts[3]!r} has day {parts[2]!r}; pick a day that exists")
 
 
 def local_zone() -> datetime.tzinfo:

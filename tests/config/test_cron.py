@@ -49,6 +49,12 @@ def test_next_run(cron, after, expected):
     ("0 3 * * sunday", "day of week: 'sunday' is not a number"),
     ("0 0 5-1 * *", "day of month: '5-1' is an empty range"),
     ("0 0 0 * *", "day of month: '0' is outside 1-31"),
+    # Accepted field by field, these never fire: scrontab would hold them silently forever.
+    ("0 3 31 4 *", "never fires: no month of '4' has day '31'; pick a day that exists"),
+    ("0 3 30,31 feb */2", "never fires: no month of 'feb' has day '30,31'; pick a day that exists"),
+    # croniter fires these every day; Vixie cron reads 7 as Sunday.
+    ("0 3 * * 7-7", "day of week: '7-7': write Sunday as 0 in a range or step (0-6, 0/2)"),
+    ("0 3 * * 1,7/1", "day of week: '1,7/1': write Sunday as 0 in a range or step (0-6, 0/2)"),
 ])
 def test_bad_cron(cron, why):
     with pytest.raises(ValueError, match=f"^{re.escape(why)}$"):
@@ -60,6 +66,10 @@ def test_bad_cron(cron, why):
 def test_never_firing_cron():
     with pytest.raises(ValueError, match="never fires"):
         next_run("0 0 30 2 *", D(2026, 1, 1))
+    # cron would fire on April's Mondays, croniter never: refused, whatever the weekday says.
+    with pytest.raises(ValueError, match="never fires: no month of '4' has day '31'"):
+        parse_cron("0 3 31 4 1")
+    assert next_run("0 3 29 2 *", D(2026, 1, 1)) == D(2028, 2, 29, 3, 0)  # leap years only
 
 
 def test_missing_cron_names_the_key_and_the_flag():
