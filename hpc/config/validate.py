@@ -59,6 +59,11 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         if n < 1:
             c.fail(f"cluster.{role}_nodes", n, f"every role needs at least one node; set cluster.{role}_nodes >= 1")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
+    t = cfg.train
+    if cl.gpus_per_node == 0 and (t.device.startswith("cuda") or t.dist_backend == "nccl"):
+        # Submitted without --gres, the trainers would fail inside their job, after the queue.
+        c.fail("cluster.gpus_per_node", 0, f"train.device={t.device} and train.dist_backend={t.dist_backend} need "
+               "GPUs; set the node's GPU count (e.g. 8), or train.device=cpu with train.dist_backend=gloo")
     c.positive("cluster.cpus_per_task", cl.cpus_per_task)
     if cl.ray_object_store_mb < 80:  # Ray refuses less than ~75 MiB
         c.fail("cluster.ray_object_store_mb", cl.ray_object_store_mb, "Ray needs at least 80 (MiB)")

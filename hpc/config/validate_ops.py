@@ -39,6 +39,9 @@ def check_plan(c: Checker, cfg: DSparkConfig) -> None:
                f"exceeds plan.target_params_b={p.target_params_b}; active params are a subset")
     if p.avg_seq_len is not None and p.avg_seq_len > cfg.data.max_seq_len:
         c.fail("plan.avg_seq_len", p.avg_seq_len, f"exceeds data.max_seq_len={cfg.data.max_seq_len}; lower it")
+    if cfg.cluster.gpus_per_node == 0 and p.prefill_tok_s_per_node is None:
+        c.fail("plan.prefill_tok_s_per_node", None, "estimated from cluster.gpus_per_node, which is 0; "
+               "give the verifier node's measured prefill tokens/s")
 
 
 def _tracking_reachable(uri: str) -> str | None:
