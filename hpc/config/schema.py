@@ -65,7 +65,7 @@ class ClusterConfig:
     time: str = "48:00:00"
     verifier_nodes: int = 1
     trainer_nodes: int = 1
-    eval_nodes: int = 1
+    eval_nodes: int = 1  # one: an eval job's every task would run the whole evaluation
     regenerate_nodes: int = 1  # a Ray cluster over these nodes, one vLLM server on each
     ray_object_store_mb: int = 512  # per node; regeneration moves only text through it
     gpus_per_node: int = 8

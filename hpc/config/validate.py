@@ -58,6 +58,9 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         n = getattr(cl, f"{role}_nodes")
         if n < 1:
             c.fail(f"cluster.{role}_nodes", n, f"every role needs at least one node; set cluster.{role}_nodes >= 1")
+    if cl.eval_nodes > 1:
+        c.fail("cluster.eval_nodes", cl.eval_nodes, "an evaluation runs on one node (each node of a larger job would "
+               "run all of it again and upload it again); set 1: the eval jobs of a sweep run side by side")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
     t = cfg.train
     if cl.gpus_per_node == 0 and (t.device.startswith("cuda") or t.dist_backend == "nccl"):

@@ -95,9 +95,10 @@ def test_missing_account(slurm_cluster: SlurmCluster) -> None:
 
 @pytest.mark.timeout(60, func_only=True)
 def test_several_problems_come_back_together(slurm_cluster: SlurmCluster) -> None:
-    cfg = _toy(slurm_cluster.partition, "cluster.trainer_nodes=10", "cluster.eval_nodes=5",
+    cfg = _toy(slurm_cluster.partition, "cluster.trainer_nodes=10",
                "cluster.regenerate_nodes=4", "cluster.account=no-such-acct", SPLITS)
     cfg.cluster.time = "1:2:3:4"  # past the config validator, as a hand-built config could be
+    cfg.cluster.eval_nodes = 5  # (the validator wants 1)
     problems = check_requests(requests_for(cfg))
     for key in ("cluster.regenerate_nodes", "cluster.trainer_nodes", "cluster.eval_nodes",
                 "cluster.account", "cluster.time"):
@@ -320,9 +321,9 @@ def test_parse_slurm_time_rejects(text: str) -> None:
 
 def test_requests_without_regeneration() -> None:
     cfg = _toy("debug", "data.regenerate=false", "cluster.verifier_nodes=2",
-               "cluster.trainer_nodes=3", "cluster.eval_nodes=2", "cluster.account=proj", SPLITS)
+               "cluster.trainer_nodes=3", "cluster.account=proj", SPLITS)
     reqs = requests_for(cfg)
     assert [(r.stage, r.nodes, r.gpus_per_node) for r in reqs] == [
-        ("train", 5, 2), ("eval", 2, 2), ("report", 1, 0)]
+        ("train", 5, 2), ("eval", 1, 2), ("report", 1, 0)]
     assert {(r.partition, r.time, r.account, r.cpus_per_task) for r in reqs} == {
         ("debug", "01:00:00", "proj", 1)}
