@@ -47,11 +47,13 @@ class Entry:
         return f"cd {shlex.quote(self.cwd)} && {self.dspark('retrain-tick')}"
 
     def resubmitting_command(self) -> str:
-        # The successor is submitted whatever the tick did: one failed night (MLflow down)
-        # must not end the schedule; the job still exits with the tick's status.
+        # The successor goes in before the tick: a tick that fails (MLflow down), outlives the
+        # job's time limit or loses its node must not end the schedule; --dependency=singleton
+        # keeps the successor from starting beside it. The job exits with the tick's status, or
+        # 1 when the successor could not be submitted.
         again = self.dspark("schedule", "--cron", self.cron, "--resubmit")
         cd = f"cd {shlex.quote(self.cwd)} || exit 1"
-        return f"{cd}; {self.dspark('retrain-tick')}; rc=$?; {again} || exit 1; exit $rc"
+        return f"{cd}; {again}; sub=$?; {self.dspark('retrain-tick')}; rc=$?; [ $sub -eq 0 ] || exit 1; exit $rc"
 
     def log_file(self) -> str:
         return str(Path(self.log_dir) / f"{self.name}-%j.out")

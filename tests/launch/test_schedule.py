@@ -139,6 +139,25 @@ def test_disabled_scrontab_falls_back_to_a_singleton_job(fake_slurm, tmp_path, m
     assert "job 4242 runs `dspark retrain-tick`" in out
 
 
+@pytest.mark.parametrize("tick_rc, submit_rc, job_rc", [(0, 0, 0), (3, 0, 3), (0, 1, 1), (124, 0, 124)])
+def test_the_fallback_job_submits_its_successor_before_the_tick(tmp_path, tick_rc, submit_rc, job_rc):
+    """A tick that fails, or is killed at the job's time limit (124 here), must not end the schedule."""
+    from hpc.launch.schedule_slurm import Entry
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in
+  *retrain-tick*) echo tick >> {log}; exit {tick_rc} ;;
+  *--resubmit*) echo successor >> {log}; exit {submit_rc} ;;
+esac
+""")
+    fake.chmod(0o755)
+    e = Entry("t", "0 3 * * 0", "/cfg.yaml", cwd=str(tmp_path), python=str(fake))
+    res = subprocess.run(["bash", "-c", e.resubmitting_command()], capture_output=True, text=True)
+    assert log.read_text().split() == ["successor", "tick"] and res.returncode == job_rc
+
+
 # ---- the real cluster: scrontab is not enabled there, so the job fallback runs --------------------
 
 
@@ -192,7 +211,8 @@ def test_the_tick_job_runs_and_resubmits_itself(slurm_cluster, mlflow_server, tm
         [[second, start, state]] = queued(name)
         assert second != first and state == "PENDING" and D.fromisoformat(start) > D.now()
         log = (tmp_path / "slurm" / "schedule" / f"{name}-{first}.out").read_text()
-        assert log.startswith("no new data since ") and f"job {second} runs `dspark retrain-tick`" in log, log
+        # The successor is submitted before the tick runs.
+        assert log.index(f"job {second} runs `dspark retrain-tick`") < log.index("no new data since "), log
     finally:
         subprocess.run(["scancel", "-n", f"dspark-schedule-{name}"], capture_output=True)
 
