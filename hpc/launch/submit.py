@@ -92,7 +92,7 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, sweep_overrides, to_yaml
-    from hpc.launch.variants import private_dir, variant_path
+    from hpc.launch.variants import check_sweep_shape, private_dir, variant_path
 
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
     scheme = cfg.tracking.uri.split(":", 1)[0]
@@ -102,11 +102,18 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
                         "serve` and set tracking.uri to its http address (or tracking.allow_file_store=true)")
     root, pid = _new_pipeline_dir(Path(cfg.cluster.log_dir) / "pipelines", pipeline_id or cfg.name)
     variants = sweep_overrides(OmegaConf.structured(cfg))
+    outs = [Path(cfg.train.output_dir) / pid / f"v{i}" for i in range(len(variants))]
+    vcfgs = [resolve(config, [*overrides, *extra, f"train.output_dir={out / 'train'}",
+                              f"eval.output_dir={out / 'eval'}", "sweep={}"], check_tracking=False)
+             for extra, out in zip(variants, outs)]
+    try:
+        check_sweep_shape(cfg, list(zip(variants, vcfgs)))
+    except UserError:
+        root.rmdir()  # nothing written into it yet
+        raise
     files = []
-    for i, extra in enumerate(variants):
-        out = private_dir(Path(cfg.train.output_dir) / pid) / f"v{i}"
-        vcfg = resolve(config, [*overrides, *extra, f"train.output_dir={out / 'train'}",
-                                f"eval.output_dir={out / 'eval'}", "sweep={}"], check_tracking=False)
+    private_dir(Path(cfg.train.output_dir) / pid)
+    for i, vcfg in enumerate(vcfgs):
         text = to_yaml(OmegaConf.structured(vcfg))
         path = variant_path(root, i, text)
         write_text(path, text, mode=0o600)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import stat
 from pathlib import Path
 
@@ -45,3 +46,18 @@ def test_a_job_refuses_a_variant_file_edited_after_submit(tmp_path):
         check_variant_file(f)
     with pytest.raises(UserError, match="changed after it was submitted"):
         run_stage("report", str(f))  # before it reads a single key
+
+
+@pytest.mark.parametrize("sweep, needle", [
+    # variant 1 would get eval-n3/eval-n7 jobs, never n=5
+    ("{eval.num_speculative_tokens: [[3, 7], [5]]}", "changes the pipeline's jobs (regenerate, train, calibrate, "
+                                                     "eval-n3, eval-n7, report -> regenerate, train, calibrate, eval-n5"),
+    # one regenerate job, at variant 0's temperature, would feed both
+    ("{data.regen_temperature: [0.0, 0.7]}", "sweep.data.regen_temperature: the regenerate stage runs once"),
+    ("{verifier.dtype: [bfloat16, float32]}", "sweep.verifier.dtype: the regenerate stage runs once"),
+])
+def test_a_sweep_over_what_the_array_shares_is_refused_before_any_file(tmp_path, sweep, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+                             f"sweep={sweep}", "tracking.allow_file_store=true"])
+    assert not any((tmp_path / "slurm" / "pipelines").iterdir())  # nothing written, no empty pipeline
