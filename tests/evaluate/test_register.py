@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -24,24 +25,35 @@ def calls(monkeypatch):
 
 
 META = {"registered_model": "m", "n": 7, "name": "eval-n7-DSpark"}
+CLIENT = SimpleNamespace(search_model_versions=lambda _filter: [])  # no version of this run yet
 
 
-def test_registration_promotes_a_better_draft_by_default(calls, capsys):
-    record._register(object(), None, META, "run")
-    assert calls == ["register at n=7", "promote"]
+@pytest.fixture
+def run_dir(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(META))
+    return tmp_path
+
+
+def registered(run_dir):
+    return json.loads((run_dir / "run.json").read_text()).get("registered", "never marked")
+
+
+def test_registration_promotes_a_better_draft_by_default(calls, capsys, run_dir):
+    record._register(CLIENT, run_dir, META, "run")
+    assert calls == ["register at n=7", "promote"] and registered(run_dir) == "4"
     assert "m v4 (mean acceptance length 3.000 at n=7); champion moves v3 -> v4" in capsys.readouterr().out
 
 
-def test_promote_if_better_false_registers_without_touching_the_champion(calls, capsys):
-    record._register(object(), None, META, "run", promote=False)
-    assert calls == ["register at n=7"]
+def test_promote_if_better_false_registers_without_touching_the_champion(calls, capsys, run_dir):
+    record._register(CLIENT, run_dir, META, "run", promote=False)
+    assert calls == ["register at n=7"] and registered(run_dir) == "4"
     assert "champion left as it is (schedule.promote_if_better is false)" in capsys.readouterr().out
 
 
-def test_a_run_without_acceptance_counters_is_not_registered(calls, monkeypatch, capsys):
+def test_a_run_without_acceptance_counters_is_not_registered(calls, monkeypatch, capsys, run_dir):
     # vLLM builds without spec-decode metrics leave accept_len None on every benchmark.
     monkeypatch.setattr(record, "load_results", lambda _: [SimpleNamespace(benchmark="gsm8k", sha256="a" * 64,
                                                                            accept_len=None)])
-    record._register(object(), None, META, "run")
-    assert calls == []
+    record._register(CLIENT, run_dir, META, "run")
+    assert calls == [] and registered(run_dir) is None  # done: a retry has nothing to register
     assert "eval-n7-DSpark not registered: no benchmark has an acceptance length" in capsys.readouterr().out
