@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig, VerifierConfig
+from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig
 from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
@@ -81,13 +81,19 @@ def _tracking(tracking: TrackingConfig):
     return client
 
 
-def baseline_key(v: VerifierConfig, engine: str, engine_version: str, hardware: str, benches,
+def baseline_key(cfg: DSparkConfig, engine: str, engine_version: str, hardware: str, benches,
                  temperature: float = 0.0) -> str:
+    """What a cached baseline's tok/s depends on: the target, the engine build, the hardware, the
+    prompts, and how the engine serves (vLLM's flags: TP, compilation, extra args; the reference
+    loop's device). A baseline measured at TP=8 is no baseline for TP=4."""
+    from hpc.verifier.vllm_server import config_flags
+
+    v = cfg.verifier
+    serving = [*config_flags(v), *v.extra_args] if engine == "vllm" else ["--device", cfg.eval.device]
     ident: dict[str, object] = {"target": v.name or v.model, "revision": v.revision, "engine": engine,
-                                "version": engine_version,
-             "hardware": hardware,
-             "manifests": {b.name: b.sha256 for b in benches}}
-    if temperature > 0:  # greedy keys stay as they were, so earlier baselines are still found
+                                "version": engine_version, "hardware": hardware, "serving": serving,
+                                "manifests": {b.name: b.sha256 for b in benches}}
+    if temperature > 0:
         ident["temperature"] = temperature
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -229,7 +235,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
         baselines: dict[tuple[str, float], dict[str, float]] = {}
         for engine, temp in sorted({(j.engine, j.temperature) for j in jobs}) if not paired else []:
             version = vllm_version if engine == "vllm" else _torch_version()
-            key = baseline_key(cfg.verifier, engine, version, hardware, benches, temp)
+            key = baseline_key(cfg, engine, version, hardware, benches, temp)
             job = Job(None, 0, engine, temp)
             run_dir = out / f"{job.name}-{key[:8]}"
             cached = None if force_baseline or client is None else find_baseline(client, cfg.tracking.experiment, key)

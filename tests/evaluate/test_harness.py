@@ -100,3 +100,18 @@ def test_a_result_is_reused_only_on_the_engine_and_timing_that_measured_it(tmp_p
                            baseline=Counted("vllm"), min_pairs=1)
     assert paired.requests == 1 and res.timing == "paired"
     assert finished(tmp_path, b, "vllm", "cached") is None and finished(tmp_path, b, "reference") is None
+
+
+def test_a_cached_baseline_is_keyed_by_how_the_engine_serves():
+    from hpc.config import load_config, to_object
+    from hpc.evaluate.runner import baseline_key
+
+    def key(engine: str, *overrides: str) -> str:
+        cfg = to_object(load_config("configs/kimi-k2.6-dspark.yaml", list(overrides)))
+        return baseline_key(cfg, engine, "v1", "8x H200", [SimpleNamespace(name="gsm8k", sha256="a" * 64)])
+
+    assert key("vllm") != key("vllm", "verifier.tensor_parallel_size=4")
+    assert key("vllm") != key("vllm", "verifier.extra_args=[--enforce-eager]")
+    assert key("vllm") == key("vllm", "verifier.port=9000")  # where it listens changes no figure
+    assert key("reference") != key("reference", "eval.device=cuda")
+    assert key("reference") == key("reference", "verifier.tensor_parallel_size=4")  # vLLM's flags only
