@@ -113,7 +113,10 @@ def card_table(evals: list[EvalRecord]) -> Table:
               for p, d, n, t in keys]
     records = [latest[k] for k in keys]
     ordered = list(latest.values())  # pipeline order is the caller's, so baseline comes from the first
-    ordered.sort(key=lambda e: pipelines.index(e.pipeline))
+    # A serving engine's baseline first: the reference loop's tok/s are not serving throughput.
+    ordered.sort(key=lambda e: (e.engine not in ("", "vllm"), pipelines.index(e.pipeline)))
+    engines = [rec.engine or "vllm" for rec in records]
+    mixed = len(set(engines)) > 1
 
     rows: list[list[str]] = []
     totals: dict[str, list[float]] = {}
@@ -135,7 +138,7 @@ def card_table(evals: list[EvalRecord]) -> Table:
                                vals["speedup_hi"]))
             scores.append(vals)
         rows.append([bench, MISSING if n_rows is None else str(int(n_rows)),
-                     MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, scores)])
+                     MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, scores, mixed)])
 
     mean_cells, mean_scores = [], []
     for rec, acc in zip(records, per_record):
@@ -147,18 +150,20 @@ def card_table(evals: list[EvalRecord]) -> Table:
         mean_scores.append(vals)
     total_rows, mean_base = totals.get("rows"), _mean(totals.get("baseline", []))
     rows.append(["mean", MISSING if not total_rows else str(int(sum(total_rows))),
-                 MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_scores)])
-    return Table(["benchmark", "rows", "baseline tok/s", *titles, "best"], rows)
+                 MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_scores, mixed)])
+    base_title = f"baseline tok/s ({ordered[0].engine or 'vllm'})" if mixed and ordered else "baseline tok/s"
+    return Table(["benchmark", "rows", base_title, *titles, "best"], rows)
 
 
-def _best(titles: list[str], scores: list[dict]) -> str:
+def _best(titles: list[str], scores: list[dict], mixed_engines: bool = False) -> str:
     """The fastest column when timing can tell; else the longest acceptance, marked "(by tau)".
 
     Timing cannot tell when the fastest column's speedup is implausible (above tau x 1.05: such
-    columns never win), or when its spread (paired timing) overlaps another column's.
+    columns never win), when its spread (paired timing) overlaps another column's, or when the
+    columns' speedups come from different engines (a torch loop's against vLLM's).
     max() keeps the first of equal scores, so a tie goes to the leftmost column.
     """
-    timed = [i for i, s in enumerate(scores) if s.get("speedup") is not None]
+    timed = [] if mixed_engines else [i for i, s in enumerate(scores) if s.get("speedup") is not None]
     plausible = [i for i in timed if not implausible(scores[i]["speedup"], scores[i].get("accept_len"))]
     if plausible and len(plausible) == len(timed):
         top = max(plausible, key=lambda i: scores[i]["speedup"])

@@ -213,6 +213,14 @@ def test_noise_and_spread_decide_what_best_may_claim():
     # Separated spreads do.
     t = card_table([rec("dspark", 7, 2.6, 3.5, 2.4, 2.8), rec("ngram", 7, 1.5, 2.2, 1.3, 1.7)])
     assert t.row("gsm8k")["best"] == "DSpark n=7"
+    # Speedups from different engines do not compare: the reference loop's against vLLM's.
+    ref = EvalRecord("p", "dspark", 7, {"gsm8k/tok_s": 3.0, "gsm8k/speedup": 1.2, "gsm8k/accept_len": 1.7,
+                                        "gsm8k/baseline_tok_s": 2.5}, engine="reference")
+    ngram = EvalRecord("p", "ngram", 7, {"gsm8k/tok_s": 40.0, "gsm8k/speedup": 1.25, "gsm8k/accept_len": 1.25,
+                                         "gsm8k/baseline_tok_s": 32.0}, engine="vllm")
+    t = card_table([ref, ngram])
+    assert t.row("gsm8k")["best"] == "DSpark n=7 (by tau)"
+    assert t.columns[2] == "baseline tok/s (vllm)" and t.row("gsm8k")["baseline tok/s (vllm)"] == "32.0"
     # Sampled runs are columns of their own, next to the greedy ones.
     t = card_table([rec("dspark", 7, 2.0, 3.5), rec("dspark", 7, 1.5, 2.5, temperature=0.7)])
     assert t.columns[3:5] == ["DSpark n=7", "DSpark n=7 T=0.7"]
