@@ -316,6 +316,15 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("stream.heartbeat_s", st.heartbeat_s)
     if st.peer_timeout_s <= st.heartbeat_s:
         c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")
+    t, ranks = cfg.train, trainer_ranks(cfg)
+    if ranks > 0 and t.grad_accumulation > 0:
+        micro = t.global_batch_size // (ranks * t.grad_accumulation)
+        # A trainer returns credit only for a whole micro-batch: a smaller buffer never fills one,
+        # and the heartbeats keep the peer timeout from ever firing.
+        if 0 < st.buffer_per_trainer < micro:
+            c.fail("stream.buffer_per_trainer", st.buffer_per_trainer,
+                   f"a micro-batch takes {micro} samples per trainer (train.global_batch_size / ranks / "
+                   f"grad_accumulation), which the buffer must hold; use at least {micro}")
 
 
 def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:

@@ -40,8 +40,10 @@ class StreamReceiver:
         self.planes = planes
         self.timeout = peer_timeout_s
         self.names = names or {}
-        # Each streamer may hold a share of this trainer's buffer; together they fill it.
-        self.share = max(1, capacity // len(self.streamers))
+        # Each streamer may hold a share of this trainer's buffer; together they fill it, rounded up:
+        # rounded down (8 over 3 streamers: 6) the shares could hold less than one micro-batch, and
+        # credit returns only when a micro-batch is packed.
+        self.share = max(1, -(-capacity // len(self.streamers)))
         self.samples: queue.Queue = queue.Queue()
         self.pool = BufferPool(planes.device, max_free=capacity + len(self.streamers))
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)

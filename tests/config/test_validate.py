@@ -104,6 +104,8 @@ BAD_CASES = {
     "no trainer nodes": (["cluster.trainer_nodes=0"], "cluster.trainer_nodes"),
     "no verifier nodes": (["cluster.verifier_nodes=0"], "cluster.verifier_nodes"),
     "eval on several nodes": (["cluster.eval_nodes=4"], "cluster.eval_nodes = 4: an evaluation runs on one node"),
+    "stream buffer below a micro-batch": (["train.global_batch_size=64", "stream.buffer_per_trainer=4"],
+                                          "stream.buffer_per_trainer = 4: a micro-batch takes 8 samples"),
     "batch not divisible": (["train.global_batch_size=10"], "train.global_batch_size"),
     "tp above gpus per node": (["verifier.tensor_parallel_size=16"], "verifier.tensor_parallel_size"),
     "nccl on cpu": (["train.device=cpu"], "train.dist_backend"),

@@ -31,3 +31,16 @@ def test_the_smallest_fitting_buffer_is_taken_among_several():
         pool.release(c)
     t, flat = pool.take((20,), torch.int64)
     assert flat.numel() == 32 and len(pool.free) == 2 and pool.allocated == 3
+
+
+def test_the_streamers_shares_hold_the_whole_buffer():
+    """Credit returns only when a micro-batch is packed: shares rounded down (8 over 3 streamers:
+    6) could hold less than the micro-batch the buffer was sized for, and the stream would hang."""
+    from types import SimpleNamespace
+
+    from hpc.stream.receiver import StreamReceiver
+
+    planes = SimpleNamespace(device=torch.device("cpu"))
+    for capacity, streamers in ((8, 3), (8, 4), (1, 2), (7, 7)):
+        r = StreamReceiver(list(range(1, streamers + 1)), capacity, planes)  # type: ignore[arg-type]
+        assert capacity <= r.share * streamers < capacity + streamers
