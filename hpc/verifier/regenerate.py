@@ -191,6 +191,9 @@ def regenerate(data: DataConfig, server_url: str, *, shard_size: int = 1000, con
     ``max_rows`` stops after that many input rows (a later run without it continues). After
     ``max_consecutive_failures`` failed rows in a row the server is taken for dead: UserError,
     without writing the shard in progress, so a re-run redoes those rows instead of losing them.
+    So a shard is not written while a run of failures is open (it grows until a row succeeds):
+    written, the first rows of a dying server's run would be skipped for good. (A run shorter
+    than that at the data's end is taken for failed rows, as it would be anywhere else.)
     """
     t0 = time.monotonic()
     if client is None:
@@ -227,7 +230,7 @@ def regenerate(data: DataConfig, server_url: str, *, shard_size: int = 1000, con
                     raise UserError(f"{failures} rows in a row failed against {server_url} (is the server "
                                     f"down?); {len(store.shards)} shards are complete, re-run to resume")
             report.advance(written=out.record is not None)
-            if end - shard_start == shard_size:
+            if end - shard_start >= shard_size and not failures:
                 _flush(store, shard_start, end, records, skipped, stats, report)
                 records, skipped, shard_start = [], Counter(), end
         if end > shard_start:  # a short last shard: the data ended or max_rows cut it

@@ -338,6 +338,19 @@ def test_dead_server_stops_the_run_without_writing_the_shard_in_progress(fake_ur
     assert sorted(p.name for p in regenerated_dir(cfg.data).glob("shard-*")) == ["shard-00000.jsonl"]
 
 
+def test_a_server_that_dies_at_a_shard_boundary_loses_no_row(fake_url, tmp_path):
+    """The run of failures began in the shard before: written then, its rows were skipped for good."""
+    cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c", "FAIL", "FAIL", "FAIL", "e", "f"]))
+    client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=0, backoff=0.0)
+    with pytest.raises(UserError, match="server down"):
+        regenerate(cfg.data, fake_url, shard_size=4, concurrency=1, client=client, max_consecutive_failures=3)
+    assert list(regenerated_dir(cfg.data).glob("shard-*")) == []  # rows 0-3 wait for the run to end
+    # The server is back: every row is asked again, none was written off as skipped.
+    cfg2 = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c", "d", "d2", "d3", "e", "f"]))
+    stats = regenerate(cfg2.data, fake_url, shard_size=4, concurrency=1, client=client)
+    assert stats.written == 8 and not stats.skipped
+
+
 def test_a_finished_regeneration_is_complete_only_for_its_own_sources(fake_url, tmp_path):
     from hpc.verifier.regenerate import regeneration_complete
 
