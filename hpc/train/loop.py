@@ -33,12 +33,15 @@ class RequeueRequested(Exception):
 
 
 def pack(captures: list[Capture]) -> PackedRow:
-    """Concatenate samples into one row; document ids keep blocks from seeing a neighbour."""
-    docs = [torch.full((c.input_ids_T.numel(),), i, dtype=torch.long) for i, c in enumerate(captures)]
+    """Concatenate samples into one row; document ids keep blocks from seeing a neighbour. The ids
+    and positions are made where the tokens are: a row of GPU captures is a GPU row throughout."""
+    docs = [torch.full((c.input_ids_T.numel(),), i, dtype=torch.long, device=c.input_ids_T.device)
+            for i, c in enumerate(captures)]
     return PackedRow(
         torch.cat([c.input_ids_T for c in captures]), torch.cat([c.loss_mask_T for c in captures]),
         torch.cat([c.aux_TnH for c in captures]), torch.cat([c.last_hidden_TH for c in captures]),
-        torch.cat(docs), torch.cat([torch.arange(c.input_ids_T.numel()) for c in captures]),
+        torch.cat(docs), torch.cat([torch.arange(c.input_ids_T.numel(), device=c.input_ids_T.device)
+                                    for c in captures]),
     )
 
 

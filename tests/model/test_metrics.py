@@ -71,3 +71,4 @@ def test_ece_stays_on_the_confidences_device():
     conf = torch.rand(64, device="meta")
     assert expected_calibration_error(conf, conf > 0.5).device.type == "meta"
     assert expected_calibration_error(conf[:0], conf[:0]).device.type == "meta"
+
