@@ -121,20 +121,22 @@ class SubprocessServer:
 
     def wait_healthy(self, timeout: float, poll: float = 0.5) -> None:
         assert self.proc is not None, "start the server first"
+        try:
+            self._wait_healthy(self.proc, timeout, poll)
+        except BaseException:
+            # Whatever ends the wait (it died, the deadline, Ctrl-C, a caller's error while the model
+            # loads) stops it: it runs in a session of its own, out of reach of the signals that
+            # end its caller, and would hold the node's GPUs after the caller is gone.
+            self.stop()
+            raise
+
+    def _wait_healthy(self, proc: subprocess.Popen, timeout: float, poll: float) -> None:
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.healthy():
-                    return
-            except UserError:
-                self.stop()
-                raise
-            if self.proc.poll() is not None:
-                self.stop()
-                raise UserError(f"{self.what} exited with code {self.proc.returncode} before it was healthy; "
+        while not self.healthy():
+            if proc.poll() is not None:
+                raise UserError(f"{self.what} exited with code {proc.returncode} before it was healthy; "
                                 f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
             if time.monotonic() > deadline:
-                self.stop()
                 raise UserError(f"{self.what} not healthy after {timeout:.0f}s; "
                                 f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
             time.sleep(poll)

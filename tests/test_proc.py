@@ -72,3 +72,23 @@ def test_a_server_that_never_gets_healthy_is_stopped_after_the_timeout(tmp_path)
     with pytest.raises(UserError, match=r"fake server not healthy after 1s; last lines of .*server.log:\n.*loading"):
         server.wait_healthy(timeout=1, poll=0.05)
     assert time.monotonic() - start < 30 and server.proc.poll() == -signal.SIGTERM
+
+
+def test_a_wait_cut_short_stops_the_server_it_was_waiting_for(tmp_path, monkeypatch):
+    """Ctrl-C while the model loads: the server is in a session of its own, so the signal that
+    ends its caller never reaches it, and it would keep the node's GPUs."""
+    log = tmp_path / "server.log"
+    server = Fake(spawn(python("import time; time.sleep(120)"), log), log, free_port())
+    sleeps = []
+
+    def interrupted(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("hpc.proc.time.sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.wait_healthy(timeout=60, poll=0.01)
+    monkeypatch.undo()
+    server.proc.wait(timeout=10)  # stopped, not orphaned
+    assert server.proc.returncode is not None and not group_alive(server.proc.pid)
