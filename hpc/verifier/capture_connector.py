@@ -23,6 +23,7 @@ filesystem, so a file that exists is complete).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -96,6 +97,8 @@ def _write(path: str, states: HostCopy, token_ids: torch.Tensor, metadata: dict[
         os.replace(tmp, path)  # atomic: a reader never sees a half-written `path`
     except Exception as err:  # noqa: BLE001 - the client must learn of it instead of waiting
         log.error("dspark capture: writing %s failed: %r", path, err)
+        with contextlib.suppress(OSError):  # a half-written file in node RAM, read by no one
+            os.unlink(tmp)
         with open(f"{tmp}.err", "w") as fh:
             fh.write(repr(err))
         os.replace(f"{tmp}.err", f"{path}.error")

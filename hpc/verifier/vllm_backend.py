@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,10 @@ class VLLMVerifier:
         # capture() runs in several threads at once (verifier.capture_concurrency): a session each.
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
+        # Capture files the wait gave up on: the connector writes after the response, so one may
+        # land later, in node RAM (/dev/shm), where nothing else would ever delete it.
+        self._abandoned: deque[Path] = deque(maxlen=4096)
+        self._abandoned_lock = threading.Lock()
 
     @property
     def session(self) -> requests.Session:
@@ -269,10 +274,12 @@ class VLLMVerifier:
         """One sample's states. A failure with the server alive and healthy is this sample's
         (CaptureError); with the server gone or hung it is VerifierDown, which ends the stream."""
         ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
-        path = None
+        self._sweep_abandoned()
+        path, arrived = None, False
         try:
             path = self._prefill(sample_id, ids)
             wait_for_file(path, self.file_timeout_s)
+            arrived = True
             states = read_capture(path, sample_id, ids, len(self.layer_ids), self.hidden)
         except CaptureError as err:
             gone = self.down()
@@ -282,6 +289,9 @@ class VLLMVerifier:
         finally:
             if path is not None:
                 path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
+                if not arrived:
+                    with self._abandoned_lock:
+                        self._abandoned.append(path)
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
         out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]].float()
         if self.norm_weight is not None:  # the last column becomes the post-norm hidden
@@ -292,7 +302,20 @@ class VLLMVerifier:
     def server_log_tail(self, lines: int = 20) -> str:
         return log_tail(self.server.server.log_path, lines)
 
+    def _sweep_abandoned(self) -> None:
+        """Delete the abandoned capture files that have landed since; keep looking for the rest."""
+        with self._abandoned_lock:
+            waiting = list(self._abandoned)
+            self._abandoned.clear()
+            for path in waiting:
+                landed = [p for p in (path, Path(f"{path}.error")) if p.exists()]
+                for p in landed:
+                    p.unlink(missing_ok=True)
+                if not landed:
+                    self._abandoned.append(path)
+
     def close(self) -> None:
+        self._sweep_abandoned()
         for s in self._sessions:
             s.close()
         if self.owns_server:

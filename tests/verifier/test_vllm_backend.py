@@ -261,3 +261,29 @@ def test_each_capture_server_gets_its_own_private_directory(tmp_path):
     assert a.stat().st_mode & 0o777 == 0o700 and a.stat().st_uid == os.getuid()
     with pytest.raises(UserError, match="verifier.capture_dir"):
         private_capture_dir(tmp_path / "missing", 8000)
+
+
+def test_a_capture_file_that_lands_after_the_wait_gave_up_is_deleted(tmp_path):
+    """The connector writes after its response; a file landing after file_timeout_s sat in node
+    RAM (/dev/shm) until the server stopped, about a gigabyte per Kimi sample."""
+    import threading
+
+    from hpc.verifier.vllm_backend import CaptureError, VLLMVerifier
+
+    v = object.__new__(VLLMVerifier)  # the capture path only: no server
+    v.file_timeout_s, v.layer_ids, v.hidden = 0.2, [1, 2], 4
+    v._abandoned, v._abandoned_lock = vllm_backend.deque(maxlen=16), threading.Lock()
+    v._sessions, v.owns_server = [], False
+    late = tmp_path / "cmpl-1-0.safetensors"
+    v._prefill = lambda sid, ids: late
+    v.down = lambda: None  # healthy: the sample's failure, not the server's
+    with pytest.raises(CaptureError, match="did not appear"):
+        v.capture(0, [0, 1, 2], [0, 1, 1])
+    save_file({"hidden_states": torch.zeros(3, 2, 4), "token_ids": torch.arange(3)}, str(late))  # it lands now
+    v._prefill = lambda sid, ids: tmp_path / "cmpl-2-0.safetensors"
+    with pytest.raises(CaptureError):
+        v.capture(1, [0, 1, 2], [0, 1, 1])  # the next capture sweeps the late one away
+    assert not late.exists()
+    (tmp_path / "cmpl-2-0.safetensors").write_bytes(b"")
+    v.close()
+    assert list(tmp_path.iterdir()) == []
