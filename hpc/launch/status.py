@@ -8,11 +8,9 @@ runs one `scancel` over every job of the pipeline.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -255,24 +253,17 @@ def summary(rows: list[tuple[str, ...]]) -> str:
 
 def status(pipeline_file: Path | str) -> str:
     """The status report: one row per job or array task, the MLflow link, a summary line."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+    from hpc.tables import text_table
 
     state_file = Path(pipeline_file)
     state = load_pipeline(state_file)
     rows = _rows(state, job_states([str(j) for j in state["jobs"].values()]), state_file)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for col in ("stage", "job", "variant", "state", "elapsed", "exit", "nodes", "progress"):
-        table.add_column(col, no_wrap=col != "progress")
-    for row in rows:
-        table.add_row(*row)
-    out = io.StringIO()
-    Console(file=out, width=shutil.get_terminal_size((160, 24)).columns, color_system=None).print(table)
     head = (f"pipeline {state.get('pipeline', state_file.parent.name)} "
             f"(submitted {state.get('submitted', '?')}, config {state.get('config', '?')})")
-    # Cells are padded to the column width; trailing blanks only get in the way of pipes and diffs.
-    lines = [head, *(ln.rstrip() for ln in out.getvalue().splitlines()), mlflow_link(state), summary(rows)]
+    # Never fitted to the terminal: at 80 columns rich cut job ids and states and dropped the
+    # progress column. A long row runs past the edge (or wraps) whole.
+    table = text_table(["stage", "job", "variant", "state", "elapsed", "exit", "nodes", "progress"], rows)
+    lines = [head, *table, mlflow_link(state), summary(rows)]
     return "\n".join(lines) + "\n"
 
 

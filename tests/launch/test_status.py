@@ -57,7 +57,6 @@ def _poll(ids: list[str], done, timeout_s: float = 20.0) -> dict[str, JobState]:
 
 @pytest.mark.timeout(120, func_only=True)
 def test_status_and_cancel_real_jobs(slurm_cluster: SlurmCluster, tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "200")  # the table is as wide as the terminal: no wrapped cells here
     part = slurm_cluster.partition
     ids: list[str] = []
     try:
@@ -139,7 +138,7 @@ def test_sacct_failing_names_accounting(monkeypatch) -> None:
 
 
 def test_table_from_parsed_sacct(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("COLUMNS", "80")  # a narrow terminal cuts nothing: no job id, state or progress
     fake = FakeRun(stdout=SACCT_OUT)
     monkeypatch.setattr(subprocess, "run", fake)
     _progress(tmp_path / "v0" / "train", time.time() - 300)  # a stale file says how old it is
