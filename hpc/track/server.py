@@ -20,6 +20,24 @@ from hpc.net import free_port
 from hpc.proc import SubprocessServer, http_ok, spawn
 
 
+def _check_host(host: str) -> None:
+    """One line naming --host when it is no address of this machine (`hostname -i` can print a
+    loopback alias, or several addresses): a bind there fails whatever the port."""
+    import errno
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, 0))
+        except socket.gaierror as err:
+            raise UserError(f"mlflow server: --host {host!r} does not resolve ({err.strerror}); give this "
+                            "node's address, e.g. one of `hostname -I`") from None
+        except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise UserError(f"mlflow server: --host {host} is not an address of this machine; give one "
+                                "of `hostname -I` (or 127.0.0.1 for this node only)") from None
+            raise
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
         # As the server itself binds: a port in TIME_WAIT after a restart is free, a listener is not.
@@ -64,6 +82,7 @@ class MlflowServer(SubprocessServer):
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
+        _check_host(self.host)
         self.port = self.port or free_port(self.host)
         if is_healthy(self.uri, timeout=1.0) or not _bindable(self.host, self.port):
             # Else the health probe would be answered by whoever holds the port, not by us.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
@@ -44,3 +46,11 @@ def test_server_that_cannot_start_names_the_cause(tmp_path, mlflow_server):
     clash = MlflowServer(tmp_path / "clash", port=mlflow_server.port)
     with pytest.raises(UserError, match="mlflow server"):
         clash.start(timeout_s=30)
+
+
+@pytest.mark.parametrize("host, needle", [("10.255.255.1", "--host 10.255.255.1 is not an address of this machine"),
+                                          ("no.such.host.invalid", "--host 'no.such.host.invalid' does not resolve")])
+def test_a_host_that_is_not_this_machines_is_one_line_naming_the_flag(tmp_path, host, needle):
+    # It said the (free) port was in use, or raised from the socket layer.
+    with pytest.raises(UserError, match=re.escape(needle)):
+        MlflowServer(tmp_path / "m", host=host, port=5999).start()
