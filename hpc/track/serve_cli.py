@@ -28,8 +28,14 @@ def credentials(root: Path, user: str = "dspark") -> str:
     """The server's admin password: drawn once, kept owner-only under `root`."""
     from hpc.errors import UserError
     from hpc.fsio import write_text
+    from hpc.track.server import AUTH_DB
 
     path = root / CREDENTIALS
+    users = root / AUTH_DB
+    if not path.is_file() and users.exists():
+        # MLflow keeps an existing admin's password: a new one drawn here would lock every job out.
+        raise UserError(f"{path} is gone but {users} still holds the admin password it named; restore the "
+                        f"file, or delete {users} too to start the server's users over")
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o700)
@@ -42,8 +48,9 @@ def credentials(root: Path, user: str = "dspark") -> str:
     for line in path.read_text().splitlines():
         if line.startswith("export MLFLOW_TRACKING_PASSWORD="):
             return line.split("=", 1)[1].strip()
-    raise UserError(f"{path} has no `export MLFLOW_TRACKING_PASSWORD=` line; delete the file to draw a new "
-                    "password (then re-source it wherever jobs are submitted)")
+    raise UserError(f"{path} has no `export MLFLOW_TRACKING_PASSWORD=` line; delete it and {users} (the "
+                    "server's users, which keep the old password) to draw a new password, then re-source it "
+                    "wherever jobs are submitted")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from hpc.errors import UserError
 from hpc.net import free_port
 from hpc.proc import SubprocessServer, http_ok, spawn
 
+AUTH_DB = "basic_auth.db"  # MLflow basic auth's users: the admin keeps the password it was made with
+
 
 def _check_host(host: str) -> None:
     """One line naming --host when it is no address of this machine (`hostname -i` can print a
@@ -109,7 +111,7 @@ class MlflowServer(SubprocessServer):
         user with a password may read or write (the password goes by environment, not file)."""
         path = self.root / "auth.ini"
         path.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-                        f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\n"
+                        f"database_uri = sqlite:///{self.root / AUTH_DB}\n"
                         f"admin_username = {self.auth_user}\n"
                         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
         return path

@@ -78,5 +78,11 @@ def test_credentials_are_drawn_once_whole_and_a_broken_file_is_named(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600 and os.stat(root).st_mode & 0o777 == 0o700
     assert [p.name for p in root.iterdir()] == [CREDENTIALS]  # no temp file left beside it
     path.write_text("")  # e.g. cut short by an older version
-    with pytest.raises(UserError, match=r"has no `export MLFLOW_TRACKING_PASSWORD=` line; delete the file"):
+    with pytest.raises(UserError, match=r"has no `export MLFLOW_TRACKING_PASSWORD=` line; delete it and .*basic_auth"):
         credentials(root)
+    # MLflow keeps an existing admin's password: with the users left, a new one would lock jobs out.
+    path.unlink()
+    (root / "basic_auth.db").write_bytes(b"")
+    with pytest.raises(UserError, match=r"is gone but .*basic_auth.db still holds the admin password"):
+        credentials(root)
+    assert not path.exists()
