@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Hub-id style names are not looked up on a login node, so the toy config resolves without
 # the built toy target or its data.
 NO_FILES = ["verifier.model=toy/qwen3", "data.sources=[{path: toy/data}]", "verifier.python=python3"]
-# The validator wants the batch to split over every trainer rank; 120 does for 1, 3 and 10 nodes.
-SPLITS = "train.global_batch_size=120"
+# The validator wants the batch to split over every trainer rank; 120 does for 1, 3 and 10 nodes
+# (and each trainer's stream buffer to hold its micro-batch).
+SPLITS = ("train.global_batch_size=120", "stream.buffer_per_trainer=30")
 
 
 def _toy(partition: str, *overrides: str) -> DSparkConfig:
@@ -74,7 +75,7 @@ def test_unknown_partition_lists_the_real_ones(slurm_cluster: SlurmCluster) -> N
 @pytest.mark.timeout(60, func_only=True)
 def test_too_many_nodes_names_the_key(slurm_cluster: SlurmCluster) -> None:
     n = len(slurm_cluster.node_names)
-    cfg = _toy(slurm_cluster.partition, "cluster.trainer_nodes=10", SPLITS)
+    cfg = _toy(slurm_cluster.partition, "cluster.trainer_nodes=10", *SPLITS)
     problems = check_requests(requests_for(cfg))
     assert len(problems) == 1, problems
     assert "cluster.trainer_nodes" in problems[0] and "cluster.verifier_nodes" in problems[0]
@@ -96,7 +97,7 @@ def test_missing_account(slurm_cluster: SlurmCluster) -> None:
 @pytest.mark.timeout(60, func_only=True)
 def test_several_problems_come_back_together(slurm_cluster: SlurmCluster) -> None:
     cfg = _toy(slurm_cluster.partition, "cluster.trainer_nodes=10",
-               "cluster.regenerate_nodes=4", "cluster.account=no-such-acct", SPLITS)
+               "cluster.regenerate_nodes=4", "cluster.account=no-such-acct", *SPLITS)
     cfg.cluster.time = "1:2:3:4"  # past the config validator, as a hand-built config could be
     cfg.cluster.eval_nodes = 5  # (the validator wants 1)
     problems = check_requests(requests_for(cfg))
@@ -234,7 +235,7 @@ def test_the_validator_the_slurm_check_and_submit_read_a_time_alike(
     from hpc.config.validate import validate
     from hpc.launch.submit import _minutes
 
-    cfg = _toy("open", SPLITS)
+    cfg = _toy("open", *SPLITS)
     cfg.cluster.time = text
     by_validator = any(p.startswith("cluster.time") for p in validate(cfg, check_tracking=False, check_vllm=False))
     _fake_slurm(monkeypatch, sinfo=(0, "open|4|infinite|up\n", ""), sacctmgr=(0, "", ""))
@@ -321,7 +322,7 @@ def test_parse_slurm_time_rejects(text: str) -> None:
 
 def test_requests_without_regeneration() -> None:
     cfg = _toy("debug", "data.regenerate=false", "cluster.verifier_nodes=2",
-               "cluster.trainer_nodes=3", "cluster.account=proj", SPLITS)
+               "cluster.trainer_nodes=3", "cluster.account=proj", *SPLITS)
     reqs = requests_for(cfg)
     assert [(r.stage, r.nodes, r.gpus_per_node) for r in reqs] == [
         ("train", 5, 2), ("eval", 1, 2), ("report", 1, 0)]
