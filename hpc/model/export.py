@@ -151,7 +151,11 @@ def atomic_dir(out: Path):
                 shutil.rmtree(self_inner.tmp, ignore_errors=True)
                 return False
             check_export_target(out)  # it may have changed while the weights were written
-            os.chmod(self_inner.tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared
+            # mkdtemp makes it 0700, and safetensors writes 0600 whatever the umask: an export is
+            # meant to be shared (served, evaluated and registered by other users' jobs).
+            os.chmod(self_inner.tmp, 0o755)
+            for f in self_inner.tmp.iterdir():
+                os.chmod(f, 0o644)
             replace_dir(self_inner.tmp, out)
             return False
     return _Atomic()

@@ -42,6 +42,10 @@ def test_dspark_export_round_trips_bit_exact(tmp_path):
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
 
+    # Shared: other users' jobs serve and evaluate it (safetensors alone writes 0600).
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": 0o644,
+                                                                        "model.safetensors": 0o644}
+    assert out.stat().st_mode & 0o777 == 0o755
     back = load_draft(out)
     for name, ref in model.state_dict().items():
         want = ref if name in ("d2t", "t2d") else ref.to(torch.bfloat16).float()
