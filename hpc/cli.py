@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "rest") and not any(a.startswith("-") for a in extra):
+        args.rest, extra = [*args.rest, *extra], []  # `dspark export CKPT --n 3 OUT`: OUT came after a flag
     # `dspark submit CFG --dry-run train.lr=1e-4`: argparse stops filling a positional list at
     # the first flag, so KEY=VALUE words after flags arrive here; they are overrides all the same.
     stray = [a for a in extra if a.startswith("-") or "=" not in a]

@@ -18,25 +18,21 @@ def _human(n: float) -> str:
 
 
 def shapes_only(config: str, overrides: list[str]) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from hpc.config import resolve
     from hpc.model.dspark import DSparkArgs
     from hpc.model.export import shapes_only_inventory
+    from hpc.tables import text_table
 
     cfg = resolve(config, overrides, check_tracking=False)
     rows = shapes_only_inventory(DSparkArgs.from_config(cfg))
-    table = Table(title=f"{cfg.name}: exported tensors (built on the meta device, nothing allocated)")
-    for col in ("tensor", "shape", "dtype", "size"):
-        table.add_column(col, justify="right" if col == "size" else "left")
-    for name, shape, dtype, nbytes in rows:
-        table.add_row(name, "x".join(map(str, shape)), str(dtype).removeprefix("torch."), _human(nbytes))
     total = sum(r[3] for r in rows)
-    console = Console(width=120)
-    console.print(table)
-    console.print(f"{len(rows)} tensors, {_human(total)} ({total / 2**30:.2f} GiB), "
-                  f"{sum(math.prod(r[1]) for r in rows) / 1e9:.3f} B elements")
+    # Plain print: `| head` ends it with exit 0 (a rich Console turns the broken pipe into exit 1).
+    print(f"{cfg.name}: exported tensors (built on the meta device, nothing allocated)")
+    print("\n".join(text_table(["tensor", "shape", "dtype", "size"], [
+        [name, "x".join(map(str, shape)), str(dtype).removeprefix("torch."), _human(nbytes)]
+        for name, shape, dtype, nbytes in rows], right={3})))
+    print(f"{len(rows)} tensors, {_human(total)} ({total / 2**30:.2f} GiB), "
+          f"{sum(math.prod(r[1]) for r in rows) / 1e9:.3f} B elements")
     return 0
 
 

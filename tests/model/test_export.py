@@ -117,6 +117,10 @@ def test_cli_export_and_shapes_only(tmp_path):
     shapes = subprocess.run([sys.executable, "-m", "hpc", "export", "--shapes-only",
                              "configs/kimi-k2.6-dspark.yaml"], capture_output=True, text=True, cwd=ROOT)
     assert shapes.returncode == 0 and "44 tensors, 6.30 GB" in shapes.stdout
+    # A reader that leaves early is no error (a rich Console made it exit 1 with nothing said).
+    piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m hpc export --shapes-only "
+                            "configs/kimi-k2.6-dspark.yaml | head -1"], capture_output=True, text=True, cwd=ROOT)
+    assert piped.returncode == 0 and piped.stdout.startswith("kimi-k2.6-dspark: exported tensors"), piped.stderr
     missing = subprocess.run([sys.executable, "-m", "hpc", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "not a draft export" in missing.stderr and "Traceback" not in missing.stderr
@@ -176,3 +180,13 @@ def test_a_damaged_draft_gives_one_line(tmp_path, damage):
     with pytest.raises(UserError, match="damaged") as info:
         load_draft(out)
     assert "\n" not in str(info.value)
+
+
+def test_the_out_directory_may_follow_a_flag(tmp_path):
+    """`dspark export CKPT --n 3 OUT` said "unrecognized arguments: OUT"."""
+    from hpc.cli import main
+
+    ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
+    assert main(["export", str(ckpt), "--n", "3", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"][
+        "proposal_methods"][0]["speculative_tokens"] == 3
