@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,6 +13,7 @@ from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
 
 TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
+REGISTERED_MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._ -]*")
 
 
 _PLAN_POSITIVE = {
@@ -85,6 +87,11 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
             c.fail("tracking.uri", tr.uri, f"MLflow server unreachable ({why}); start it or fix the URI")
     if not tr.experiment:
         c.fail("tracking.experiment", tr.experiment, "set an experiment name")
+    # The registry is searched with MLflow filter strings (name = '...'), which a quote would end early:
+    # the upload, the promotion and warm starts would all fail hours later, inside a job.
+    if not REGISTERED_MODEL.fullmatch(tr.registered_model or ""):
+        c.fail("tracking.registered_model", tr.registered_model,
+               "use letters, digits, '.', '_', '-' or spaces (e.g. kimi-k2.6-dspark)")
 
 
 def check_schedule(c: Checker, cfg: DSparkConfig) -> None:

@@ -44,6 +44,9 @@ BAD = {
     "tracking uri typo in a relative file store": (["tracking.uri=file:nosuchdir/mlruns"],
                                                    "directory of this store does not exist"),
     "tracking uri unknown scheme": (["tracking.uri=sqlte:///runs/m.db"], "use http://HOST:PORT"),
+    # MLflow's filter strings quote the name: a quote in it breaks every registry search, in a job.
+    "quote in registered model": (["tracking.registered_model=\"kimi's draft\""], "tracking.registered_model"),
+    "empty registered model": (["tracking.registered_model=''"], "tracking.registered_model"),
     "public verifier host": (["verifier.host=0.0.0.0"], "verifier.allow_remote_host"),
     # Numbers that pass range checks and fail later.
     "nan lr": (["train.lr=.nan"], "train.lr = nan: must be a finite number"),
