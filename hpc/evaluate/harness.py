@@ -67,6 +67,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+def timing_of(paired: bool) -> str:
+    """How a result's speedup was measured: `paired` (baseline and draft alternating on the same
+    prompts) or `cached` (against a baseline measured once, in another window)."""
+    return "paired" if paired else "cached"
+
+
 def finished(out_dir: Path, bench, engine: str | None = None, timing: str | None = None) -> BenchResult | None:
     """The result already measured for `bench` in `out_dir`, if it was measured on these prompts,
     on this `engine` and with this `timing`: a run directory is named for the draft, so an
@@ -113,7 +119,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
     results = []
     todo = []
     for b in benches:
-        done = finished(out_dir, b, engine.name, "paired" if baseline is not None else "cached")
+        done = finished(out_dir, b, engine.name, timing_of(baseline is not None))
         if done is not None:
             if not quiet:
                 print(f"{label} n={n}: {b.name} already done ({out_dir / (b.name + '.json')}), not re-run")
@@ -151,7 +157,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                               calibration_steps=first_pass)
             if ratios:
                 res.speedup, res.speedup_lo, res.speedup_hi = ratio_spread(ratios)
-                res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), "paired"
+                res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), timing_of(True)
             write_json_atomic(out_dir / f"{b.name}.json", asdict(res))
             results.append(res)
     return results

@@ -303,9 +303,9 @@ def _value(enum_or_str) -> str:
 
 def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quiet: bool, paired: bool = False,
              min_pairs: int = 1) -> list[BenchResult]:
-    from hpc.evaluate.harness import finished
+    from hpc.evaluate.harness import finished, timing_of
 
-    timing = "paired" if paired and job.draft else "cached"
+    timing = timing_of(paired and job.draft is not None)
     if all(finished(run_dir, b, job.engine, timing) for b in benches):  # a requeue: no server for nothing
         return load_results(run_dir, [b.name for b in benches])
     baseline = factory.baseline(job.engine, job.temperature, tok.eos_token_id) if paired and job.draft else None

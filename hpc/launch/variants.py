@@ -13,8 +13,12 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from hpc.config.schema import DSparkConfig
 
 # What decides the text the regenerate stage writes: it runs once, for variant 0, so a sweep over
 # these would train every other variant on data made with variant 0's values. (Its servers'
@@ -52,7 +56,7 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def check_sweep_shape(cfg, variants: list[tuple[list[str], object]]) -> None:
+def check_sweep_shape(cfg: DSparkConfig, variants: list[tuple[list[str], DSparkConfig]]) -> None:
     """One clear line, before anything is written or submitted, when a sweep varies what the
     tasks of one array share: the pipeline's jobs (eval.num_speculative_tokens, the calibrate
     stage's switches), or what the single regenerate job generates. `variants`: (the variant's
@@ -67,7 +71,7 @@ def check_sweep_shape(cfg, variants: list[tuple[list[str], object]]) -> None:
                                 f"variant's {key}; submit one pipeline per value (dspark submit CONFIG {key}=VALUE)")
     base = [j.name for j in jobs(cfg)]
     for extra, vcfg in variants:
-        names = [j.name for j in jobs(vcfg)]  # type: ignore[arg-type]
+        names = [j.name for j in jobs(vcfg)]
         if names != base:
             raise UserError(f"sweep {' '.join(extra)}: changes the pipeline's jobs ({', '.join(base)} -> "
                             f"{', '.join(names)}), which the tasks of one array share; submit one pipeline "
