@@ -5,7 +5,7 @@ receiver can post its receive before it knows what comes: NCCL has no receive-fr
 so trainers keep one header receive posted per streamer. A SAMPLE header is followed by two
 tensors on the data plane (the training backend, on the device): token ids + loss mask [2, T]
 and the aux states with the last hidden as one more column, [T, n_aux + 1, H], in the stream
-dtype. Credits, heartbeats, STOP and the ledger are control messages only.
+dtype. Credits, heartbeats, STOP, skip reports and the ledger are control messages only.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class Kind(IntEnum):
     CREDIT = 4  # trainer -> streamer: n more samples may be sent to me
     LEDGER = 5  # trainer 0 -> streamer: n sample ids already trained this epoch follow
     FAILED = 6  # streamer -> trainer: my verifier is gone (`length` is a Failure); stop, do not finish
+    # streamer -> trainer: (epoch, sample_id) could not be captured and is not coming. The ledger
+    # counts it as done, so its epoch can close (and the ledger shrink), and a restart skips it.
+    SKIPPED = 7
 
 
 class Failure(IntEnum):

@@ -49,6 +49,8 @@ class StreamReceiver:
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected
+        self._skipped: list[tuple[int, int]] = []  # (epoch, id) of captures a streamer reported failed
+        self._skip_lock = threading.Lock()
         self.error: str | None = None
         self.wait_s = 0.0
         self._done = threading.Event()
@@ -106,6 +108,9 @@ class StreamReceiver:
                 if h.kind == Kind.SAMPLE:
                     self.samples.put((s, h.epoch, recv_sample_body(h, s, self.planes, self.pool)))
                     self._last_seen[s] = time.monotonic()
+                elif h.kind == Kind.SKIPPED:
+                    with self._skip_lock:
+                        self._skipped.append((h.epoch, h.sample_id))
                 elif h.kind == Kind.STOP:
                     self._said_stop.add(s)
                     self._events.put(("stop", s, ""))
@@ -155,6 +160,11 @@ class StreamReceiver:
         self.samples.put(None)
         self._done.set()
 
+    def take_skipped(self) -> list[tuple[int, int]]:
+        with self._skip_lock:
+            taken, self._skipped = self._skipped, []
+        return taken
+
     def get(self):
         t0 = time.monotonic()
         item = self.samples.get()
@@ -177,12 +187,18 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Ite
             if item is None:
                 break
             mine.append(item)
-        full = torch.tensor([1 if len(mine) == micro_batch_size else 0])
+        skips = receiver.take_skipped()
         world = dist.get_world_size(group)
-        dist.all_reduce(full, op=dist.ReduceOp.MIN, group=group)
-        if not full.item():
+        # One gather says both whether every rank has a full micro-batch and how many skip reports
+        # each holds, so the pairs' gather below has one shape on every rank.
+        counts = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([int(len(mine) == micro_batch_size), len(skips)]), group=group)
+        if not all(int(c[0]) for c in counts):
             return
-        pairs = torch.tensor([[epoch, cap.sample_id] for _, epoch, cap in mine], dtype=torch.int64)
+        width = max(int(c[1]) for c in counts)
+        pad = [(-1, -1)] * (width - len(skips))
+        pairs = torch.tensor([(epoch, cap.sample_id) for _, epoch, cap in mine] + skips + pad,
+                             dtype=torch.int64).reshape(-1, 2)
         gathered = [torch.empty_like(pairs) for _ in range(world)]
         dist.all_gather(gathered, pairs, group=group)
         for src, _, _ in mine:
@@ -193,4 +209,6 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Ite
             for c in caps:
                 receiver.release(c)
 
-        yield MicroBatch(caps, [tuple(p) for p in torch.cat(gathered).tolist()], release=release)
+        consumed = [tuple(p) for g in gathered for p in g[:micro_batch_size].tolist()]
+        skipped = [tuple(p) for g in gathered for p in g[micro_batch_size:].tolist() if p[0] >= 0]
+        yield MicroBatch(caps, consumed, release=release, skipped=skipped)

@@ -8,7 +8,7 @@ them, the trainer packs MicroBatches into rows.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,3 +56,5 @@ class MicroBatch:
     consumed: list[tuple[int, int]]  # every rank's (epoch, sample id) of this micro-step, in order
     # Called once the samples are packed into the step's row: their receive buffers are free.
     release: Callable[[], object] | None = None
+    # every rank's (epoch, sample id) a streamer could not capture: done for the ledger, never trained
+    skipped: list[tuple[int, int]] = field(default_factory=list)

@@ -109,9 +109,11 @@ def _produce(rows, submit, out: queue.Queue, stats: StreamerStats, stop: threadi
                 stats.fatal = f"{streak} captures failed in a row, last: {err}"
                 stats.failure = Failure.BAD_SAMPLES
                 break
+            if not _put(out, (epoch, sample_id, None), stop):  # reported, so the trainers' ledger can close the epoch
+                break
             continue
         streak = 0
-        if not _put(out, (epoch, cap), stop):
+        if not _put(out, (epoch, sample_id, cap), stop):
             break
     for _, _, future in pending:  # the stream ended early: drop what has not started
         future.cancel()
@@ -188,7 +190,13 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
                 continue
             if item is None:
                 break
-            epoch, cap = item
+            epoch, sample_id, cap = item
+            if cap is None:  # a failed capture: one trainer records it, the gather shares it with all
+                with changed:
+                    open_ = [t for t in trainers if t not in acked]
+                if open_:
+                    send_header(Header(Kind.SKIPPED, sample_id, epoch=epoch), open_[0], planes)
+                continue
             t0 = time.monotonic()
             best = None
             with changed:

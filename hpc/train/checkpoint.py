@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     samples_seen: int = 0
+    samples_skipped: int = 0  # reported by the streamers: their capture failed
     # [epoch, sample id] of every sample trained from `epoch` on: a restart skips them, so no
     # sample is seen twice. Pairs, not ids: near an epoch's end the samples in flight (and
     # those of one micro-step across ranks) mix two epochs, and the same id is due in both.
@@ -50,10 +51,14 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     data_hash: str = ""  # the prepared rows + vocabulary this state counts samples of
 
-    def record(self, consumed: list[tuple[int, int]], epoch_size: int | None = None) -> None:
-        """Add one micro-step's (epoch, id) pairs; drop each epoch once all of its samples are in."""
-        self.ledger.extend([int(e), int(i)] for e, i in consumed)
+    def record(self, consumed: list[tuple[int, int]], epoch_size: int | None = None,
+               skipped: Sequence[tuple[int, int]] = ()) -> None:
+        """Add one micro-step's (epoch, id) pairs; drop each epoch once all of its samples are in.
+        `skipped` samples failed to capture: they close their epoch like trained ones (or it would
+        never close, and the ledger would grow all run), and a restart does not retry them."""
+        self.ledger.extend([int(e), int(i)] for e, i in [*consumed, *skipped])
         self.samples_seen += len(consumed)
+        self.samples_skipped += len(skipped)
         while epoch_size and sum(1 for e, _ in self.ledger if e == self.epoch) >= epoch_size:
             self.ledger = [p for p in self.ledger if p[0] != self.epoch]
             self.epoch += 1

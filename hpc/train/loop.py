@@ -141,7 +141,7 @@ class Trainer:
             counted += has_slots
             for k, v in scalars.items():
                 sums[k] = sums.get(k, 0.0) + (v if has_slots else 0.0)
-            self.state.record(mb.consumed, self.epoch_size)
+            self.state.record(mb.consumed, self.epoch_size, mb.skipped)
         totals: dict[str, float] = {}
         if cfg.grad_clip > 0:
             totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))

@@ -36,10 +36,11 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
                            on_step=on_step)  # no epoch_size: the ledger keeps every pair
         from hpc.train.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
-        ledger = json.loads((ckpt / "state.json").read_text())["ledger"] if ckpt else []
+        state = json.loads((ckpt / "state.json").read_text()) if ckpt else {}
         (out / f"trainer{rank}.json").write_text(json.dumps(
-            {"code": code, "ledger": ledger, "max_depth": max(depth, default=0),
-             "step": json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0}))
+            {"code": code, "ledger": state.get("ledger", []), "max_depth": max(depth, default=0),
+             "step": state.get("step", 0), "seen": state.get("samples_seen", 0),
+             "skipped": state.get("samples_skipped", 0)}))
     else:
         from hpc.stream.streamer import run_streamer
         from hpc.verifier.hf_backend import HFVerifier

@@ -44,21 +44,27 @@ def run(n_rows: int, concurrency: int, fail: set[int] = frozenset(), down_at: in
     return items, stats, peak[0]
 
 
+def captured(items) -> list:
+    return [cap for _, _, cap in items if cap is not None]
+
+
 def test_requests_overlap_and_come_out_in_row_order():
     items, stats, peak = run(12, concurrency=4, fail={5})
-    assert [cap for _, cap in items] == [i for i in range(12) if i != 5]
+    assert captured(items) == [i for i in range(12) if i != 5]
     assert stats.failed == 1 and peak == 4
+    # The failed sample is handed on as a skip, in its place: the trainers' ledger must hear of it.
+    assert items[5] == (0, 5, None)
 
 
 def test_one_in_flight_is_sequential():
     items, _, peak = run(5, concurrency=1)
-    assert [cap for _, cap in items] == list(range(5)) and peak == 1
+    assert captured(items) == list(range(5)) and peak == 1
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_a_dead_verifier_ends_the_stream_and_is_not_a_bad_sample(concurrency):
     items, stats, _ = run(50, concurrency, down_at=7)
-    assert [cap for _, cap in items] == list(range(7))  # everything before, nothing after
+    assert items == [(0, i, i) for i in range(7)]  # everything before, nothing after; no skip
     assert stats.failed == 0 and stats.failure == Failure.DIED and "exited with code -9" in stats.fatal
 
 
@@ -69,4 +75,5 @@ def test_a_verifier_that_never_starts_ends_the_stream_at_once():
 
 def test_bad_samples_on_a_live_verifier_are_skipped_until_a_streak():
     items, stats, _ = run(MAX_CONSECUTIVE_FAILURES + 5, 1, fail=set(range(MAX_CONSECUTIVE_FAILURES + 5)))
-    assert items == [] and stats.failed == MAX_CONSECUTIVE_FAILURES and stats.failure == Failure.BAD_SAMPLES
+    assert captured(items) == [] and stats.failed == MAX_CONSECUTIVE_FAILURES and stats.failure == Failure.BAD_SAMPLES
+    assert [i for _, i, _ in items] == list(range(MAX_CONSECUTIVE_FAILURES - 1))  # the streak's last ends it

@@ -35,3 +35,16 @@ def test_without_an_epoch_size_the_ledger_keeps_every_pair():
     assert state.epoch == 0 and state.ledger == [[0, 4], [0, 5], [0, 6], [1, 4]]
     rest = list(epoch_sequence([4, 5, 6], seed=0, ledger=state.ledger, epoch=0, epochs=2))
     assert sorted(rest) == [(1, 5), (1, 6)]
+
+
+def test_a_sample_whose_capture_failed_closes_its_epoch_and_is_not_retried():
+    """Before skip reports, the epoch waited for a pair that never came: the ledger grew all run."""
+    state = TrainState()
+    state.record([(0, 0), (0, 1), (0, 2)], epoch_size=4)
+    state.record([(1, 7)], epoch_size=4, skipped=[(0, 3)])
+    assert state.epoch == 1 and state.ledger == [[1, 7]]
+    assert state.samples_seen == 4 and state.samples_skipped == 1
+    # A restart inside epoch 0 would not ask for the failed sample again either.
+    early = TrainState()
+    early.record([(0, 0)], epoch_size=4, skipped=[(0, 3)])
+    assert sorted(epoch_sequence([0, 1, 2, 3], seed=0, ledger=early.ledger, epoch=0, epochs=1)) == [(0, 1), (0, 2)]
