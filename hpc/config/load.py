@@ -104,7 +104,9 @@ def _short(value: Any) -> str:
 
 
 # Kept hand-written (issue 13): OmegaConf's merge stops at the first bad key; leaf by leaf, one run lists every problem.
-def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[str]) -> None:
+def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[str], written: str = "") -> None:
+    """`written`: the dotted key the user wrote the value at (an override's KEY); a YAML file
+    writes every value where it stands."""
     for key, value in data.items():
         key = str(key)
         full = f"{path}.{key}" if path else key
@@ -115,13 +117,14 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
         child = node._get_node(key)
         value = _drop_removed(full, value, origin, problems)
         if _is_struct_section(child) and isinstance(value, dict):
-            _apply(cfg, value, full, origin, problems)
+            _apply(cfg, value, full, origin, problems, written)
             continue
         try:
             if isinstance(child, DictConfig) and isinstance(value, dict):
-                # A free-form dict (compilation_config, env, sweep) is replaced, not merged:
-                # `compilation_config: {}` must be able to drop the default.
-                OmegaConf.update(cfg, full, value, merge=False)
+                # A free-form dict (compilation_config, env, sweep) written whole is replaced, not
+                # merged: `compilation_config: {}` must be able to drop the default. One key inside
+                # it (verifier.env.HF_TOKEN=x) is merged: it must not drop the dict's other keys.
+                OmegaConf.update(cfg, full, value, merge=len(written) > len(full))
             else:
                 # merge_with (not update) so lists of dicts become typed DataSource/... entries.
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))
@@ -288,7 +291,7 @@ def with_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, l
 
 def _apply_overrides(cfg: DictConfig, overrides: list[str], problems: list[str]) -> None:
     for key, value in _parse_overrides(overrides, problems):
-        _apply(cfg, _nest(key, value), "", f"override {key}", problems)
+        _apply(cfg, _nest(key, value), "", f"override {key}", problems, written=key)
     if not problems:
         try:
             OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -357,6 +360,6 @@ def check_sweep(cfg: DictConfig) -> list[str]:
             assert probe is not None  # made above whenever there is a sweep
             for value in values:
                 sub: list[str] = []
-                _apply(probe, _nest(key, value), "", f"sweep {key}", sub)
+                _apply(probe, _nest(key, value), "", f"sweep {key}", sub, written=key)
                 problems.extend(sub)
     return problems

@@ -65,6 +65,14 @@ def test_free_dicts_are_replaced_not_merged():
     assert cfg.verifier.compilation_config == {} and cfg.verifier.env == {"A": "1"}
 
 
+def test_one_key_inside_a_free_dict_keeps_the_others():
+    # Replacing the dict here dropped fuse_allreduce_rms: false, which breaks CUDA-graph capture.
+    cfg = resolve(KIMI, ["verifier.compilation_config.level=3", "verifier.env.A=1"], check_tracking=False)
+    assert cfg.verifier.compilation_config == {"pass_config": {"fuse_allreduce_rms": False}, "level": 3}
+    cfg2 = resolve(KIMI, ["verifier.env={B: '2'}", "verifier.env.A=1"], check_tracking=False)
+    assert cfg2.verifier.env == {"B": "2", "A": "1"}  # env values are strings
+
+
 def test_config_hash_follows_content_not_formatting():
     a = load_config(KIMI)
     b = load_config(KIMI, ["train.lr=0.0003"])
