@@ -21,8 +21,9 @@ def count_assistant_tokens(
     counts_V = torch.zeros(vocab_size, dtype=torch.int64)
     for ids_T, mask_T in samples:
         kept_T = ids_T[mask_T.bool()].long()
-        if kept_T.numel() and (kept_T.min() < 0 or kept_T.max() >= vocab_size):
-            raise UserError(f"token id {int(kept_T.max())} outside the target vocab {vocab_size}")
+        bad_T = kept_T[(kept_T < 0) | (kept_T >= vocab_size)]
+        if bad_T.numel():  # name the offending id: the max may be a valid one when a negative id is bad
+            raise UserError(f"token id {int(bad_T[0])} outside the target vocab 0..{vocab_size - 1}")
         counts_V += torch.bincount(kept_T, minlength=vocab_size)
     return counts_V
 

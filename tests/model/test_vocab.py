@@ -60,6 +60,14 @@ def test_draft_vocab_larger_than_seen_tokens():
     assert select_draft_vocab(counts, 4, fill=True).tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("ids,bad", [([0, 7, -1], -1), ([3, 10, 2], 10)])
+def test_an_out_of_range_token_is_named(ids, bad):
+    from hpc.model.vocab import count_assistant_tokens
+
+    with pytest.raises(UserError, match=f"token id {bad} outside"):
+        count_assistant_tokens([(torch.tensor(ids), torch.ones(len(ids)))], vocab_size=10)
+
+
 @pytest.mark.parametrize("d2t,needle", [
     (torch.tensor([0, 5, 20]), "outside the target vocab"),
     (torch.tensor([3, 1, -2]), "strictly increasing"),
