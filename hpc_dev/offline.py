@@ -51,7 +51,8 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
                               train_lm_head=cfg.train.train_lm_head)
     verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,
                           trust_remote_code=cfg.verifier.trust_remote_code)
-    export = speculators_config(args, cfg.verifier.model, target_architectures(cfg.verifier.model), args.block_size)
+    export = speculators_config(model.args, cfg.verifier.model, target_architectures(cfg.verifier.model),
+                                model.args.max_n)
     trainer = Trainer(train_cfg, model, head, export, out_dir, epoch_size=len(rows))
     trainer.resume()
     batches = local_micro_batches(verifier, rows, trainer.micro_batch_size, 0, 1, train_cfg.seed,

@@ -54,6 +54,9 @@ class DSparkArgs:
     target_hidden_size: int = 128
     target_vocab_size: int = 512
     aux_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
+    # The positions vLLM sizes the draft's RoPE cache for: the target's, set from its config.json
+    # (Kimi: 262144); a smaller one fails (CPU) or reads garbage (CUDA) on long contexts.
+    max_position_embeddings: int = 32768
 
     @classmethod
     def from_config(cls, cfg: DSparkConfig) -> DSparkArgs:

@@ -27,7 +27,7 @@ WEIGHTS = "model.safetensors"
 KEEP_DTYPE = {"d2t": torch.int64, "t2d": torch.bool}
 
 
-def layer_config(a: DSparkArgs, max_position_embeddings: int) -> dict:
+def layer_config(a: DSparkArgs) -> dict:
     """A complete Qwen3 config: vLLM fills gaps with its own defaults (rope_theta 1e6)."""
     return {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
@@ -36,18 +36,21 @@ def layer_config(a: DSparkArgs, max_position_embeddings: int) -> dict:
         "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "hidden_act": "silu",
         "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "vocab_size": a.target_vocab_size, "max_position_embeddings": max_position_embeddings,
+        "vocab_size": a.target_vocab_size, "max_position_embeddings": a.max_position_embeddings,
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     }
 
 
-def speculators_config(a: DSparkArgs, verifier: str | None, verifier_arch: list[str], n: int,
-                       max_position_embeddings: int = 32768) -> dict:
+def speculators_config(a: DSparkArgs, verifier: str | None, verifier_arch: list[str], n: int) -> dict:
+    if not 1 <= n <= a.max_n:  # vLLM runs the advertised n when none is asked for: never a slot not trained
+        raise UserError(f"speculative tokens n={n}: this draft proposes 1..{a.max_n} "
+                        f"(block_size {a.block_size}{', slot 0 is the bonus' if not a.sample_from_anchor else ''}); "
+                        f"pick n in that range")
     algo = "dflash" if a.is_dflash else "dspark"
     out = {
         "speculators_model_type": algo,
         "architectures": ["DFlashDraftModel"] if a.is_dflash else ["Qwen3DSparkModel"],
-        "transformer_layer_config": layer_config(a, max_position_embeddings),
+        "transformer_layer_config": layer_config(a),
         "draft_vocab_size": a.draft_vocab_size,
         "target_hidden_size": a.target_hidden_size,
         "block_size": a.block_size,
@@ -91,6 +94,7 @@ def args_from_export_config(cfg: dict) -> DSparkArgs:
         confidence_head_with_markov=cfg.get("confidence_head_with_markov", True),
         target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], target_vocab_size=t["vocab_size"],
         aux_layer_ids=list(cfg["aux_hidden_state_layer_ids"]),
+        max_position_embeddings=int(t.get("max_position_embeddings", DSparkArgs.max_position_embeddings)),
     )
 
 
@@ -168,7 +172,7 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
     if a.is_dflash and a.sample_from_anchor:
         raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
     check_d2t(model.d2t, a.target_vocab_size)
-    cfg = speculators_config(a, verifier, verifier_arch or [], n or a.max_n)
+    cfg = speculators_config(a, verifier, verifier_arch or [], a.max_n if n is None else n)
     with atomic_dir(out) as tmp:
         save_file(export_tensors(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -96,9 +96,12 @@ def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: 
 def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm: bool,
                 train_lm_head: bool = False) -> tuple[DSparkDraft, VerifierHead]:
     """The draft with the target's frozen embedding and lm_head rows, and the verifier head."""
+    from hpc.verifier.target_files import text_config
+
     tensors = load_target_tensors(target_dir)
     vocab = load_file(str(vocab_file))
-    model = DSparkDraft(args)
+    positions = text_config(target_dir).get("max_position_embeddings")
+    model = DSparkDraft(replace(args, max_position_embeddings=int(positions)) if positions else args)
     model.d2t.copy_(vocab["d2t"])
     model.t2d.copy_(vocab["t2d"])
     model.embed_tokens.weight.data.copy_(tensors["embed_tokens"].float())
@@ -131,7 +134,7 @@ def run_trainer(w: World, planes: Planes, train_cfg: TrainConfig, stream_cfg: St
                 verifier_arch: list[str] | None = None) -> int:
     """Train on `device` from the stream until the data or the step budget ends; returns the exit code."""
     device = torch.device(device)
-    export_cfg = speculators_config(model.args, verifier_name, list(verifier_arch or []), model.args.block_size)
+    export_cfg = speculators_config(model.args, verifier_name, list(verifier_arch or []), model.args.max_n)
     trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device,
                       autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)

@@ -164,6 +164,33 @@ def test_export_n_outside_the_block_is_refused_before_writing(tmp_path, n):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dflash_layout_draft_never_advertises_a_slot_it_did_not_train(tmp_path):
+    """Slot 0 is the bonus there, so it proposes block_size - 1: vLLM runs the advertised n
+    when none is asked for. n=0 also became "all" silently."""
+    model = tiny_model(markov_rank=0, enable_confidence_head=False, sample_from_anchor=False)
+    block = model.args.block_size
+    for n in (block, 0, -3):
+        with pytest.raises(UserError, match=f"proposes 1..{block - 1}"):
+            export_draft(model, tmp_path / f"bad{n}", n=n)
+        assert not (tmp_path / f"bad{n}").exists()
+    ckpt = export_draft(model, tmp_path / "ckpt")
+    res = _export_cli(str(ckpt), str(tmp_path / "out"), "--n", str(block))
+    assert res.returncode == 2 and f"1..{block - 1}" in res.stderr, res.stderr
+
+
+def test_the_export_sizes_rope_for_the_targets_context(tmp_path):
+    """Every export said 32768 positions: vLLM sizes the draft's RoPE cache from it, so a Kimi
+    context past 32k failed (CPU) or read garbage (CUDA). It carries over a checkpoint re-export."""
+    model = tiny_model(max_position_embeddings=262144)
+    out = export_draft(model, tmp_path / "draft")
+    assert json.loads((out / "config.json").read_text())["transformer_layer_config"][
+        "max_position_embeddings"] == 262144
+    again = export_draft(load_draft(out), tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["transformer_layer_config"][
+        "max_position_embeddings"] == 262144
+
+
+
 @pytest.mark.parametrize("damage", ["truncate weights", "truncate config", "drop a key"])
 def test_a_damaged_draft_gives_one_line(tmp_path, damage):
     out = export_draft(tiny_model(), tmp_path / "draft")
