@@ -81,6 +81,20 @@ def test_block_layout_for_both_anchor_semantics():
     assert f.valid_NB.tolist() == [[False, True, True]]
 
 
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_only_the_contiguous_prefix_is_supervised(sample_from_anchor):
+    """A user turn shorter than the block left slots after it supervised: they predicted the next
+    reply without the turn it answers."""
+    ids = torch.arange(12)
+    mask = torch.tensor([0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1])  # reply, a 2-token user turn, reply
+    zeros, pos = torch.zeros(12, dtype=torch.long), torch.arange(12)
+    b = make_blocks(ids, mask, pos, zeros, torch.tensor([1]), 8, 99, sample_from_anchor)
+    want = [True, True, True, False, False, False, False, False]  # targets 1, 2, 3; then the turn
+    if not sample_from_anchor:
+        want = [False, True, True, True, False, False, False, False]  # the bonus, then targets 1, 2, 3
+    assert b.valid_NB.tolist() == [want]
+
+
 def test_training_mask_by_hand():
     # Two documents [0,1,2 | 3,4]; anchors at 2 and 4; B = 2.
     m = training_mask(torch.tensor([2, 4]), torch.tensor([0, 0, 0, 1, 1]), 2).int().tolist()
