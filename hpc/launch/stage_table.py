@@ -136,7 +136,8 @@ def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ..
 
     s = stage(name)
     check_variant_file(config_file)  # before a single key is read
-    cfg = resolve(config_file, list(overrides), check_tracking=False, runs_here=True)
+    # A CPU-only stage (the report) need not see the GPUs the training config names.
+    cfg = resolve(config_file, list(overrides), check_tracking=False, runs_here=s.gpus)
     if s.localize:
         cfg = stages.localize_stage(cfg)
     return s.entry(cfg, parent_run_id, n, False)

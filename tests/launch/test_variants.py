@@ -61,3 +61,22 @@ def test_a_sweep_over_what_the_array_shares_is_refused_before_any_file(tmp_path,
         plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
                              f"sweep={sweep}", "tracking.allow_file_store=true"])
     assert not any((tmp_path / "slurm" / "pipelines").iterdir())  # nothing written, no empty pipeline
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA, like a CPU node")
+def test_the_report_job_runs_on_a_node_without_gpus(tmp_path, monkeypatch):
+    """The report job asks Slurm for no GPU, yet resolving the Kimi config checked train.device=cuda
+    on it: it failed before starting, and the pipeline's parent run stayed RUNNING."""
+    import dataclasses
+
+    from hpc.config import ConfigError
+    from hpc.launch import stage_table
+
+    f = str(_plan(tmp_path).variant_files[0])
+    seen = []
+    real = stage_table.stage
+    monkeypatch.setattr(stage_table, "stage", lambda name: dataclasses.replace(
+        real(name), entry=lambda cfg, *a: seen.append((name, cfg.train.device)) or 0))
+    assert stage_table.run_in_job("report", f) == 0 and seen == [("report", "cuda")]
+    with pytest.raises(ConfigError, match="no CUDA device"):  # a GPU stage still checks its node
+        stage_table.run_in_job("eval", f)
