@@ -38,13 +38,20 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     `runs_here`: the work runs on this machine (`dspark train`, a stage inside its job), so its
     devices are checked too; None means "when cluster.executor is local".
     """
+    from omegaconf.errors import OmegaConfBaseException
+
     from hpc.config.load import check_sweep, load_config_collecting, to_object
     from hpc.config.validate import validate
 
     cfg, problems = load_config_collecting(path, overrides)
     problems += check_sweep(cfg)
     shapes: dict = {}  # the target's shape, read once for the base and every sweep variant
-    base = validate(to_object(cfg), check_tracking=check_tracking, runs_here=runs_here, shapes=shapes)
+    try:
+        typed = to_object(cfg)
+    except OmegaConfBaseException as err:  # e.g. ${oc.env:SCRATCH} unset on this node: the list, not a traceback
+        line = f"{getattr(err, 'full_key', None) or '?'}: {str(err).splitlines()[0]}"
+        raise ConfigError([*problems, *([line] if line not in problems else [])]) from None
+    base = validate(typed, check_tracking=check_tracking, runs_here=runs_here, shapes=shapes)
     if not problems:
         base += _variant_problems(cfg, set(base), shapes)
     problems += base

@@ -44,6 +44,9 @@ BAD = {
     "tracking uri typo in a relative file store": (["tracking.uri=file:nosuchdir/mlruns"],
                                                    "directory of this store does not exist"),
     "tracking uri unknown scheme": (["tracking.uri=sqlte:///runs/m.db"], "use http://HOST:PORT"),
+    # An unset variable beside another problem: the interpolation raised past the problem list.
+    "unset env var with a typo": (["train.output_dir=${oc.env:DSPARK_TEST_UNSET}/t", "train.lrr=1"],
+                                  "DSPARK_TEST_UNSET"),
     # MLflow's filter strings quote the name: a quote in it breaks every registry search, in a job.
     "quote in registered model": (["tracking.registered_model=\"kimi's draft\""], "tracking.registered_model"),
     "empty registered model": (["tracking.registered_model=''"], "tracking.registered_model"),
