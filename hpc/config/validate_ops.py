@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
@@ -47,8 +48,19 @@ def check_plan(c: Checker, cfg: DSparkConfig) -> None:
 
 
 def _tracking_reachable(uri: str) -> str | None:
+    """Why the MLflow server at `uri` does not answer, or None. Credentials in the URI go as
+    Basic auth, as MLflow sends them: urllib reads `user:pw@host` as the host name."""
+    parts = urlsplit(uri)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    request = urllib.request.Request(urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", "")))
+    if parts.username is not None:
+        token = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=3) as resp:
+        with urllib.request.urlopen(request, timeout=3) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except (urllib.error.URLError, OSError) as err:
         return str(getattr(err, "reason", err))

@@ -236,3 +236,35 @@ def test_invalid_yaml_is_one_line(tmp_path):
     bad.write_text("train: {lr: [1,\n")
     res = run_cli("validate", str(bad))
     assert res.returncode == 2 and "not valid YAML" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_tracking_uri_with_credentials_is_reachable_and_sends_them():
+    """urllib read `alice:s3cret@127.0.0.1` as the host name: validate called every server with a
+    password in its URI unreachable, so `dspark submit` refused it."""
+    import base64
+    import http.server
+    import threading
+
+    from hpc.config.validate_ops import _tracking_reachable
+
+    seen: list = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        assert _tracking_reachable(f"http://alice:s3%40cret@127.0.0.1:{port}/") is None
+        assert _tracking_reachable(f"http://127.0.0.1:{port}") is None
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert seen == [("/health", "Basic " + base64.b64encode(b"alice:s3@cret").decode()), ("/health", None)]
