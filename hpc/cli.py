@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as err:
-        for line in str(err).splitlines() or [type(err).__name__]:
+        from hpc.config.secrets import scrub
+
+        for line in scrub(str(err)).splitlines() or [type(err).__name__]:
             print(f"error: {line}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

@@ -11,7 +11,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from hpc.config.schema import DSparkConfig
 
 MASK = "***"
-SECRET_NAME = re.compile(r"token|secret|passw|api_?key|access_?key|credential|auth|cookie", re.IGNORECASE)
+# Generous on purpose: a name masked for nothing costs a log line's value, a secret missed leaks it.
+SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|auth|cookie|(^|_)pat$",
+                         re.IGNORECASE)
+# `scheme://user:password@` anywhere in a text: exception messages (MLflow's, urllib's) quote the URI.
+_URI_CREDENTIALS = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]*):[^\s/@]*@", re.IGNORECASE)
 
 
 def is_secret_name(name: str) -> bool:
@@ -38,9 +42,41 @@ def redact_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def without_credentials(uri: str) -> str:
+    """`https://user:pw@host/x` -> `https://host/x`: a link for a browser, which asks for the login."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[1], parts.path, parts.query, parts.fragment))
+
+
+def scrub(text: str) -> str:
+    """`text` with the password of any URI in it masked: for exception messages printed to logs."""
+    return _URI_CREDENTIALS.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """vLLM's command-line flags with the values of secret ones masked (`--hf-token X`, `--api-key=X`)."""
+    out, hide_next = [], False
+    for arg in args:
+        flag, eq, _ = arg.partition("=")
+        if hide_next:
+            out.append(MASK)
+        elif flag.startswith("-") and eq and is_secret_name(flag.lstrip("-")):
+            out.append(f"{flag}={MASK}")
+        else:
+            out.append(arg)
+        hide_next = arg.startswith("-") and not eq and is_secret_name(arg.lstrip("-"))
+    return out
+
+
 def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
     out.verifier.env = {k: (MASK if is_secret_name(k) else v) for k, v in out.verifier.env.items()}
+    out.verifier.extra_args = redact_args(list(out.verifier.extra_args))
     out.tracking.uri = redact_uri(out.tracking.uri)
     return out

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpc.config.schema import BENCHMARKS, DSparkConfig
+from hpc.config.secrets import scrub
 from hpc.evaluate.harness import BenchResult, write_json_atomic
 from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, STAGE_EVAL, metric
 from hpc.track.pipeline import create_child_run, create_pipeline_run, end_pipeline_run
@@ -176,7 +177,8 @@ def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: 
                 _register(client, run_dir, meta, ids[-1], promote=cfg.schedule.promote_if_better)
     except BaseException as err:
         if orphan_parent is not None:  # it would stay RUNNING: the retry attaches to it, not to a new one
-            end_pipeline_run(client, orphan_parent, "FAILED", f"upload failed: {(str(err).splitlines() or ['?'])[0][:160]}")
+            why = scrub((str(err).splitlines() or ["?"])[0])[:160]
+            end_pipeline_run(client, orphan_parent, "FAILED", f"upload failed: {why}")
         raise
     if orphan_parent is not None:
         end_pipeline_run(client, orphan_parent, "FINISHED", f"{len(ids)} evaluation run(s) uploaded after the fact")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig
-from hpc.config.secrets import redact_uri
+from hpc.config.secrets import redact_uri, scrub
 from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
 from hpc.evaluate.hardware import hardware_id
@@ -75,7 +75,7 @@ def _tracking(tracking: TrackingConfig):
             raise ConnectionError("no answer")
         client.search_experiments(max_results=1)
     except Exception as err:  # noqa: BLE001 - any failure: evaluate anyway, upload later
-        print(f"warning: tracking server {redact_uri(tracking.uri)} unreachable ({str(err).splitlines()[0][:120]}); "
+        print(f"warning: tracking server {redact_uri(tracking.uri)} unreachable ({scrub(str(err).splitlines()[0])[:120]}); "
               f"evaluating anyway, results stay on disk for `dspark evaluate CONFIG --upload`", flush=True)
         return None
     return client

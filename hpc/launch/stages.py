@@ -393,6 +393,7 @@ def _log_stage_run(cfg: DSparkConfig, parent_run_id: str, stage: str, metrics: d
         client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
         client.set_terminated(run_id)
     except Exception as err:  # noqa: BLE001
-        from hpc.config.secrets import redact_uri
+        from hpc.config.secrets import redact_uri, scrub
 
-        print(f"warning: {stage} not logged to {redact_uri(cfg.tracking.uri)}: {str(err).splitlines()[0][:160]}", flush=True)
+        print(f"warning: {stage} not logged to {redact_uri(cfg.tracking.uri)}: {scrub(str(err).splitlines()[0])[:160]}",
+              flush=True)

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.config.secrets import redact_uri
+from hpc.config.secrets import redact_uri, scrub, without_credentials
 from hpc.errors import UserError
 
 DEFAULT_LOG_DIR = "runs/slurm"
@@ -239,10 +239,11 @@ def mlflow_link(state: dict) -> str:
     except Exception as err:  # noqa: BLE001 - any failure only costs the link
         text = str(err).lower()
         why = next((r for r in _NET_REASONS if r in text), type(err).__name__)
-        return f"mlflow: run {run} at {uri} (could not look up the experiment: {why})"
+        return f"mlflow: run {run} at {redact_uri(uri)} (could not look up the experiment: {why})"
     if exp is None:
-        return f"mlflow: run {run} at {uri} (no experiment {state.get('experiment')!r} there)"
-    return f"mlflow: {uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run}"
+        return f"mlflow: run {run} at {redact_uri(uri)} (no experiment {state.get('experiment')!r} there)"
+    # A link to click: the browser asks for the login, so the URI's credentials are left out.
+    return f"mlflow: {without_credentials(uri).rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run}"
 
 
 def summary(rows: list[tuple[str, ...]]) -> str:
@@ -296,7 +297,7 @@ def _end_cancelled(state: dict) -> None:
         if client.get_run(run_id).info.status != "RUNNING":
             return
     except Exception as err:  # noqa: BLE001 - the jobs are cancelled; the run is a record of it
-        print(f"warning: pipeline run {run_id} not marked KILLED: {str(err).splitlines()[0][:160]}", flush=True)
+        print(f"warning: pipeline run {run_id} not marked KILLED: {scrub(str(err).splitlines()[0])[:160]}", flush=True)
         return
     from hpc.track.pipeline import end_pipeline_run
 

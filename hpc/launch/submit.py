@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.config.schema import ClusterConfig, DSparkConfig
-from hpc.config.secrets import redact_uri
+from hpc.config.secrets import redact_uri, scrub
 from hpc.errors import UserError
 from hpc.fsio import write_text
 
@@ -215,7 +215,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
         from hpc.track.pipeline import end_pipeline_run
 
         cancel(submitted)
-        why = f"submission failed at stage {s.name} ({str(err).splitlines()[0][:200]})"
+        why = f"submission failed at stage {s.name} ({scrub(str(err).splitlines()[0])[:200]})"
         end_pipeline_run(client, parent, "FAILED", why)  # nothing will run to end it
         raise UserError(f"{why}; cancelled the {len(submitted)} job(s) already submitted") from err
     state = {"pipeline": p.id, "config": str(Path(config).resolve()), "overrides": overrides,

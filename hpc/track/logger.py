@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from hpc.config.secrets import scrub
 from hpc.track.keys import PARENT_RUN_ID, RUN_NAME
 
 # A dead server must fail fast in the background thread, not retry for minutes.
@@ -100,7 +101,7 @@ class RunLogger:
             for path, artifact_path in artifacts:
                 self.client.log_artifact(run_id, path, artifact_path)
         except Exception as err:  # noqa: BLE001 - any failure means: keep the buffer, retry later
-            self.last_error = str(err).splitlines()[0][:200]
+            self.last_error = scrub(str(err).splitlines()[0])[:200]
             return False
         with self._lock:
             for k in params:
@@ -170,6 +171,6 @@ class RunLogger:
             try:
                 self.client.set_terminated(self.run_id, status)
             except Exception as err:  # noqa: BLE001 - the server went away: the metrics matter more
-                self.last_error = str(err).splitlines()[0][:200]
+                self.last_error = scrub(str(err).splitlines()[0])[:200]
                 return False
         return done

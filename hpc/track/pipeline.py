@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.secrets import scrub
 from hpc.track.keys import (
     CONFIG_HASH,
     CONFIG_NAME,
@@ -133,7 +134,7 @@ def end_pipeline_run(client, parent_run_id: str, status: str, why: str) -> None:
         client.set_tag(parent_run_id, OUTCOME, why)
         client.set_terminated(parent_run_id, status)
     except Exception as err:  # noqa: BLE001
-        print(f"warning: pipeline run {parent_run_id} not marked {status}: {str(err).splitlines()[0][:160]}",
+        print(f"warning: pipeline run {parent_run_id} not marked {status}: {scrub(str(err).splitlines()[0])[:160]}",
               flush=True)
 
 
@@ -147,7 +148,7 @@ def ends(client, run_id: str | None, what: str) -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        why = scrub((str(err).splitlines() or [type(err).__name__])[0])[:200]
         end_pipeline_run(client, run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED",
                          f"{what} failed: {why}")
         raise

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig, TrackingConfig
-from hpc.config.secrets import redact_uri
+from hpc.config.secrets import redact_uri, scrub
 from hpc.errors import UserError
 from hpc.model.dspark import DSparkDraft
 from hpc.model.vocab import selected_from_d2t
@@ -35,7 +35,7 @@ def champion_export(tracking: TrackingConfig, dst: str | Path) -> tuple[Path, st
         version = MlflowClient(tracking.uri).get_model_version_by_alias(name, CHAMPION)
     except MlflowException as err:
         raise UserError(f"train.init_from = 'champion': registered model {name!r} has no champion at "
-                        f"{redact_uri(tracking.uri)} ({str(err).splitlines()[0][:160]}); unset train.init_from "
+                        f"{redact_uri(tracking.uri)} ({scrub(str(err).splitlines()[0])[:160]}); unset train.init_from "
                         "or point it at a draft export directory") from err
     path = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst),
                                                tracking_uri=tracking.uri)

@@ -40,3 +40,30 @@ def test_validate_errors_do_not_print_secrets():
     text = str(info.value)
     assert "verifier.env.HF_TOKEN" in text and "tracking.uri" in text
     assert "hf_abc" not in text and "s3cret" not in text
+
+
+@pytest.mark.parametrize("name", ["DB_PASS", "PRIVATE_KEY", "OPENAI_KEY", "GITHUB_PAT", "HF_TOKEN", "MLFLOW_TRACKING_PASSWORD"])
+def test_common_secret_names_are_masked_and_tuning_knobs_are_not(name):
+    from hpc.config.secrets import is_secret_name
+
+    assert is_secret_name(name)
+    for knob in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "NCCL_IB_HCA", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE"):
+        assert not is_secret_name(knob), knob
+
+
+def test_secret_flags_of_vllm_are_masked_in_logged_params():
+    cfg = resolve(KIMI, ["verifier.extra_args=[--hf-token, hf_5, --api-key=sk-6, --max-num-seqs, '64']"],
+                  check_tracking=False)
+    assert redacted(cfg).verifier.extra_args == ["--hf-token", MASK, f"--api-key={MASK}", "--max-num-seqs", "64"]
+    assert cfg.verifier.extra_args[1] == "hf_5"
+
+
+def test_an_error_message_quoting_the_uri_loses_its_password():
+    """MLflow's exceptions quote the request URL, credentials and all; warnings printed them."""
+    from hpc.config.secrets import scrub, without_credentials
+
+    text = "API request to http://alice:s3cret@127.0.0.1:9/api/2.0/mlflow/runs/create failed (https://u:p@h/x)"
+    assert scrub(text) == ("API request to http://alice:***@127.0.0.1:9/api/2.0/mlflow/runs/create failed "
+                           "(https://u:***@h/x)")
+    assert without_credentials("https://alice:s3cret@mlflow.example.org/x") == "https://mlflow.example.org/x"
+
