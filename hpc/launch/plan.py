@@ -183,8 +183,10 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     tok_bytes = (n_aux + 1) * cfg.verifier.hidden_size * DTYPE_BYTES[dtype] + IDS_BYTES_PER_TOKEN
     sample_bytes = seq * tok_bytes + HEADER_BYTES
 
+    # One vLLM per verifier node, on tensor_parallel_size of its GPUs: the rest do not prefill.
+    verifier_gpus = min(cfg.verifier.tensor_parallel_size, c.gpus_per_node)
     prefill = p.prefill_tok_s_per_node or (
-        c.gpus_per_node * p.gpu_tflops * 1e12 * p.mfu / (2 * p.target_active_params_b * 1e9))
+        verifier_gpus * p.gpu_tflops * 1e12 * p.mfu / (2 * p.target_active_params_b * 1e9))
     link_bytes = p.link_gbps * 1e9 / 8
     link_samples = link_bytes / sample_bytes
     supply = min(prefill / seq, link_samples)
@@ -210,7 +212,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     memory = _trainer_memory(cfg, n, micro * seq, micro_block, sample_bytes, world)
     used = sum(m.bytes for m in memory)
     weights = p.target_params_b * 1e9 * p.target_bytes_per_param
-    node_bytes = c.gpus_per_node * p.gpu_memory_gb * GB
+    node_bytes = verifier_gpus * p.gpu_memory_gb * GB
+    usable = cfg.verifier.gpu_memory_utilization * node_bytes
     return Plan(
         name=cfg.name, stream_dtype=dtype, n_aux=n_aux, hidden=cfg.verifier.hidden_size, bytes_per_token=tok_bytes,
         avg_seq_len=seq, bytes_per_sample=sample_bytes, prefill_tok_s=prefill,
@@ -228,8 +231,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         run_hours=t.steps * t.global_batch_size / min(c_supply, c_demand) / 3600,
         trainer_memory=memory, trainer_gpu_bytes=used, gpu_bytes=p.gpu_memory_gb * GB,
         trainer_over=used > p.gpu_memory_gb * GB, target_weight_bytes=weights, verifier_node_bytes=node_bytes,
-        kv_headroom_bytes=cfg.verifier.gpu_memory_utilization * node_bytes - weights,
-        verifier_over=weights > node_bytes,
+        kv_headroom_bytes=usable - weights,
+        verifier_over=weights > usable,
     )
 
 
@@ -265,7 +268,7 @@ def format_plan(pl: Plan) -> str:
         ]),
         ("verifier supply (per verifier node)", [
             ("prefill", f"{_rate(pl.prefill_tok_s)} tok/s",
-             f"{est(pl.prefill_estimated)}: GPUs x TFLOP/s x mfu / (2 x active params)"),
+             f"{est(pl.prefill_estimated)}: tensor_parallel_size GPUs x TFLOP/s x mfu / (2 x active params)"),
             ("prefill-limited supply", f"{_rate(pl.prefill_samples_s)} samples/s", "prefill tok/s / avg tokens"),
             ("link capacity", f"{_rate(pl.link_samples_s)} samples/s",
              f"{_bytes(pl.link_bytes_s)}/s = plan.link_gbps / 8"),
@@ -300,11 +303,12 @@ def format_plan(pl: Plan) -> str:
             ("total", _bytes(pl.trainer_gpu_bytes),
              ("OVER: exceeds " if pl.trainer_over else "fits ") + f"plan.gpu_memory_gb = {_bytes(pl.gpu_bytes)}"),
         ]),
-        ("verifier memory per node", [
+        ("verifier memory (its vLLM's GPUs)", [
             ("target weights", _bytes(pl.target_weight_bytes), "plan.target_params_b x plan.target_bytes_per_param"),
-            ("node GPU memory", _bytes(pl.verifier_node_bytes),
-             ("OVER: the target does not fit" if pl.verifier_over else "fits") + "; gpus_per_node x gpu_memory_gb"),
-            ("KV-cache headroom", _bytes(pl.kv_headroom_bytes), "verifier.gpu_memory_utilization x node - weights"),
+            ("GPU memory", _bytes(pl.verifier_node_bytes), "verifier.tensor_parallel_size x plan.gpu_memory_gb"),
+            ("KV-cache headroom", _bytes(pl.kv_headroom_bytes),
+             ("OVER: the target does not fit; " if pl.verifier_over else "")
+             + "verifier.gpu_memory_utilization x GPU memory - weights"),
         ]),
     ]
     # One table for all sections, so their columns line up; each title then goes above its rows.

@@ -79,6 +79,22 @@ def test_estimates_follow_the_flops_formulas():
     assert pl.trainer_samples_s_per_gpu == pytest.approx(1e12 * 0.5 / pl.train_flops_per_sample)
 
 
+def test_the_verifier_runs_on_its_tensor_parallel_gpus_only():
+    """One vLLM per node on tensor_parallel_size GPUs: prefill and the memory the target must fit
+    in are those GPUs', not the node's (TP=2 of 8 H200s was said to fit Kimi's 600 GB)."""
+    cfg = tiny(prefill_tok_s_per_node=None, gpu_tflops=1.0, mfu=0.5, target_active_params_b=1.0,
+               target_params_b=2.0, target_bytes_per_param=1.0, gpu_memory_gb=1.0)
+    cfg.cluster.gpus_per_node, cfg.verifier.gpu_memory_utilization = 8, 0.9
+    cfg.verifier.tensor_parallel_size = 2
+    pl = capacity_plan(cfg)
+    assert pl.prefill_tok_s == pytest.approx(2 * 1e12 * 0.5 / (2 * 1e9))
+    assert pl.verifier_node_bytes == pytest.approx(2 * 1e9)  # GB = 1e9 bytes
+    assert pl.verifier_over and pl.kv_headroom_bytes == pytest.approx(0.9 * 2e9 - 2e9)  # 1.8 GB usable < 2 GB
+    cfg.verifier.tensor_parallel_size = 4
+    pl4 = capacity_plan(cfg)
+    assert pl4.prefill_tok_s == pytest.approx(2 * pl.prefill_tok_s) and not pl4.verifier_over
+
+
 def test_memory_over_budget_is_flagged():
     pl = capacity_plan(tiny(gpu_memory_gb=1e-6))
     assert pl.trainer_over and pl.trainer_gpu_bytes > pl.gpu_bytes
