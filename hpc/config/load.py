@@ -248,6 +248,10 @@ def _parse_overrides(overrides: list[str], problems: list[str]) -> list[tuple[st
             value = yaml.load(raw, Loader=_Loader) if raw else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and " #" in raw and not raw.lstrip().startswith(("'", '"')):
+            # YAML reads ` #` as a comment: `train.output_dir=runs/exp #2` would be cut to `runs/exp`,
+            # and generated overrides carry user paths (two sweep variants then shared one directory).
+            value = raw.strip()
         parsed.append((key.strip(), value))
     return parsed
 

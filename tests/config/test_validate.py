@@ -268,3 +268,10 @@ def test_a_tracking_uri_with_credentials_is_reachable_and_sends_them():
         srv.shutdown()
         srv.server_close()
     assert seen == [("/health", "Basic " + base64.b64encode(b"alice:s3@cret").decode()), ("/health", None)]
+
+
+def test_a_path_with_a_hash_survives_an_override():
+    """` #` opened a YAML comment: the generated output_dir overrides of `dspark submit` cut a user's
+    `runs/exp #2` to `runs/exp`, and every sweep variant wrote into the one directory."""
+    cfg = resolve(KIMI, ["train.output_dir=runs/exp #2/v0/train", "eval.output_dir='runs/q #1'"], check_tracking=False)
+    assert cfg.train.output_dir == "runs/exp #2/v0/train" and cfg.eval.output_dir == "runs/q #1"
