@@ -48,8 +48,12 @@ _Loader.add_implicit_resolver(
 # `cluster.time: 1:00:00` asked for 60 hours. Colon-separated digits stay strings (times), ahead
 # of the int and float resolvers.
 _SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?$")
+# And `0123` is the octal 83: `cluster.account: 0123` reached Slurm as account 83. Digits with
+# a leading zero stay as written (an int key still reads them as decimal).
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
 for _first in "-+0123456789":
     _Loader.yaml_implicit_resolvers[_first].insert(0, ("tag:yaml.org,2002:str", _SEXAGESIMAL))
+    _Loader.yaml_implicit_resolvers[_first].insert(0, ("tag:yaml.org,2002:str", _LEADING_ZERO))
 
 
 def _schema_keys(node: DictConfig) -> list[str]:
@@ -295,7 +299,9 @@ def with_overrides(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, l
 
 def _apply_overrides(cfg: DictConfig, overrides: list[str], problems: list[str]) -> None:
     for key, value in _parse_overrides(overrides, problems):
-        _apply(cfg, _nest(key, value), "", f"override {key}", problems, written=key)
+        # A sweep's keys are dotted config keys: `sweep.train.lr=[...]` adds the key `train.lr`.
+        data = {"sweep": {key[len("sweep."):]: value}} if key.startswith("sweep.") else _nest(key, value)
+        _apply(cfg, data, "", f"override {key}", problems, written=key)
     if not problems:
         try:
             OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

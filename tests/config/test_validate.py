@@ -275,3 +275,12 @@ def test_a_path_with_a_hash_survives_an_override():
     `runs/exp #2` to `runs/exp`, and every sweep variant wrote into the one directory."""
     cfg = resolve(KIMI, ["train.output_dir=runs/exp #2/v0/train", "eval.output_dir='runs/q #1'"], check_tracking=False)
     assert cfg.train.output_dir == "runs/exp #2/v0/train" and cfg.eval.output_dir == "runs/q #1"
+
+
+def test_yaml_11_octal_and_dotted_sweep_keys_read_as_written():
+    """`0123` was the octal 83 (a Slurm account, an env value); `sweep.train.lr=[...]` nested a
+    section under sweep instead of adding the key train.lr."""
+    cfg = resolve(KIMI, ["cluster.account=0123", "verifier.env={B: 0777}", "train.steps=03000",
+                         "sweep={draft.markov_rank: [4, 8]}", "sweep.train.lr=[1e-4, 3e-4]"], check_tracking=False)
+    assert cfg.cluster.account == "0123" and cfg.verifier.env == {"B": "0777"} and cfg.train.steps == 3000
+    assert cfg.sweep == {"draft.markov_rank": [4, 8], "train.lr": [1e-4, 3e-4]}
