@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -29,12 +30,42 @@ class SlurmEnv:
 
         try:
             hosts = run_slurm(["scontrol", "show", "hostnames", nodelist]).stdout.split()
-        except UserError:
-            hosts = [nodelist]
+        except UserError:  # no scontrol where the task runs (a container image): expand it here
+            hosts = expand_hostlist(nodelist)
         array = env.get("SLURM_ARRAY_JOB_ID")
         requeue = f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
         return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_NNODES", 1)),
                    hosts, requeue)
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list, as `scontrol show hostnames` prints it:
+    `gpu[01-02,07],cpu-r[1-2]n1` -> gpu01 gpu02 gpu07 cpu-r1n1 cpu-r2n1."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            if nodelist[start:i]:
+                names.extend(_expand_one(nodelist[start:i]))
+            start = i + 1
+    return names
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if m is None:
+        return [name]
+    values = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        if not hi:
+            values.append(lo)
+            continue
+        if not (lo.isdigit() and hi.isdigit()):
+            raise UserError(f"cannot expand the host list {name!r}; make scontrol available to the job")
+        values += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1)]
+    head, tail = name[: m.start()], name[m.end():]
+    return [h for v in values for h in _expand_one(f"{head}{v}{tail}")]
 
 
 def node_ip(hostname: str) -> str:

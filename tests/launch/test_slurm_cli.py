@@ -86,9 +86,23 @@ def test_an_array_task_is_requeued_by_its_own_id(slurm, in_job):
 
 @pytest.mark.parametrize("reply", [missing, lambda argv: done(argv, 1, err="scontrol: error: bad nodelist")],
                          ids=["scontrol missing", "scontrol failing"])
-def test_without_scontrol_the_nodelist_stands_for_the_hosts(slurm, in_job, reply):
+def test_without_scontrol_the_nodelist_is_expanded_here(slurm, in_job, reply):
+    """A container image without scontrol: the compressed list was taken for one host name, and
+    every rank then failed to resolve `gpu[01-02]`."""
     slurm(reply)
-    assert SlurmEnv.from_environ().hostnames == ["gpu[01-02]"]
+    assert SlurmEnv.from_environ().hostnames == ["gpu01", "gpu02"]
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("node7", ["node7"]),
+    ("gpu[01-02,07],cpu-r[1-2]n1", ["gpu01", "gpu02", "gpu07", "cpu-r1n1", "cpu-r2n1"]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),  # the width is the low end's, as scontrol pads
+    ("x[1-2]y[3-4]", ["x1y3", "x1y4", "x2y3", "x2y4"]),
+])
+def test_host_lists_expand_as_scontrol_does(nodelist, hosts):
+    from hpc.launch.slurm_env import expand_hostlist
+
+    assert expand_hostlist(nodelist) == hosts
 
 
 def test_outside_a_job_the_stage_says_how_to_run_it(in_job):
