@@ -81,6 +81,9 @@ def check_names(cfg: Any, fail: Callable[[str, Any, str], None]) -> None:
     if any(ch.isspace() for ch in cl.log_dir):
         fail("cluster.log_dir", cl.log_dir, "job logs go in #SBATCH/#SCRON lines, which split on spaces; "
              "use a path without whitespace")
+    elif "%" in cl.log_dir:  # Slurm expands %u/%j in --output, our jobs' own files would take it literally
+        fail("cluster.log_dir", cl.log_dir, "Slurm would expand its % patterns in --output but not in the paths "
+             "the jobs share; write the directory out (e.g. $USER's name instead of %u)")
     if cl.mem and not SLURM_MEM.match(cl.mem):
         fail("cluster.mem", cl.mem, "use Slurm's --mem syntax: a number with an optional K/M/G/T suffix, e.g. 200G")
     for i, item in enumerate(cl.sbatch_extra):

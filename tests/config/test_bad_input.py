@@ -35,6 +35,7 @@ BAD = {
     "newline in cron": (["schedule.cron='0 3 * * *\n* * * * * curl evil'"], "schedule.cron"),
     "tab in a data path": (["data.sources=[{path: \"a\tb\"}]"], "control character"),
     "space in log dir": (["cluster.log_dir='/shared/my runs'"], "cluster.log_dir"),
+    "slurm pattern in log dir": (["cluster.log_dir=/shared/%u/logs"], "% patterns"),
     "slash in compare name": (["eval.compare=[{name: a/b, method: ngram}]"], "eval.compare[0].name"),
     "tracking uri without host": (["tracking.uri=http:/localhost:5000"], "no host"),
     "tracking uri typo in an absolute path": (["tracking.uri=sqlite:////nonexistent-dir/mlflow.db"],
