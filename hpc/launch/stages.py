@@ -19,6 +19,7 @@ sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -51,23 +52,43 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
 
     if is_local(cfg.verifier.model):
         return cfg
+    from hpc.fsio import write_text
+
     marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")
+    # The files name the target they answer for: a job id comes back (a cluster whose state was
+    # reset counts from 1 again), and a stale file must not hand this job another model's path.
+    ours = {"model": cfg.verifier.model, "revision": cfg.verifier.revision}
     if env.node_index == 0:
         marker.parent.mkdir(parents=True, exist_ok=True)
         try:
             cfg = localize(cfg)
         except UserError as err:  # the other nodes stop waiting and say why
-            failed.write_text(str(err))
+            write_text(failed, json.dumps({**ours, "error": str(err)}))
             raise
-        from hpc.fsio import write_text
-
-        write_text(marker, cfg.verifier.model)
+        write_text(marker, json.dumps({**ours, "path": cfg.verifier.model}))
         print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
         return cfg
     # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
-    _wait_for(marker, cfg.verifier.health_timeout_s + 3600, f"node 0's snapshot of {cfg.verifier.model}", failed)
-    return replace(cfg, verifier=localized(cfg.verifier, Path(marker.read_text().strip())))
+    timeout_s = cfg.verifier.health_timeout_s + 3600
+    deadline = time.monotonic() + timeout_s
+    while (found := _answer_for(marker, ours)) is None:
+        if (error := _answer_for(failed, ours)) is not None:
+            raise UserError(f"node 0 failed: {error['error']}")
+        if time.monotonic() > deadline:
+            raise UserError(f"node 0's snapshot of {cfg.verifier.model} did not appear within {timeout_s:.0f}s "
+                            f"({marker}); check node 0's log")
+        time.sleep(1.0)
+    return replace(cfg, verifier=localized(cfg.verifier, Path(found["path"])))
+
+
+def _answer_for(path: Path, ours: dict) -> dict | None:
+    """`path`'s JSON when it answers for the target `ours` names; None when absent or another's."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and all(data.get(k) == v for k, v in ours.items()) else None
 
 
 def localize_stage(cfg: DSparkConfig) -> DSparkConfig:

@@ -42,7 +42,8 @@ def test_validate_errors_do_not_print_secrets():
     assert "hf_abc" not in text and "s3cret" not in text
 
 
-@pytest.mark.parametrize("name", ["DB_PASS", "PRIVATE_KEY", "OPENAI_KEY", "GITHUB_PAT", "HF_TOKEN", "MLFLOW_TRACKING_PASSWORD"])
+@pytest.mark.parametrize("name", ["DB_PASS", "PRIVATE_KEY", "OPENAI_KEY", "GITHUB_PAT", "HF_TOKEN",
+                                  "MLFLOW_TRACKING_PASSWORD"])
 def test_common_secret_names_are_masked_and_tuning_knobs_are_not(name):
     from hpc.config.secrets import is_secret_name
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hpc.config import ConfigError, resolve
@@ -85,12 +87,41 @@ def test_in_a_job_node_0_resolves_and_the_other_nodes_read_its_path(hub_cache, t
                                            "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
                   check_tracking=False)
     node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
+    marker = tmp_path / "logs" / ".target-42"
     first = localize_in_job(cfg, node(0))
-    assert first.verifier.model == str(hub_cache) and (tmp_path / "logs" / ".target-42").read_text() == str(hub_cache)
+    assert first.verifier.model == str(hub_cache) and json.loads(marker.read_text())["path"] == str(hub_cache)
     (hub_cache.parent / "elsewhere").mkdir()  # node 1 never resolves: it takes node 0's answer
-    (tmp_path / "logs" / ".target-42").write_text(str(hub_cache.parent / "elsewhere"))
+    marker.write_text(json.dumps({"model": "acme/toy", "revision": None, "path": str(hub_cache.parent / "elsewhere")}))
     second = localize_in_job(cfg, node(1))
     assert second.verifier.model == str(hub_cache.parent / "elsewhere") and second.verifier.name == "acme/toy"
+
+
+def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
+    """A reset cluster counts job ids from 1 again: job 42's marker from another pipeline named
+    another target, and node 1 took its path without a word."""
+    import threading
+
+    from hpc.launch.slurm_env import SlurmEnv
+    from hpc.launch.stages import localize_in_job
+
+    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                           f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
+                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
+                  check_tracking=False)
+    node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / ".target-42").write_text(json.dumps({"model": "other/model", "revision": None,
+                                                               "path": "/stale"}))
+    (tmp_path / "logs" / ".target-42.error").write_text(json.dumps({"model": "old/one", "revision": None,
+                                                                    "error": "stale failure"}))
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(cfg=localize_in_job(cfg, node(1))))
+    reader.start()
+    reader.join(1.5)
+    assert reader.is_alive()  # neither stale file answers for acme/toy: it waits for node 0
+    localize_in_job(cfg, node(0))
+    reader.join(10)
+    assert got["cfg"].verifier.model == str(hub_cache)
 
 
 def test_a_node_0_failure_stops_the_other_nodes_at_once(hub_cache, tmp_path):
