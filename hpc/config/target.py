@@ -3,7 +3,7 @@
 `verifier.model` is a local directory or a hub id (`org/name`, pinned by `verifier.revision`).
 A hub id resolves to a snapshot in the Hugging Face cache (`HF_HUB_CACHE`, on a filesystem
 every node sees): safetensors weights, configs, tokenizer and remote code, never pickles. In
-a Slurm job node 0 resolves it and the other nodes read the path it wrote (launch/stages.py);
+a Slurm job node 0 resolves it and the other nodes read the path it wrote (launch/node_setup.py);
 the job's config then names the snapshot directory in `verifier.model` and keeps the hub id
 in `verifier.name` for exports and baseline keys.
 

@@ -131,7 +131,7 @@ def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ..
                parent_run_id: str | None = None, n: int | None = None) -> int:
     """One stage inside its Slurm job, from the variant's frozen YAML: its exit code."""
     from hpc.config import resolve
-    from hpc.launch import stages
+    from hpc.launch.node_setup import localize_stage
     from hpc.launch.variants import check_variant_file
 
     s = stage(name)
@@ -139,7 +139,7 @@ def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ..
     # A CPU-only stage (the report) need not see the GPUs the training config names.
     cfg = resolve(config_file, list(overrides), check_tracking=False, runs_here=s.gpus)
     if s.localize:
-        cfg = stages.localize_stage(cfg)
+        cfg = localize_stage(cfg)
     return s.entry(cfg, parent_run_id, n, False)
 
 

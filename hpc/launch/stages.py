@@ -28,96 +28,10 @@ from pathlib import Path
 
 from hpc.config.schema import ClusterConfig, DSparkConfig, TrainConfig
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.node_setup import prepare_once
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
 from hpc.net import free_port
-
-
-def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if failed is not None and failed.exists():
-            raise UserError(f"node 0 failed: {failed.read_text().strip()}")
-        if time.monotonic() > deadline:
-            raise UserError(f"{what} did not appear within {timeout_s:.0f}s ({path}); check node 0's log")
-        time.sleep(1.0)
-
-
-def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
-    """The job's config naming the target's local snapshot: node 0 resolves a hub id, the others
-    read the path it wrote under cluster.log_dir (a filesystem every node sees)."""
-    from dataclasses import replace
-
-    from hpc.config.target import is_local, localize, localized
-
-    if is_local(cfg.verifier.model):
-        return cfg
-    from hpc.fsio import write_text
-
-    marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
-    failed = marker.with_name(f"{marker.name}.error")
-    # The files name the target they answer for: a job id comes back (a cluster whose state was
-    # reset counts from 1 again), and a stale file must not hand this job another model's path.
-    ours = {"model": cfg.verifier.model, "revision": cfg.verifier.revision}
-    if env.node_index == 0:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            cfg = localize(cfg)
-        except UserError as err:  # the other nodes stop waiting and say why
-            write_text(failed, json.dumps({**ours, "error": str(err)}))
-            raise
-        write_text(marker, json.dumps({**ours, "path": cfg.verifier.model}))
-        print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
-        return cfg
-    # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
-    timeout_s = cfg.verifier.health_timeout_s + 3600
-    deadline = time.monotonic() + timeout_s
-    while (found := _answer_for(marker, ours)) is None:
-        if (error := _answer_for(failed, ours)) is not None:
-            raise UserError(f"node 0 failed: {error['error']}")
-        if time.monotonic() > deadline:
-            raise UserError(f"node 0's snapshot of {cfg.verifier.model} did not appear within {timeout_s:.0f}s "
-                            f"({marker}); check node 0's log")
-        time.sleep(1.0)
-    return replace(cfg, verifier=localized(cfg.verifier, Path(found["path"])))
-
-
-def _answer_for(path: Path, ours: dict) -> dict | None:
-    """`path`'s JSON when it answers for the target `ours` names; None when absent or another's."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and all(data.get(k) == v for k, v in ours.items()) else None
-
-
-def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
-    """The target as a local snapshot: once per job inside Slurm, in-process elsewhere."""
-    if "SLURM_JOB_ID" in os.environ:
-        return localize_in_job(cfg, SlurmEnv.from_environ())
-    from hpc.config.target import localize
-
-    return localize(cfg)
-
-
-def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
-    """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
-    from hpc.train.prepare import prepare_data
-
-    marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
-    failed = marker.with_name(f"{marker.name}.error")
-    if env.node_index == 0:
-        if not marker.exists():  # a requeued job already did it
-            try:
-                prep = prepare_data(cfg)
-            except UserError as err:  # the other nodes stop waiting and say why
-                failed.parent.mkdir(parents=True, exist_ok=True)
-                failed.write_text(str(err))
-                raise
-            print(f"data: {prep.stats.summary()}", flush=True)
-            marker.touch()
-    else:
-        _wait_for(marker, 3600, "the prepared data", failed)
 
 
 def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]:
@@ -204,7 +118,6 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
 
 def _training_done(train: TrainConfig) -> bool:
     """A signal that came after the last step needs no requeue: the checkpoints say so."""
-    import json
 
     from hpc.train.checkpoint import latest_checkpoint
 

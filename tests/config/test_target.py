@@ -79,8 +79,8 @@ def test_every_server_gets_offline_mode_only_when_the_config_sets_it():
 
 
 def test_in_a_job_node_0_resolves_and_the_other_nodes_read_its_path(hub_cache, tmp_path):
+    from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
-    from hpc.launch.stages import localize_in_job
 
     cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
                                            f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
@@ -101,8 +101,8 @@ def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
     another target, and node 1 took its path without a word."""
     import threading
 
+    from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
-    from hpc.launch.stages import localize_in_job
 
     cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
                                            f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
@@ -125,8 +125,8 @@ def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
 
 
 def test_a_node_0_failure_stops_the_other_nodes_at_once(hub_cache, tmp_path):
+    from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
-    from hpc.launch.stages import localize_in_job
 
     cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/missing", "verifier.offline=true",
                                            f"cluster.log_dir={tmp_path / 'logs'}",
