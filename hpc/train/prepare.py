@@ -46,6 +46,13 @@ def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
     return [(s.path, s.split, s.max_rows) for s in data.sources]
 
 
+def regeneration_pending(data: DataConfig) -> bool:
+    """`data.regenerate` asks for on-policy rows that `dspark regenerate` has not finished: the
+    sources are read as they are (the pipeline regenerates first; a hand-run `dspark train` may not)."""
+    regen = str(Path(data.output_dir) / "regenerated")
+    return data.regenerate and all(path != regen for path, _, _ in training_sources(data))
+
+
 def _tokenize(cfg: DSparkConfig, data: DataConfig,
               remask: Callable[[dict, list[int]], list[int]] | None = None) -> tuple[list[TokenRow], RowStats]:
     """`data`'s rows (its regenerated shards once finished), tokenised with the verifier's
@@ -56,7 +63,12 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     stats = RowStats()
     rows: list[TokenRow] = []
-    for path, split, max_rows in training_sources(data):
+    sources = training_sources(data)
+    if regeneration_pending(data):
+        print(f"warning: data.regenerate is true but {Path(data.output_dir) / 'regenerated'} holds no finished "
+              "regeneration: using data's sources as they are (not on-policy); run `dspark regenerate CONFIG` "
+              "first, or set data.regenerate=false to silence this", flush=True)
+    for path, split, max_rows in sources:
         # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
         raw = list(read_rows(path, split, max_rows)) if remask is not None else None
         for r in tokenize_rows(tok, iter(raw) if raw is not None else read_rows(path, split, max_rows),

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from hpc.config import load_config, to_object
-from hpc.train.prepare import training_sources
+from hpc.train.prepare import regeneration_pending, training_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,15 +16,16 @@ def test_regenerated_shards_replace_the_sources_only_when_finished(tmp_path):
     src.write_text("")
     cfg = to_object(load_config(ROOT / "configs" / "toy-cpu.yaml",
                                 [f"data.sources=[{{path: {src}}}]", f"data.output_dir={tmp_path}"]))
-    assert training_sources(cfg.data) == [(str(src), "train", None)]
+    assert training_sources(cfg.data) == [(str(src), "train", None)] and regeneration_pending(cfg.data)
     regen = tmp_path / "regenerated"
     regen.mkdir()
     (regen / "manifest.json").write_text(json.dumps({"finished": False, "shards": []}))
     assert training_sources(cfg.data) == [(str(src), "train", None)]  # half done: not yet
+    assert regeneration_pending(cfg.data)  # a hand-run `dspark train` is told it reads the sources as they are
     (regen / "manifest.json").write_text(json.dumps({"finished": True, "shards": []}))
-    assert training_sources(cfg.data) == [(str(regen), "train", None)]
+    assert training_sources(cfg.data) == [(str(regen), "train", None)] and not regeneration_pending(cfg.data)
     cfg.data.regenerate = False
-    assert training_sources(cfg.data) == [(str(src), "train", None)]
+    assert training_sources(cfg.data) == [(str(src), "train", None)] and not regeneration_pending(cfg.data)
 
 
 def _cfg(tmp_path, toy_target, data, *extra):
