@@ -360,7 +360,7 @@ def check_sweep(cfg: DictConfig) -> list[str]:
         elif key.split(".")[0] in ("cluster", "name"):
             # Every task of one Slurm array shares one allocation shape and one pipeline name.
             problems.append(f"sweep.{key}: the tasks of a training array share one allocation and name; "
-                            "submit one pipeline per value instead (dspark submit CONFIG {key}=VALUE)")
+                            f"submit one pipeline per value instead (dspark submit CONFIG {key}=VALUE)")
         elif not isinstance(values, list) or not values:
             problems.append(f"sweep.{key} = {_short(values)}: give a non-empty list of values")
         else:

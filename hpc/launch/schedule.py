@@ -254,7 +254,9 @@ def register_schedule(sub) -> None:
 
 
 def register_tick(sub) -> None:
-    p = sub.add_parser("retrain-tick", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("retrain-tick", help="one tick of a schedule (what the scrontab entry runs)",
+                       description="One tick of a `dspark schedule`: submit the pipeline if data.sources changed "
+                       "since the last scheduled run (by fingerprint), else say so and submit nothing.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.set_defaults(func=lambda a: retrain_tick(a.config, list(a.overrides)))

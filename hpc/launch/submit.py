@@ -5,7 +5,8 @@ sweep, and the Slurm requests against `sinfo`/`sacctmgr`. Then the MLflow parent
 created and the jobs go in with submitit, wired by dependencies:
 
     regenerate (optional) --afterok--> train array (one task per sweep variant, V+T nodes each)
-    train array --aftercorr--> eval-n3 array, eval-n7 array (task i evaluates variant i)
+    train array --aftercorr--> calibrate array (with calibration or held-out rows)
+    train + calibrate arrays --aftercorr--> eval-n3 array, eval-n7 array (task i evaluates variant i)
     eval arrays --afterany--> report (the comparison table, into the parent run)
 
 The stages and their dependencies are declared once, in `hpc.launch.stage_table`. If a
