@@ -191,11 +191,12 @@ def _check_draft(c: Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
                "needs a Markov head; set draft.markov_rank > 0 or confidence_head_with_markov=false")
     if cfg.eval.num_speculative_tokens:
         largest = max(cfg.eval.num_speculative_tokens)
-        # The dflash layout spends slot 0 on the bonus token (hpc.evaluate.drafts.DraftSpec.max_n).
-        dflash = d.markov_rank == 0 and not d.enable_confidence_head
-        room = d.block_size - (1 if dflash else 0)
+        # Without sample_from_anchor slot 0 is the bonus token (hpc.model.dspark.DSparkArgs.max_n),
+        # as in every DFlash-layout draft: the block drafts one token fewer.
+        bonus = not d.sample_from_anchor
+        room = d.block_size - (1 if bonus else 0)
         if room < largest:
-            why = " (a DFlash-layout block spends one slot on the bonus token)" if dflash else ""
+            why = " (slot 0 is the bonus token: draft.sample_from_anchor=false)" if bonus else ""
             c.fail("draft.block_size", d.block_size,
                    f"holds at most {room} speculative tokens{why}, fewer than the largest eval n={largest}; "
                    "raise draft.block_size or lower eval.num_speculative_tokens")

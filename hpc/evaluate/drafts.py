@@ -24,6 +24,9 @@ class DraftSpec:
     model: str | None  # directory or hub id; None for model-free methods (ngram)
     ours: bool = False
     block_size: int | None = None
+    # Slot 0 is the bonus token, so the block drafts one token fewer: DFlash's layout, and any
+    # export with sample_from_anchor=false. None: by method.
+    bonus_slot: bool | None = None
 
     def speculative_config(self, n: int) -> dict:
         spec: dict = {"method": self.method, "num_speculative_tokens": n}
@@ -51,8 +54,8 @@ class DraftSpec:
     def max_n(self) -> int | None:
         if self.block_size is None:
             return None
-        # DFlash's layout spends slot 0 on the bonus token; DSpark's starts at the anchor.
-        return self.block_size - (1 if self.method == "dflash" else 0)
+        bonus = self.method == "dflash" if self.bonus_slot is None else self.bonus_slot
+        return self.block_size - (1 if bonus else 0)
 
 
 def our_draft(path: str | Path, label: str | None = None) -> DraftSpec:
@@ -70,7 +73,8 @@ def our_draft(path: str | Path, label: str | None = None) -> DraftSpec:
         raise UserError(f"--draft {path}: config.json says method {method!r}; this option takes a DSpark or "
                         f"DFlash export; evaluate other drafts through eval.compare (name, method, model)")
     label = label or ("DSpark" if method == "dspark" else "DFlash")
-    return DraftSpec(label, method, str(path.resolve()), True, int(cfg["block_size"]))
+    bonus = not cfg.get("sample_from_anchor", method == "dspark")
+    return DraftSpec(label, method, str(path.resolve()), True, int(cfg["block_size"]), bonus)
 
 
 def is_our_export(method: str, model: str | None) -> bool:

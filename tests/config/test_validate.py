@@ -99,7 +99,11 @@ BAD_CASES = {
     "dflash block one short of eval n": (["draft.markov_rank=0", "draft.enable_confidence_head=false",
                                           "draft.sample_from_anchor=false", "draft.block_size=7",
                                           "eval.num_speculative_tokens=[3, 7]"],
-                                         "draft.block_size = 7: holds at most 6 speculative tokens (a DFlash"),
+                                         "draft.block_size = 7: holds at most 6 speculative tokens (slot 0"),
+    # A DSpark draft without sample_from_anchor has the same bonus slot: it validated, then its
+    # export refused n=8 after training had finished.
+    "bonus-slot dspark block one short": (["draft.sample_from_anchor=false", "draft.block_size=7",
+                                           "eval.num_speculative_tokens=[3, 7]"], "holds at most 6"),
     "mask id outside vocab": (["draft.mask_token_id=163840"], "draft.mask_token_id"),
     "draft vocab above target vocab": (["draft.draft_vocab_size=200000"], "draft.draft_vocab_size"),
     "pre-norm capture without norm": (["verifier.final_hidden=pre_norm"], "verifier.final_hidden"),

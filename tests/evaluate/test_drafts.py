@@ -17,9 +17,9 @@ from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fake_export(path: Path, method: str = "dspark", block: int = 8) -> Path:
+def fake_export(path: Path, method: str = "dspark", block: int = 8, **extra) -> Path:
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"speculators_model_type": method, "block_size": block}))
+    (path / "config.json").write_text(json.dumps({"speculators_model_type": method, "block_size": block, **extra}))
     (path / "model.safetensors").write_bytes(b"")
     return path
 
@@ -42,6 +42,9 @@ def test_n_larger_than_the_block_is_refused(tmp_path):
         check_ns(dspark, [3, 9])
     with pytest.raises(UserError, match="--n 8: the DFlash draft's block holds at most 7"):
         check_ns(dflash, [3, 8])  # slot 0 of DFlash's layout is the bonus token
+    bonus = our_draft(fake_export(tmp_path / "c", sample_from_anchor=False))  # a DSpark export laid out so too
+    with pytest.raises(UserError, match="--n 8: the DSpark draft's block holds at most 7"):
+        check_ns(bonus, [3, 8])
     check_ns(DraftSpec("ngram", "ngram", None), [3, 7, 15])  # no block: vLLM decides
     with pytest.raises(UserError, match=r"^--n 0: the number of speculative tokens must be at least 1$"):
         check_ns(DraftSpec("ngram", "ngram", None), [0])
