@@ -125,10 +125,18 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
             continue
         try:
             if isinstance(child, DictConfig) and isinstance(value, dict):
-                # A free-form dict (compilation_config, env, sweep) written whole is replaced, not
-                # merged: `compilation_config: {}` must be able to drop the default. One key inside
-                # it (verifier.env.HF_TOKEN=x) is merged: it must not drop the dict's other keys.
-                OmegaConf.update(cfg, full, value, merge=len(written) > len(full))
+                # A free-form dict (compilation_config, env, sweep) is replaced where the user wrote
+                # it: `compilation_config: {}` drops the default, and so does `...pass_config={}`
+                # for that key; one key inside it (verifier.env.HF_TOKEN=x) keeps the others.
+                inner = written[len(full) + 1:] if written.startswith(full + ".") else ""
+                if inner and full == "sweep":  # its keys are dotted config keys, one level deep
+                    OmegaConf.update(cfg, full, value, merge=True)
+                elif inner:
+                    for part in inner.split("."):
+                        value = value[part]
+                    OmegaConf.update(cfg, written, value, merge=False)
+                else:
+                    OmegaConf.update(cfg, full, value, merge=False)
             else:
                 # merge_with (not update) so lists of dicts become typed DataSource/... entries.
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))

@@ -71,6 +71,9 @@ def test_one_key_inside_a_free_dict_keeps_the_others():
     assert cfg.verifier.compilation_config == {"pass_config": {"fuse_allreduce_rms": False}, "level": 3}
     cfg2 = resolve(KIMI, ["verifier.env={B: '2'}", "verifier.env.A=1"], check_tracking=False)
     assert cfg2.verifier.env == {"B": "2", "A": "1"}  # env values are strings
+    # A dict written whole at a key inside one is replaced there, not merged into the old one.
+    cfg3 = resolve(KIMI, ["verifier.compilation_config.pass_config={}"], check_tracking=False)
+    assert cfg3.verifier.compilation_config == {"pass_config": {}}
 
 
 def test_config_hash_follows_content_not_formatting():
