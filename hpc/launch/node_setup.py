@@ -17,6 +17,10 @@ from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.launch.slurm_env import SlurmEnv
 
+# The nodes of one job start within seconds of each other; this covers clock skew between them
+# and the shared filesystem, and a slow interpreter start.
+START_SLACK_S = 600.0
+
 
 def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
@@ -41,9 +45,11 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
 
     marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")
-    # The files name the target they answer for: a job id comes back (a cluster whose state was
-    # reset counts from 1 again), and a stale file must not hand this job another model's path.
+    # A job id comes back (a cluster whose state was reset counts from 1 again): a stale file must
+    # not hand this job another model's path, an old snapshot's, or an old failure. So the files
+    # name the target they answer for, and count only when written since this job's nodes started.
     ours = {"model": cfg.verifier.model, "revision": cfg.verifier.revision}
+    since = time.time() - START_SLACK_S
     if env.node_index == 0:
         marker.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -57,8 +63,8 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
     # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
     timeout_s = cfg.verifier.health_timeout_s + 3600
     deadline = time.monotonic() + timeout_s
-    while (found := _answer_for(marker, ours)) is None:
-        if (error := _answer_for(failed, ours)) is not None:
+    while (found := _answer_for(marker, ours, since)) is None:
+        if (error := _answer_for(failed, ours, since)) is not None:
             raise UserError(f"node 0 failed: {error['error']}")
         if time.monotonic() > deadline:
             raise UserError(f"node 0's snapshot of {cfg.verifier.model} did not appear within {timeout_s:.0f}s "
@@ -67,9 +73,12 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
     return replace(cfg, verifier=localized(cfg.verifier, Path(found["path"])))
 
 
-def _answer_for(path: Path, ours: dict) -> dict | None:
-    """`path`'s JSON when it answers for the target `ours` names; None when absent or another's."""
+def _answer_for(path: Path, ours: dict, since: float) -> dict | None:
+    """`path`'s JSON when it answers for the target `ours` names and was written after `since`;
+    None when absent, older, or another's."""
     try:
+        if path.stat().st_mtime < since:
+            return None
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -110,15 +111,17 @@ def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
                   check_tracking=False)
     node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
     (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / ".target-42").write_text(json.dumps({"model": "other/model", "revision": None,
-                                                               "path": "/stale"}))
-    (tmp_path / "logs" / ".target-42.error").write_text(json.dumps({"model": "old/one", "revision": None,
+    (tmp_path / "logs" / ".target-42").write_text(json.dumps({"model": "acme/toy", "revision": None,
+                                                               "path": "/gone/snapshot"}))
+    (tmp_path / "logs" / ".target-42.error").write_text(json.dumps({"model": "acme/toy", "revision": None,
                                                                     "error": "stale failure"}))
+    for f in (tmp_path / "logs").iterdir():  # last month's job 42, on the same target
+        os.utime(f, (f.stat().st_mtime - 30 * 86400,) * 2)
     got = {}
     reader = threading.Thread(target=lambda: got.update(cfg=localize_in_job(cfg, node(1))))
     reader.start()
     reader.join(1.5)
-    assert reader.is_alive()  # neither stale file answers for acme/toy: it waits for node 0
+    assert reader.is_alive()  # neither stale file answers for this job: it waits for node 0
     localize_in_job(cfg, node(0))
     reader.join(10)
     assert got["cfg"].verifier.model == str(hub_cache)
