@@ -14,8 +14,8 @@ MASK = "***"
 # Generous on purpose: a name masked for nothing costs a log line's value, a secret missed leaks it.
 SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|auth|cookie|(^|_)pat$",
                          re.IGNORECASE)
-# `scheme://user:password@` anywhere in a text: exception messages (MLflow's, urllib's) quote the URI.
-_URI_CREDENTIALS = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]*):[^\s/@]*@", re.IGNORECASE)
+# A URI anywhere in a text: exception messages (MLflow's, urllib's) quote the request URL.
+_URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 
 
 def is_secret_name(name: str) -> bool:
@@ -54,8 +54,12 @@ def without_credentials(uri: str) -> str:
 
 
 def scrub(text: str) -> str:
-    """`text` with the password of any URI in it masked: for exception messages printed to logs."""
-    return _URI_CREDENTIALS.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+    """`text` with every URI in it redacted as `redact_uri` does: for exception messages in logs."""
+    return _URI.sub(lambda m: redact_uri(m.group(0)), text)
+
+
+# vLLM's flags that take a secret ("token" alone would also match --max-num-batched-tokens).
+SECRET_FLAGS = ("--hf-token", "--api-key", "--ssl-keyfile-password")
 
 
 def redact_args(args: list[str]) -> list[str]:
@@ -63,13 +67,13 @@ def redact_args(args: list[str]) -> list[str]:
     out, hide_next = [], False
     for arg in args:
         flag, eq, _ = arg.partition("=")
-        if hide_next:
+        if hide_next and not arg.startswith("-"):
             out.append(MASK)
-        elif flag.startswith("-") and eq and is_secret_name(flag.lstrip("-")):
+        elif eq and flag in SECRET_FLAGS:
             out.append(f"{flag}={MASK}")
         else:
             out.append(arg)
-        hide_next = arg.startswith("-") and not eq and is_secret_name(arg.lstrip("-"))
+        hide_next = not eq and arg in SECRET_FLAGS
     return out
 
 

@@ -57,6 +57,10 @@ def test_secret_flags_of_vllm_are_masked_in_logged_params():
                   check_tracking=False)
     assert redacted(cfg).verifier.extra_args == ["--hf-token", MASK, f"--api-key={MASK}", "--max-num-seqs", "64"]
     assert cfg.verifier.extra_args[1] == "hf_5"
+    from hpc.config.secrets import redact_args
+
+    plain = ["--skip-tokenizer-init", "--enforce-eager", "--max-num-batched-tokens", "8192", "--tokenizer", "t"]
+    assert redact_args(plain) == plain  # "token" in a flag's name is not a secret
 
 
 def test_an_error_message_quoting_the_uri_loses_its_password():
@@ -67,4 +71,7 @@ def test_an_error_message_quoting_the_uri_loses_its_password():
     assert scrub(text) == ("API request to http://alice:***@127.0.0.1:9/api/2.0/mlflow/runs/create failed "
                            "(https://u:***@h/x)")
     assert without_credentials("https://alice:s3cret@mlflow.example.org/x") == "https://mlflow.example.org/x"
+    # What redact_uri masks, scrub masks too: a token alone, a password holding '@', a query token.
+    assert scrub("at https://ghp_TOK@h/ and postgresql://bob:p@ss@db/m and http://h:5000/?token=SEC&x=1") == (
+        "at https://***@h/ and postgresql://bob:***@db/m and http://h:5000/?token=***&x=1")
 
