@@ -66,9 +66,10 @@ def make_blocks(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, position_i
         target_idx_NB = (slot_idx_NB - 1).clamp(min=0, max=T - 1)
         prev_ids_NB = input_ids_T[target_idx_NB]
         valid_NB = in_row & loss_mask_T.bool()[target_idx_NB]
-        valid_NB[:, 0] = True  # the bonus: never supervised (below), but it must not end the prefix
     # A block running past its document's end would learn the next document's tokens.
     valid_NB &= doc_ids_T[target_idx_NB] == doc_ids_T[anchors_N][:, None]
+    if not sample_from_anchor:  # the bonus: never supervised (below), but it must not end the prefix
+        valid_NB[:, 0] = True
     # Only the contiguous prefix: past a short user turn (a gap in the loss mask, under B tokens)
     # the slots would predict the next reply without the turn it answers. The mask is read at
     # the target's position, as speculators does, so the slot after a reply's last token counts.

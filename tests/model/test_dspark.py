@@ -95,6 +95,15 @@ def test_only_the_contiguous_prefix_is_supervised(sample_from_anchor):
     assert b.valid_NB.tolist() == [want]
 
 
+def test_a_dflash_block_at_a_documents_first_token_keeps_its_slots():
+    """Slot 0's target (the token before the anchor) is the previous document's: it is the bonus
+    either way, and must not end the supervised prefix."""
+    ids, mask = torch.arange(8), torch.ones(8, dtype=torch.long)
+    docs, pos = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    b = make_blocks(ids, mask, pos, docs, torch.tensor([4]), 4, 99, sample_from_anchor=False)
+    assert b.valid_NB.tolist() == [[False, True, True, True]]
+
+
 def test_training_mask_by_hand():
     # Two documents [0,1,2 | 3,4]; anchors at 2 and 4; B = 2.
     m = training_mask(torch.tensor([2, 4]), torch.tensor([0, 0, 0, 1, 1]), 2).int().tolist()
