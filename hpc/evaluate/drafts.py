@@ -28,10 +28,15 @@ class DraftSpec:
     # export with sample_from_anchor=false. None: by method.
     bonus_slot: bool | None = None
 
-    def speculative_config(self, n: int) -> dict:
+    def speculative_config(self, n: int, temperature: float = 0.0) -> dict:
         spec: dict = {"method": self.method, "num_speculative_tokens": n}
         if self.model:
             spec["model"] = self.model
+            if temperature > 0:
+                # vLLM's default drafts greedily and treats the draft as one-hot in the rejection
+                # test (accept with p_target(d)); lossless speculative sampling, as the reference
+                # engine and the confidence head's sampling event have it, is min(1, p/q).
+                spec["draft_sample_method"] = "probabilistic"
         if self.method == "ngram":  # prompt lookup: match up to 4 trailing tokens, at least 1
             spec.update(prompt_lookup_max=4, prompt_lookup_min=1)
         return spec

@@ -64,6 +64,12 @@ def test_engines_follow_what_the_vllm_build_can_decode(tmp_path):
         choose_engine(ngram, "reference", cpu_build=True)
 
 
+def test_a_sampled_draft_asks_vllm_for_lossless_speculative_sampling():
+    sampled = DraftSpec("DSpark", "dspark", "/x/export", True, 8).speculative_config(7, temperature=0.7)
+    assert sampled["draft_sample_method"] == "probabilistic"  # vLLM's default treats the draft as one-hot
+    assert "draft_sample_method" not in DraftSpec("DSpark", "dspark", "/x/export", True, 8).speculative_config(7)
+
+
 def test_ngram_speculative_config_has_no_model():
     spec = DraftSpec("ngram", "ngram", None).speculative_config(3)
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3 and "model" not in spec
