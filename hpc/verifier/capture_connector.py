@@ -181,6 +181,8 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"hidden-state cache {names[0]} has shape {tuple(cache.shape)}; expected "
                              f"[blocks, {n}, block_size, {self._hidden}]")
         self._cache = cache
+        if not self._writes_files:  # the other TP ranks hold the same states and write nothing:
+            return  # no writer, no pinned buffers (2 x 1.15 GB per rank at Kimi's 20k tokens)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dspark-capture")
         self._copier = HostCopier(cache.device, max_buffers=4)
         # Pin the host buffers for the longest sample now, not in an engine step.
