@@ -98,7 +98,7 @@ class VerifierConfig:
     aux_layer_ids: list[int] = field(default_factory=lambda: [1, 29, 57])
     final_hidden: FinalHidden = FinalHidden.post_norm
     tensor_parallel_size: int = 8
-    max_model_len: int = 20000
+    max_model_len: int = 20480  # above data.max_seq_len: a capture generates one token past the row
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     python: str = "python3"  # interpreter of the venv vLLM lives in

@@ -225,9 +225,10 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("data.max_seq_len", data.max_seq_len)
     if data.max_seq_len <= cfg.draft.block_size:
         c.fail("data.max_seq_len", data.max_seq_len, f"must exceed draft.block_size={cfg.draft.block_size}")
-    if data.max_seq_len > cfg.verifier.max_model_len:
+    if data.max_seq_len >= cfg.verifier.max_model_len:  # a capture prefills the row plus the one token asked for
         c.fail("data.max_seq_len", data.max_seq_len,
-               f"longer than verifier.max_model_len={cfg.verifier.max_model_len}; raise that or lower this")
+               f"must be below verifier.max_model_len={cfg.verifier.max_model_len} (a capture prefills the row "
+               "and generates one token); raise that or lower this")
     c.nonneg("data.regen_temperature", data.regen_temperature)
     c.positive("data.regen_max_tokens", data.regen_max_tokens)
     c.positive("data.regen_concurrency", data.regen_concurrency)

@@ -32,7 +32,7 @@ def test_kimi_recipe_is_valid_and_matches_the_card():
     assert (t.loss.ce_weight, t.loss.tv_weight, t.loss.decay_gamma) == (0.1, 0.9, 4.0)
     assert t.apply_verifier_norm is False
     assert cfg.eval.num_speculative_tokens == [3, 7]
-    assert (v.tensor_parallel_size, v.max_model_len) == (8, 20000)
+    assert (v.tensor_parallel_size, v.max_model_len) == (8, 20480)
     assert v.compilation_config["pass_config"]["fuse_allreduce_rms"] is False
     assert d.num_attention_heads * d.head_dim == d.hidden_size == 7168
     # One value, owned by the draft: the data section reads it by interpolation.
@@ -145,6 +145,8 @@ BAD_CASES = {
     "confidence with markov but no markov": (["draft.markov_rank=0"], "draft.confidence_head_with_markov"),
     "missing vllm interpreter": (["verifier.python=/nope/bin/python"], "verifier.python"),
     "seq len over model len": (["data.max_seq_len=40000"], "data.max_seq_len"),
+    # A row of exactly max_model_len tokens validated, then every such row failed its capture.
+    "seq len equal to model len": (["data.max_seq_len=20480"], "must be below verifier.max_model_len"),
     "malformed override": (["train.lr"], "expected KEY=VALUE"),
     "draft hidden differs from target": (["draft.hidden_size=4096", "draft.num_attention_heads=32"],
                                          "draft.hidden_size"),
