@@ -128,11 +128,11 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
                 # A free-form dict (compilation_config, env, sweep) is replaced where the user wrote
                 # it: `compilation_config: {}` drops the default, and so does `...pass_config={}`
                 # for that key; one key inside it (verifier.env.HF_TOKEN=x) keeps the others.
-                inner = written[len(full) + 1:] if written.startswith(full + ".") else ""
-                if inner and full == "sweep":  # its keys are dotted config keys, one level deep
+                inside = written[len(full) + 1:] if written.startswith(full + ".") else ""
+                if inside and full == "sweep":  # its keys are dotted config keys, one level deep
                     OmegaConf.update(cfg, full, value, merge=True)
-                elif inner:
-                    for part in inner.split("."):
+                elif inside:
+                    for part in inside.split("."):
                         value = value[part]
                     OmegaConf.update(cfg, written, value, merge=False)
                 else:

@@ -144,7 +144,8 @@ class EngineFactory:
         from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
         v = self.cfg.verifier
-        spec = ["--speculative-config", json.dumps(job.draft.speculative_config(job.n, job.temperature))] if job.draft else []
+        spec = (["--speculative-config", json.dumps(job.draft.speculative_config(job.n, job.temperature))]
+                if job.draft else [])
         server = start_vllm_server(v.python, v.model, host=v.host, port=v.port or None, base_args=config_flags(v),
                                    extra_args=[*spec, *v.extra_args], env=server_env(v),
                                    log_path=self.out / "logs" / f"{job.name}.log", timeout=v.health_timeout_s)

@@ -52,4 +52,9 @@ def main(rank: int, port: int, out_dir: str) -> None:
     except NCCLRuleError as err:
         caught.append(str(err))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(caught))
+    # Rank 0 hosts the store the other rank's new_group still reads: it leaves last.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("finished", 1)
+    if rank == 0:
+        wait_until(lambda: store.add("finished", 0) == 2, 60, 0.01, "both ranks finished")
     os._exit(0)  # the receive thread is still blocked: skip gloo's teardown
