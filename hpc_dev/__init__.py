@@ -4,7 +4,8 @@
 - `toy*`: the tiny Qwen3/DeepseekV3-shaped target models, trained on local text;
 - `offline`: single-process training with an in-process verifier (tests, ablations, parity);
 - `demo`, `bench_acceptance`, `capture_bench`, `toy_bench`, `bench_speculators`: what runs on it;
-- `speculators_env`: the venv of the peer implementation the train-step bench measures against.
+- `speculators_env`: the venv of the peer implementation the train-step bench measures against;
+- `gpu_checks`: scripts/gpu-check's checks of the data path (planes, stream buffers, capture copy).
 
 `hpc` (the production package) never imports this package; only the command-line tables
 (`hpc.cli.COMMANDS`, `hpc.bench.BENCHMARKS`) name its modules, so `dspark devcluster` and

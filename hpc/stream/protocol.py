@@ -100,14 +100,16 @@ class BufferPool:
 
     A fresh buffer per sample costs a page-faulting allocation on CPU (glibc maps every
     allocation over 32 MB anew) and churn in the CUDA caching allocator. Credits bound the
-    samples a trainer holds, so the pool stays small. On CUDA a released buffer is safe to
-    receive into at once: the trainer's copy out of it (pack) is queued on the default stream
-    before the release, and NCCL's stream waits for that stream before the next receive.
+    samples a trainer holds, so the pool stays small. On CUDA the receives run on the receive
+    thread's own stream and the trainer reads on its default stream: a release records an event
+    after the trainer's copy out of the buffer (pack), and the next receive into it waits for
+    that event (a dropped buffer is marked used by the default stream, so the allocator waits too).
     """
 
     def __init__(self, device: torch.device, max_free: int = 16):
         self.device, self.max_free = device, max_free
         self.free: list[torch.Tensor] = []
+        self.done: dict[int, torch.cuda.Event] = {}  # id(flat) -> the trainer's last use of it
         self.lent: dict[int, list[torch.Tensor]] = {}  # id(capture) -> its flat buffers
         self.lock = threading.Lock()
         self.allocated = 0
@@ -119,6 +121,9 @@ class BufferPool:
             fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.numel() >= n]
             if fits:  # the smallest that fits (by index: == on tensors compares elements)
                 flat = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+                used = self.done.pop(id(flat), None)
+                if used is not None:  # on the receiving thread's stream: after the trainer's pack
+                    torch.cuda.current_stream(self.device).wait_event(used)
                 return flat[:n].view(shape), flat
         self.allocated += 1
         flat = torch.empty(n, dtype=dtype, device=self.device)
@@ -133,8 +138,15 @@ class BufferPool:
         """The trainer is done with this capture's tensors: its buffers serve the next samples."""
         with self.lock:
             flats = self.lent.pop(id(cap), [])
+            if self.device.type == "cuda":  # called on the trainer's thread, right after its pack
+                stream = torch.cuda.current_stream(self.device)
+                for flat in flats:
+                    flat.record_stream(stream)
+                    self.done[id(flat)] = stream.record_event()
             self.free.extend(flats)
             self.free.sort(key=lambda b: b.numel())
+            for flat in self.free[: max(0, len(self.free) - self.max_free)]:
+                self.done.pop(id(flat), None)
             del self.free[: max(0, len(self.free) - self.max_free)]
 
 

@@ -11,6 +11,7 @@ driver can checkpoint and exit naming the peer.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -102,25 +103,39 @@ class StreamReceiver:
     def _recv_loop(self, s: int) -> None:
         try:
             bind_thread(self.planes.device)
-            while True:
-                h = recv_header(s, self.planes)
-                self._last_seen[s] = time.monotonic()
-                if h.kind == Kind.SAMPLE:
-                    self.samples.put((s, h.epoch, recv_sample_body(h, s, self.planes, self.pool)))
-                    self._last_seen[s] = time.monotonic()
-                elif h.kind == Kind.SKIPPED:
-                    with self._skip_lock:
-                        self._skipped.append((h.epoch, h.sample_id))
-                elif h.kind == Kind.STOP:
-                    self._said_stop.add(s)
-                    self._events.put(("stop", s, ""))
-                    return
-                elif h.kind == Kind.FAILED:
-                    why = Failure(h.length).describe() if h.length in {f.value for f in Failure} else "it failed"
-                    self._events.put(("error", s, f"{self._name(s)}: {why}; see that node's log"))
-                    return
+            # On CUDA the receives get a stream of their own, and this thread waits for each sample
+            # to land before the trainer sees it. On the default stream a receive would queue behind
+            # the trainer's compute, DDP's all-reduce wait included: a trainer ahead of the others
+            # then holds its streamer's send, and with it the sample a trainer behind is waiting for
+            # (a cross-rank deadlock). And a streamer dying mid-sample stalls only this thread, so
+            # the silence watchdog still stops training cleanly.
+            side = torch.cuda.Stream(self.planes.device) if self.planes.device.type == "cuda" else None
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._recv_from(s, side)
         except Exception as err:  # noqa: BLE001 - a closed socket is how gloo reports a dead peer
             self._events.put(("error", s, f"{self._name(s)} failed: {str(err).splitlines()[0][:160]}"))
+
+    def _recv_from(self, s: int, side) -> None:
+        while True:
+            h = recv_header(s, self.planes)
+            self._last_seen[s] = time.monotonic()
+            if h.kind == Kind.SAMPLE:
+                cap = recv_sample_body(h, s, self.planes, self.pool)
+                if side is not None:
+                    side.synchronize()
+                self.samples.put((s, h.epoch, cap))
+                self._last_seen[s] = time.monotonic()
+            elif h.kind == Kind.SKIPPED:
+                with self._skip_lock:
+                    self._skipped.append((h.epoch, h.sample_id))
+            elif h.kind == Kind.STOP:
+                self._said_stop.add(s)
+                self._events.put(("stop", s, ""))
+                return
+            elif h.kind == Kind.FAILED:
+                why = Failure(h.length).describe() if h.length in {f.value for f in Failure} else "it failed"
+                self._events.put(("error", s, f"{self._name(s)}: {why}; see that node's log"))
+                return
 
     def _control_loop(self) -> None:
         live = set(self.streamers)

@@ -22,13 +22,14 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"flex vs tiled SDPA", "train step seq 256", "train step seq 512", "compile stability",
                          "checkpoint save + load", "calibrate pass",
-                         "planes (1-rank world)", "capture gather + copy"}
+                         "planes (1-rank world)", "stream receive buffers", "capture gather + copy"}
     assert all(r["status"] == "PASS" for r in rows.values()), rows
     assert rows["flex vs tiled SDPA"]["data"]["max_abs_diff"] < 1e-4
     assert rows["train step seq 512"]["data"]["plan_bytes"] > 0  # set against `dspark plan`'s estimate
     assert "checker refuses cpu tensor on data plane" in rows["planes (1-rank world)"]["figures"]
     assert rows["calibrate pass"]["data"]["slots"] > 0  # held_out_slots over the longest row, then the fit
-    assert "8/8 checks passed" in proc.stdout
+    assert rows["stream receive buffers"]["data"]["bad"] == 0
+    assert "9/9 checks passed" in proc.stdout
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():

@@ -1,0 +1,193 @@
+"""scripts/gpu-check's table row and its checks of the data path around the model: the planes of
+a one-rank world, the stream's receive buffers, and the capture connector's copy.
+
+Only torch is needed (a bare GPU image has it): gpu-check imports this from the repository root.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+
+GB = 1e9
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS | FAIL | n/a
+    figures: str = ""
+    data: dict = field(default_factory=dict)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev: torch.device, repeats: int = 5) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- 3. the planes of a one-rank world ----------------------------------------------------------
+def check_planes(dev: torch.device) -> Row:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from hpc.dist import rules
+    from hpc.dist.planes import init_planes
+    from hpc.dist.rules import Message, NCCLRuleError
+
+    os.environ[rules.ENV] = "1"
+    os.environ.pop(rules.LOG_ENV, None)  # the violation below is on purpose: keep it out of any test log
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    planes = init_planes(0, 1, [0], backend, dev, "127.0.0.1", _free_port(), timeout_s=120)
+    notes, ok = [], True
+    try:
+        flag = torch.tensor([3.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=planes.train_control)
+        ok &= flag.item() == 3.0
+        notes.append("control all_reduce (cpu, gloo) ok")
+        grads = torch.ones(1024, device=dev)
+        with rules.message(Message.SAMPLE):
+            dist.all_reduce(grads, group=planes.train_data)
+        ok &= bool((grads == 1).all())
+        notes.append(f"data all_reduce ({dev.type}, {backend}) ok")
+        a, b = torch.arange(4096, device=dev, dtype=torch.float32), torch.zeros(4096, device=dev)
+        try:  # the data plane's device path: a sample-sized send to ourselves, batched
+            ops = [c10d.P2POp(c10d.isend, a, 0, group=planes.data), c10d.P2POp(c10d.irecv, b, 0, group=planes.data)]
+            for w in c10d.batch_isend_irecv(ops):
+                w.wait()
+            sync(dev)
+            ok &= bool(torch.equal(a, b))
+            notes.append("data self-send ok")
+        except (RuntimeError, ValueError) as err:
+            notes.append(f"data self-send n/a ({str(err).splitlines()[0][:60]})")
+        try:
+            dist.all_reduce(torch.ones(1), group=planes.train_data)
+            ok = False
+            notes.append("checker MISSED a cpu tensor on the data plane")
+        except NCCLRuleError:
+            notes.append("checker refuses cpu tensor on data plane")
+        if dev.type == "cuda":  # what the checker's rule stands for: NCCL itself refuses it
+            try:
+                rules._originals["all_reduce"](torch.ones(1), group=planes.train_data)  # type: ignore[operator]
+                notes.append("NCCL ACCEPTED a cpu tensor (rule 3 is stricter than needed)")
+            except (RuntimeError, ValueError) as err:
+                notes.append(f"NCCL refuses it too: '{str(err).splitlines()[0][:50]}'")
+    finally:
+        dist.destroy_process_group()
+    return Row("planes (1-rank world)", "PASS" if ok else "FAIL", "; ".join(notes))
+
+
+# -- 4. the stream's receive buffers ------------------------------------------------------------
+def check_stream_pool(dev: torch.device) -> Row:
+    """A buffer the trainer released is received into on the receive thread's stream: that must
+    wait for the trainer's copy out of it (pack) on the default stream. A slow kernel ahead of
+    the pack makes a missing wait show as a corrupted pack."""
+    import threading
+
+    from hpc.stream.protocol import BufferPool
+    from hpc.stream.sample import Capture  # noqa: F401 - named in the cast
+
+    pool = BufferPool(dev)
+    n, rounds, bad = 1 << 22, 8, 0
+    for r in range(rounds):
+        buf, flat = pool.take((n,), torch.float32)
+        buf.fill_(float(r))
+        packed = torch.empty(n, device=dev)
+        if dev.type == "cuda":
+            torch.cuda._sleep(50_000_000)  # the default stream is busy when the pack is queued
+        packed.copy_(buf)
+        cap = cast("Capture", object())  # the pool keys a capture by identity only
+        pool.lend(cap, [flat])
+        pool.release(cap)
+
+        def receive() -> None:  # the receive thread: its own stream, the next sample lands in flat
+            side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+            with torch.cuda.stream(side) if side is not None else _nullcontext():
+                again, _ = pool.take((n,), torch.float32)
+                again.fill_(-1.0)
+                if side is not None:
+                    side.synchronize()
+
+        t = threading.Thread(target=receive)
+        t.start()
+        t.join()
+        sync(dev)
+        bad += int(not bool((packed == float(r)).all()))
+    return Row("stream receive buffers", "PASS" if bad == 0 else "FAIL",
+               f"{rounds} released buffers received into from another stream: {bad} packs overwritten",
+               {"bad": bad})
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# -- 5. the capture connector's copy ------------------------------------------------------------
+def check_capture_copy(dev: torch.device, d: dict) -> Row:
+    from hpc.verifier.capture_copy import HostCopier, gather_blocks
+
+    T, n_ids, H, bs = d["cache_tokens"], 4, d["hidden"], 16
+    n_blocks = math.ceil(T / bs)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(n_blocks + 64, n_ids, bs, H, generator=g).to(dev, dtype)
+    ids = torch.randperm(n_blocks + 64, generator=g)[:n_blocks].tolist()
+    gathered = gather_blocks(cache, ids, T)
+    probe = [0, bs + 3, T - 1]
+    ok = all(torch.equal(gathered[t], cache[ids[t // bs], :, t % bs]) for t in probe)
+    t_gather = timed(lambda: gather_blocks(cache, ids, T), dev)
+    size = gathered.numel() * gathered.element_size()
+    if dev.type != "cuda":
+        return Row("capture gather + copy", "PASS" if ok else "FAIL",
+                   f"cpu: gather [{T}, {n_ids}, {H}] {t_gather * 1e3:.2f} ms; no pinned copy on CPU")
+    pinned, pageable = HostCopier(dev, pinned=True), HostCopier(dev, pinned=False)
+
+    def run(copier: HostCopier) -> tuple[float, float]:
+        x = gather_blocks(cache, ids, T)
+        sync(dev)
+        t0 = time.perf_counter()
+        c = copier.copy(x)
+        blocked = time.perf_counter() - t0  # what the engine step waits for
+        host = c.result()
+        done = time.perf_counter() - t0
+        assert torch.equal(host[probe[1]], x[probe[1]].cpu())
+        c.release()
+        return blocked, done
+
+    run(pinned)  # allocates the pooled pinned buffer
+    p_block, p_done = (statistics.median(v) for v in zip(*[run(pinned) for _ in range(3)]))
+    u_block, u_done = (statistics.median(v) for v in zip(*[run(pageable) for _ in range(3)]))
+    return Row("capture gather + copy", "PASS" if ok else "FAIL",
+               f"[{T}, {n_ids}, {H}] bf16 = {size / GB:.2f} GB: gather {t_gather * 1e3:.1f} ms; pinned async: "
+               f"step blocked {p_block * 1e3:.2f} ms, on host after {p_done * 1e3:.0f} ms "
+               f"({size / p_done / GB:.1f} GB/s); pageable: blocked {u_block * 1e3:.0f} ms "
+               f"({size / u_done / GB:.1f} GB/s); step stall {u_block / max(p_block, 1e-6):.0f}x less",
+               {"bytes": size, "gather_s": t_gather, "pinned_blocked_s": p_block, "pinned_done_s": p_done,
+                "pageable_s": u_done})
