@@ -108,9 +108,12 @@ def rng_tensors(generator: torch.Generator | None) -> dict[str, torch.Tensor]:
 
 def restore_rng(tensors: dict[str, torch.Tensor], generator: torch.Generator | None) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    # By device number (as strings torch_cuda_10 sorts before torch_cuda_2), and only the devices
+    # this node shows: a resume may see fewer GPUs than the run that saved.
+    cuda = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in tensors.items() if k.startswith("torch_cuda_"))
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+        for i, state in cuda[: torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(state, i)
     if generator is not None and "anchor_generator" in tensors:
         generator.set_state(tensors["anchor_generator"])
 

@@ -66,3 +66,19 @@ def test_a_damaged_newer_checkpoint_is_set_aside_not_counted_when_pruning(tmp_pa
     assert [p.name for p in list_checkpoints(tmp_path)] == expected
     assert latest_checkpoint(tmp_path, lambda _: None) == tmp_path / "step_00000150"
     assert (tmp_path / ".step_00000200.damaged" / "state.json").read_text() == "{"  # kept to examine
+
+
+def test_cuda_rng_states_go_back_to_their_own_devices(monkeypatch):
+    """Sorted as strings, torch_cuda_10 came before torch_cuda_2; and a node showing fewer GPUs
+    than the run that saved indexed past its devices."""
+    import torch
+
+    from hpc.train.checkpoint import restore_rng
+
+    restored: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 11)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, i: restored.append((int(state[0]), i)))
+    tensors = {"torch_cpu": torch.get_rng_state(), **{f"torch_cuda_{i}": torch.tensor([i]) for i in range(12)}}
+    restore_rng(tensors, None)
+    assert restored == [(i, i) for i in range(11)]
