@@ -199,6 +199,15 @@ def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list
                     f"eval.temperature={cfg.eval.temperature:g}: {d.label} would run on vLLM's CPU build, which "
                     f"does not sample drafts losslessly (it accepts ~1% of them at temperature > 0); set "
                     f"eval.temperature=0, drop {d.label} from eval.compare, or evaluate it on a GPU vLLM")
+    util = cfg.verifier.gpu_memory_utilization
+    if (_value(cfg.eval.timing) == "paired" and not cpu and util > MAX_PAIRED_UTILIZATION
+            and any(choose_engine(d, engine, cpu) == "vllm" for d in drafts)):
+        # Paired timing keeps the baseline's server up beside the draft's, on the same GPUs; vLLM
+        # refuses to start when less than its share of a GPU's memory is free.
+        raise UserError(f"eval.timing=paired runs the baseline and the draft vLLM servers side by side on these GPUs, "
+                        f"and at verifier.gpu_memory_utilization={util:g} the second cannot start; set "
+                        f"eval.timing=cached (a target the size of Kimi's fits a node once), or "
+                        f"verifier.gpu_memory_utilization <= {MAX_PAIRED_UTILIZATION}")
     return drafts, benches, version, cpu
 
 
@@ -296,6 +305,9 @@ def _torch_version() -> str:
     import torch
 
     return f"torch {torch.__version__}"
+
+
+MAX_PAIRED_UTILIZATION = 0.45  # two vLLM servers on one node's GPUs, with room for the draft's own
 
 
 def _value(enum_or_str) -> str:

@@ -127,3 +127,22 @@ def test_sampling_a_draft_that_vllm_cpu_cannot_sample_losslessly_is_one_line(vll
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "eval.temperature=0.7: ngram would run on vLLM's CPU build" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("timing, util, refused", [("paired", 0.9, True), ("paired", 0.4, False),
+                                                    ("cached", 0.9, False)])
+def test_paired_timing_on_a_gpu_vllm_fits_two_servers_or_is_refused(monkeypatch, timing, util, refused):
+    """The baseline's server stays up beside the draft's: at 0.9 of every GPU the second vLLM
+    refused to start, after the first had loaded the target."""
+    import hpc.evaluate.runner as runner
+    from hpc.config import resolve
+
+    monkeypatch.setattr(runner, "vllm_build", lambda python: ("0.33.0", False))  # a GPU build
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [
+        "verifier.model=toy/qwen3", "data.sources=[{path: toy/chat}]", f"eval.timing={timing}",
+        f"verifier.gpu_memory_utilization={util}", "eval.compare=[{name: ngram, method: ngram}]"], check_tracking=False)
+    if refused:
+        with pytest.raises(UserError, match=r"^eval.timing=paired runs the baseline and the draft vLLM servers"):
+            runner.plan(cfg, None, [3])
+    else:
+        assert [d.label for d in runner.plan(cfg, None, [3])[0]] == ["ngram"]
