@@ -93,7 +93,7 @@ class Trainer:
 
     # -- resume / checkpoint -----------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:
-        path = Path(path) if path else latest_checkpoint(self.ckpt_dir)
+        path = Path(path) if path else self._latest_on_rank0()
         if path is None:
             return False
         self.state = load_checkpoint(path, self.model, self.opt, self.generator, self.control_group)
@@ -101,6 +101,16 @@ class Trainer:
             print(f"resuming from {path.name}: step {self.state.step}, {self.state.samples_seen} samples "
                   "already trained (each is trained once)", flush=True)
         return True
+
+    def _latest_on_rank0(self) -> Path | None:
+        """The checkpoint to resume, as rank 0 sees it: every rank must load the same step, and a
+        shared filesystem's client caches can show ranks different newest checkpoints."""
+        found = latest_checkpoint(self.ckpt_dir) if self.rank == 0 else None
+        if self.world > 1:
+            chosen = [str(found) if found is not None else None]
+            dist.broadcast_object_list(chosen, group=self.control_group, group_src=0)  # gloo, CPU
+            found = Path(chosen[0]) if chosen[0] is not None else None
+        return found
 
     def checkpoint(self) -> Path:
         return save_checkpoint(self.ckpt_dir, self.model, self.export_config, self.opt, self.state, self.generator,

@@ -171,3 +171,18 @@ def test_resume_takes_a_checkpoint_path_given_as_a_string(target_dir, tmp_path):
     second, _ = make_trainer(target_dir, tmp_path / "b", init_seed=1)
     assert second.resume(str(path))  # a str used to fail on `path.name`, after loading
     assert second.state.step == first.state.step
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
+    """Each rank picked its own newest checkpoint: a shared filesystem's stale client cache then
+    resumed the ranks from different steps, and DDP trained them apart."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from hpc.net import free_port
+    from tests.train import ddp_worker
+
+    mp.start_processes(ddp_worker.resume_choice_main, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["step"] for r in range(2)] == [4, 4]
