@@ -138,32 +138,41 @@ class Trainer:
         lr = cfg.lr * lr_factor(self.state.step, cfg.warmup_steps, cfg.steps, cfg.schedule.value, cfg.min_lr_ratio)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        sums: dict[str, float] = {}
-        counted = 0  # micro-batches with a supervised slot: an empty one has no metric to average
+        # The metrics stay on the device until one read after the step: a float() per metric and
+        # micro-batch would make the host wait for the GPU each time, so the next micro-batch's
+        # packing could never overlap the compute. (The same float64 sums, in the same order.)
+        sums: dict[str, torch.Tensor] = {}
+        counted: torch.Tensor | float = 0.0  # micro-batches with a supervised slot: an empty one has no metric
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             sync = self.ddp.no_sync() if (isinstance(self.ddp, DDP) and not last) else contextlib.nullcontext()
             with sync:
                 loss, metrics = self._micro_loss(mb)
                 (loss / len(micro_batches)).backward()
-            scalars = {k: float(v) for k, v in metrics.items() if v.numel() == 1}
-            has_slots = scalars.get("supervised_slots", 0.0) > 0
-            counted += has_slots
-            for k, v in scalars.items():
-                sums[k] = sums.get(k, 0.0) + (v if has_slots else 0.0)
+            scalars = {k: v.detach().double().reshape(()) for k, v in metrics.items() if v.numel() == 1}
+            slots = scalars.get("supervised_slots")
+            has_slots = slots > 0 if slots is not None else torch.zeros((), dtype=torch.bool)
+            counted = counted + has_slots.double()
+            for k, v in scalars.items():  # where, not a product: an empty row's NaN must not count
+                sums[k] = sums.get(k, 0.0) + torch.where(has_slots.to(v.device), v, 0.0)
             self.state.record(mb.consumed, self.epoch_size, mb.skipped)
-        totals: dict[str, float] = {}
+        extra: dict[str, torch.Tensor] = {}
         if cfg.grad_clip > 0:
-            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            extra["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        keys = sorted(sums)
+        dev = self.device
+        read = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
+                           + [v.detach().double().to(dev) for v in extra.values()]).tolist()  # the one host sync
+        totals: dict[str, float] = dict(zip(extra, read[len(keys) + 1:]))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state.step += 1
-        totals = {**totals, **self._mean_over_ranks(sums, counted)}
+        totals = {**totals, **self._mean_over_ranks(dict(zip(keys, read[:len(keys)])), read[len(keys)])}
         totals["lr"] = lr
         self.state.losses.append(totals.get("loss", float("nan")))
         return totals
 
-    def _mean_over_ranks(self, sums: dict[str, float], counted: int) -> dict[str, float]:
+    def _mean_over_ranks(self, sums: dict[str, float], counted: float) -> dict[str, float]:
         """Each metric's mean over the micro-batches of every rank that had a supervised slot.
         Every rank all-reduces the same keys (an empty micro-batch reports them at zero)."""
         keys = sorted(sums)
