@@ -6,6 +6,7 @@ Only torch is needed (a bare GPU image has it): gpu-check imports this from the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -127,7 +128,7 @@ def check_stream_pool(dev: torch.device) -> Row:
 
         def receive() -> None:  # the receive thread: its own stream, the next sample lands in flat
             side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-            with torch.cuda.stream(side) if side is not None else _nullcontext():
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 again, _ = pool.take((n,), torch.float32)
                 again.fill_(-1.0)
                 if side is not None:
@@ -141,12 +142,6 @@ def check_stream_pool(dev: torch.device) -> Row:
     return Row("stream receive buffers", "PASS" if bad == 0 else "FAIL",
                f"{rounds} released buffers received into from another stream: {bad} packs overwritten",
                {"bad": bad})
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 # -- 5. the capture connector's copy ------------------------------------------------------------

@@ -145,9 +145,10 @@ class BufferPool:
                     self.done[id(flat)] = stream.record_event()
             self.free.extend(flats)
             self.free.sort(key=lambda b: b.numel())
-            for flat in self.free[: max(0, len(self.free) - self.max_free)]:
+            drop = max(0, len(self.free) - self.max_free)  # the smallest go
+            for flat in self.free[:drop]:
                 self.done.pop(id(flat), None)
-            del self.free[: max(0, len(self.free) - self.max_free)]
+            del self.free[:drop]
 
 
 def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | None = None) -> Capture:

@@ -34,23 +34,14 @@ def empty_row_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Two ranks, and rank 1's row has no anchor (a three-token reply at its end): both must
     finish their steps, with the same all-reduced metrics and the same weights."""
     torch.set_num_threads(1)
-    from hpc.config.schema import TrainConfig
     from hpc.dist.planes import init_planes
-    from hpc.model.loss import VerifierHead
     from hpc.stream.sample import Capture, MicroBatch
-    from hpc.train.loop import Trainer
-    from tests.model.test_dspark import D, H, V, tiny_model
+    from tests.model.test_dspark import H, V
 
     planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port,
                          timeout_s=60)  # a regression fails in a minute instead of hanging the suite
     try:
-        model = tiny_model(seed=0)
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.arange(D) + model.d2t] = True
-        head = VerifierHead(torch.randn(V, H, generator=torch.Generator().manual_seed(0)), t2d)
-        cfg = TrainConfig(device="cpu", dist_backend="gloo", global_batch_size=2, grad_accumulation=1,
-                          warmup_steps=0, steps=10, checkpoint_interval=1000, output_dir=out_dir)
-        trainer = Trainer(cfg, model, head, {}, out_dir, group=planes.train_data, control_group=planes.train_control)
+        trainer = _tiny_trainer(planes, out_dir)
         g = torch.Generator().manual_seed(rank)
         T = 40
         mask = torch.zeros(T, dtype=torch.long)
@@ -71,23 +62,13 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Two ranks, one checkpoint directory with steps 2 and 4; rank 1's view of the shared
     filesystem is stale and shows only step 2. Both must resume step 4, rank 0's choice."""
     torch.set_num_threads(1)
-    from hpc.config.schema import TrainConfig
     from hpc.dist.planes import init_planes
-    from hpc.model.loss import VerifierHead
     from hpc.train import checkpoint, loop
-    from hpc.train.loop import Trainer
-    from tests.model.test_dspark import D, H, V, tiny_model
 
     planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port,
                          timeout_s=60)
     try:
-        model = tiny_model(seed=0)
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.arange(D) + model.d2t] = True
-        head = VerifierHead(torch.randn(V, H, generator=torch.Generator().manual_seed(0)), t2d)
-        cfg = TrainConfig(device="cpu", dist_backend="gloo", global_batch_size=2, grad_accumulation=1,
-                          warmup_steps=0, steps=10, checkpoint_interval=1000, output_dir=out_dir)
-        trainer = Trainer(cfg, model, head, {}, out_dir, group=planes.train_data, control_group=planes.train_control)
+        trainer = _tiny_trainer(planes, out_dir)
         for step in (2, 4):
             trainer.state.step = step
             trainer.checkpoint()
@@ -99,3 +80,19 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"step": trainer.state.step}))
     finally:
         dist.destroy_process_group()
+
+
+def _tiny_trainer(planes, out_dir: str):
+    """A Trainer of the tiny test draft on the trainers' two groups: 2 samples per step, no checkpoints."""
+    from hpc.config.schema import TrainConfig
+    from hpc.model.loss import VerifierHead
+    from hpc.train.loop import Trainer
+    from tests.model.test_dspark import D, H, V, tiny_model
+
+    model = tiny_model(seed=0)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(D) + model.d2t] = True
+    head = VerifierHead(torch.randn(V, H, generator=torch.Generator().manual_seed(0)), t2d)
+    cfg = TrainConfig(device="cpu", dist_backend="gloo", global_batch_size=2, grad_accumulation=1,
+                      warmup_steps=0, steps=10, checkpoint_interval=1000, output_dir=out_dir)
+    return Trainer(cfg, model, head, {}, out_dir, group=planes.train_data, control_group=planes.train_control)
