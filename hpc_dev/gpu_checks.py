@@ -116,21 +116,21 @@ def check_stream_pool(dev: torch.device) -> Row:
     pool = BufferPool(dev)
     n, rounds, bad = 1 << 22, 8, 0
     for r in range(rounds):
-        buf, flat = pool.take((n,), torch.float32)
+        flat = pool.take(n * 4)
+        buf = flat.view(torch.float32)
         buf.fill_(float(r))
         packed = torch.empty(n, device=dev)
         if dev.type == "cuda":
             torch.cuda._sleep(50_000_000)  # the default stream is busy when the pack is queued
         packed.copy_(buf)
         cap = cast("Capture", object())  # the pool keys a capture by identity only
-        pool.lend(cap, [flat])
+        pool.lend(cap, flat)
         pool.release(cap)
 
         def receive() -> None:  # the receive thread: its own stream, the next sample lands in flat
             side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                again, _ = pool.take((n,), torch.float32)
-                again.fill_(-1.0)
+                pool.take(n * 4).view(torch.float32).fill_(-1.0)
                 if side is not None:
                     side.synchronize()
 

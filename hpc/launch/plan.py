@@ -130,8 +130,23 @@ def _train_flops_per_sample(cfg: DSparkConfig, n: dict[str, int], seq: int, bloc
     return block_tokens * per_block_token + seq * per_context_token
 
 
+def _stream_buffer(cfg: DSparkConfig, micro: int, tok_bytes: int) -> MemoryItem:
+    """The receive pool's worst case: every buffer it may hold grown to the longest sample.
+    It holds the streamers' credit shares (hpc.stream.receiver: the buffer rounded up to a share
+    per streamer) and, while a step packs, that step's micro-batches, whose credit went back
+    when they were gathered."""
+    streamers = cfg.cluster.verifier_nodes
+    shares = -(-cfg.stream.buffer_per_trainer // streamers) * streamers
+    step = cfg.train.grad_accumulation * micro
+    longest = cfg.data.max_seq_len * tok_bytes  # the header travels on the CPU control plane
+    return MemoryItem("stream buffer", (shares + step) * longest,
+                      f"{shares + step} samples of data.max_seq_len: {shares} credited "
+                      f"(stream.buffer_per_trainer={cfg.stream.buffer_per_trainer} over {streamers} streamers)"
+                      f" + a step's {step} being packed")
+
+
 def _trainer_memory(cfg: DSparkConfig, n: dict[str, int], micro_tokens: int, micro_block: int,
-                    sample_bytes: int, world: int) -> list[MemoryItem]:
+                    stream_buffer: MemoryItem, world: int) -> list[MemoryItem]:
     d, t = cfg.draft, cfg.train
     trainable = n["layers"] + n["fc"] + n["markov_w2"] + n["other"] + (n["lm_head"] if t.train_lm_head else 0)
     frozen = n["embed"] + (0 if t.train_lm_head else n["lm_head"])
@@ -154,8 +169,7 @@ def _trainer_memory(cfg: DSparkConfig, n: dict[str, int], micro_tokens: int, mic
                    f"{_count(frozen)} x 4 B (target rows, fp32) + d2t/t2d"),
         MemoryItem("verifier head rows", 4 * d.draft_vocab_size * th + cfg.verifier.vocab_size,
                    "draft_vocab x target hidden x 4 B + t2d"),
-        MemoryItem("stream buffer", cfg.stream.buffer_per_trainer * sample_bytes,
-                   f"stream.buffer_per_trainer={cfg.stream.buffer_per_trainer} samples"),
+        stream_buffer,
         MemoryItem("activations", ab * d.num_hidden_layers * micro_block * (6 * h + 4 * i)
                    + micro_tokens * (ctx_b * n_aux * th + ab * d.num_hidden_layers * (h + 2 * kv))
                    + LOSS_TENSORS * 4 * micro_block * d.draft_vocab_size,
@@ -209,7 +223,7 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     ratio = supply / demand
     rec_v, rec_t = _recommend(ratio, supply, demand)
     c_supply, c_demand = c.verifier_nodes * supply, c.trainer_nodes * demand
-    memory = _trainer_memory(cfg, n, micro * seq, micro_block, sample_bytes, world)
+    memory = _trainer_memory(cfg, n, micro * seq, micro_block, _stream_buffer(cfg, micro, tok_bytes), world)
     used = sum(m.bytes for m in memory)
     weights = p.target_params_b * 1e9 * p.target_bytes_per_param
     node_bytes = verifier_gpus * p.gpu_memory_gb * GB

@@ -99,70 +99,99 @@ class BufferPool:
     """Receive buffers reused from sample to sample, handed back once the trainer has packed a sample.
 
     A fresh buffer per sample costs a page-faulting allocation on CPU (glibc maps every
-    allocation over 32 MB anew) and churn in the CUDA caching allocator. Credits bound the
-    samples a trainer holds, so the pool stays small. On CUDA the receives run on the receive
-    thread's own stream and the trainer reads on its default stream: a release records an event
-    after the trainer's copy out of the buffer (pack), and the next receive into it waits for
-    that event (a dropped buffer is marked used by the default stream, so the allocator waits too).
+    allocation over 32 MB anew) and churn in the CUDA caching allocator. One byte buffer holds a
+    whole sample (ids, then states), so the pool's bound is a count of samples: free and taken
+    buffers together stay within `limit` (what credits let a trainer hold), except while more
+    are taken at once; a release then drops the smallest free ones. Bounding the free ones
+    alone let mixed lengths keep about twice the buffers, each grown to the longest sample.
+    On CUDA the receives run on the receive thread's own stream and the trainer reads on its
+    default stream: a release records an event after the trainer's copy out of the buffer
+    (pack), and the next receive into it waits for that event (a dropped buffer is marked used
+    by the default stream, so the allocator waits too).
     """
 
-    def __init__(self, device: torch.device, max_free: int = 16):
-        self.device, self.max_free = device, max_free
-        self.free: list[torch.Tensor] = []
+    def __init__(self, device: torch.device, limit: int = 16):
+        self.device, self.limit = device, max(1, limit)
+        self.free: list[torch.Tensor] = []  # ascending by size
         self.done: dict[int, torch.cuda.Event] = {}  # id(flat) -> the trainer's last use of it
-        self.lent: dict[int, list[torch.Tensor]] = {}  # id(capture) -> its flat buffers
+        self.lent: dict[int, torch.Tensor] = {}  # id(capture) -> its buffer
+        self.out = 0  # taken and not yet released
         self.lock = threading.Lock()
         self.allocated = 0
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a tensor of `shape` for the receive, the flat buffer behind it)."""
-        n = math.prod(shape)
+    def held(self) -> int:
+        """Buffers alive in the pool's keeping: free and taken."""
         with self.lock:
-            fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.numel() >= n]
-            if fits:  # the smallest that fits (by index: == on tensors compares elements)
-                flat = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+            return len(self.free) + self.out
+
+    def _trim(self, keep: int) -> None:
+        drop = max(0, len(self.free) + self.out - keep)  # the smallest go
+        for flat in self.free[:drop]:
+            self.done.pop(id(flat), None)
+        del self.free[:drop]
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` for one sample's receive."""
+        with self.lock:
+            self.out += 1
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+            if fits:  # the smallest that fits (the list is sorted)
+                flat = self.free.pop(fits[0])
                 used = self.done.pop(id(flat), None)
                 if used is not None:  # on the receiving thread's stream: after the trainer's pack
                     torch.cuda.current_stream(self.device).wait_event(used)
-                return flat[:n].view(shape), flat
-        self.allocated += 1
-        flat = torch.empty(n, dtype=dtype, device=self.device)
-        return flat.view(shape), flat
+                return flat
+            self._trim(self.limit)  # none fits: a free one makes room for the larger buffer
+            self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def lend(self, cap: Capture, flats: list[torch.Tensor]) -> Capture:
+    def lend(self, cap: Capture, flat: torch.Tensor) -> Capture:
         with self.lock:
-            self.lent[id(cap)] = flats
+            self.lent[id(cap)] = flat
         return cap
 
     def release(self, cap: Capture) -> None:
-        """The trainer is done with this capture's tensors: its buffers serve the next samples."""
+        """The trainer is done with this capture's tensors: its buffer serves the next samples."""
         with self.lock:
-            flats = self.lent.pop(id(cap), [])
+            flat = self.lent.pop(id(cap), None)
+            if flat is None:
+                return
+            self.out -= 1
             if self.device.type == "cuda":  # called on the trainer's thread, right after its pack
                 stream = torch.cuda.current_stream(self.device)
-                for flat in flats:
-                    flat.record_stream(stream)
-                    self.done[id(flat)] = stream.record_event()
-            self.free.extend(flats)
+                flat.record_stream(stream)
+                self.done[id(flat)] = stream.record_event()
+            self.free.append(flat)
             self.free.sort(key=lambda b: b.numel())
-            drop = max(0, len(self.free) - self.max_free)  # the smallest go
-            for flat in self.free[:drop]:
-                self.done.pop(id(flat), None)
-            del self.free[:drop]
+            self._trim(self.limit)
+
+
+def carve(flat: torch.Tensor, parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` (uint8) with these shapes and dtypes; each part's byte size
+    must keep the next one aligned to its dtype (ids first: int64, 16 B a token)."""
+    out, at = [], 0
+    for shape, dtype in parts:
+        n = math.prod(shape) * dtype.itemsize
+        out.append(flat[at:at + n].view(dtype).view(shape))
+        at += n
+    return out
+
+
+def sample_bytes(length: int, n_aux: int, hidden: int, dtype: torch.dtype) -> int:
+    """One sample's receive buffer: ids + loss mask (int64) and the states."""
+    return 2 * length * 8 + length * (n_aux + 1) * hidden * dtype.itemsize
 
 
 def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | None = None) -> Capture:
-    if pool is None:
-        ids = torch.empty(2, h.length, dtype=torch.int64, device=planes.device)
-        states = torch.empty(h.length, h.n_aux + 1, h.hidden, dtype=DTYPES[h.dtype], device=planes.device)
-    else:
-        ids, ids_flat = pool.take((2, h.length), torch.int64)
-        states, states_flat = pool.take((h.length, h.n_aux + 1, h.hidden), DTYPES[h.dtype])
+    states_dtype = DTYPES[h.dtype]
+    nbytes = sample_bytes(h.length, h.n_aux, h.hidden, states_dtype)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=planes.device) if pool is None else pool.take(nbytes)
+    ids, states = carve(flat, [((2, h.length), torch.int64), ((h.length, h.n_aux + 1, h.hidden), states_dtype)])
     with message(Message.SAMPLE):
         dist.recv(ids, src=src, group=planes.data)
         dist.recv(states, src=src, group=planes.data)
     cap = Capture.from_states(h.sample_id, ids[0], ids[1], states)
-    return cap if pool is None else pool.lend(cap, [ids_flat, states_flat])
+    return cap if pool is None else pool.lend(cap, flat)
 
 
 def send_ledger(pairs: list[list[int]], epoch: int, dst: int, planes: Planes) -> None:

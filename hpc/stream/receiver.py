@@ -46,7 +46,9 @@ class StreamReceiver:
         # credit returns only when a micro-batch is packed.
         self.share = max(1, -(-capacity // len(self.streamers)))
         self.samples: queue.Queue = queue.Queue()
-        self.pool = BufferPool(planes.device, max_free=capacity + len(self.streamers))
+        # Credits bound the samples received and not yet consumed to the shares; the micro-batches
+        # a step holds while it packs come on top, and a release trims back to this.
+        self.pool = BufferPool(planes.device, limit=self.share * len(self.streamers))
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected

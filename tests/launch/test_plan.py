@@ -128,3 +128,14 @@ def test_cli_bad_knob_exits_2_naming_the_key(capsys, monkeypatch):
     assert main(["plan", KIMI, "plan.link_gbps=0"]) == 2
     err = capsys.readouterr().err
     assert "plan.link_gbps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_stream_buffer_is_the_pools_bound_at_the_longest_sample():
+    """Credit shares round up per streamer (8 over 3: 9), a step's micro-batches stay held while
+    it packs, and any buffer may have grown to data.max_seq_len, not the average."""
+    cfg = tiny()
+    cfg.cluster.verifier_nodes, cfg.stream.buffer_per_trainer, cfg.train.grad_accumulation = 3, 8, 2
+    cfg.train.global_batch_size = 8  # 2 ranks x 2 accumulation: micro-batches of 2
+    item = next(m for m in capacity_plan(cfg).trainer_memory if m.what == "stream buffer")
+    assert item.bytes == (9 + 2 * 2) * 20 * 80
+    assert item.how.startswith("13 samples of data.max_seq_len")
