@@ -20,16 +20,8 @@ from hpc.launch.slurm_env import SlurmEnv
 # The nodes of one job start within seconds of each other; this covers clock skew between them
 # and the shared filesystem, and a slow interpreter start.
 START_SLACK_S = 600.0
-
-
-def _wait_for(path: Path, timeout_s: float, what: str, failed: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if failed is not None and failed.exists():
-            raise UserError(f"node 0 failed: {failed.read_text().strip()}")
-        if time.monotonic() > deadline:
-            raise UserError(f"{what} did not appear within {timeout_s:.0f}s ({path}); check node 0's log")
-        time.sleep(1.0)
+PREPARE_TIMEOUT_S = 3600.0
+POLL_S = 1.0
 
 
 def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
@@ -69,13 +61,13 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
         if time.monotonic() > deadline:
             raise UserError(f"node 0's snapshot of {cfg.verifier.model} did not appear within {timeout_s:.0f}s "
                             f"({marker}); check node 0's log")
-        time.sleep(1.0)
+        time.sleep(POLL_S)
     return replace(cfg, verifier=localized(cfg.verifier, Path(found["path"])))
 
 
 def _answer_for(path: Path, ours: dict, since: float) -> dict | None:
-    """`path`'s JSON when it answers for the target `ours` names and was written after `since`;
-    None when absent, older, or another's."""
+    """`path`'s JSON when it answers for what `ours` names (a target, data settings) and was
+    written after `since`; None when absent, older, or another's."""
     try:
         if path.stat().st_mtime < since:
             return None
@@ -96,19 +88,35 @@ def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
 
 def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
-    from hpc.train.prepare import prepare_data
+    from hpc.fsio import write_text
+    from hpc.train.prepare import data_settings, prepare_data
 
     marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")
+    # The marker names the data settings it answers for. A requeued attempt takes its own earlier
+    # attempt's marker; a first attempt takes only one written since its nodes started: an older
+    # one is another job's whose id came back (a reset cluster counts from 1 again), and skipping
+    # the preparation would train on that job's rows. A failure counts only from this attempt.
+    ours = {"settings": json.loads(json.dumps(data_settings(cfg)))}
+    now = time.time()
+    since = 0.0 if env.restart_count else now - START_SLACK_S
     if env.node_index == 0:
-        if not marker.exists():  # a requeued job already did it
-            try:
-                prep = prepare_data(cfg)
-            except UserError as err:  # the other nodes stop waiting and say why
-                failed.parent.mkdir(parents=True, exist_ok=True)
-                failed.write_text(str(err))
-                raise
-            print(f"data: {prep.stats.summary()}", flush=True)
-            marker.touch()
-    else:
-        _wait_for(marker, 3600, "the prepared data", failed)
+        if _answer_for(marker, ours, since) is not None:
+            return
+        failed.unlink(missing_ok=True)
+        try:
+            prep = prepare_data(cfg)
+        except UserError as err:  # the other nodes stop waiting and say why
+            write_text(failed, json.dumps({**ours, "error": str(err)}))
+            raise
+        print(f"data: {prep.stats.summary()}", flush=True)
+        write_text(marker, json.dumps(ours))
+        return
+    deadline = time.monotonic() + PREPARE_TIMEOUT_S
+    while _answer_for(marker, ours, since) is None:
+        if (error := _answer_for(failed, ours, now - START_SLACK_S)) is not None:
+            raise UserError(f"node 0 failed: {error['error']}")
+        if time.monotonic() > deadline:
+            raise UserError(f"the prepared data did not appear within {PREPARE_TIMEOUT_S:.0f}s ({marker}); "
+                            "check node 0's log")
+        time.sleep(POLL_S)

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpc.errors import UserError
 
@@ -18,6 +19,7 @@ class SlurmEnv:
     n_nodes: int
     hostnames: list[str]
     requeue_id: str  # what `scontrol requeue` takes: the array task's own id for arrays
+    restart_count: int = 0  # requeues so far: 0 on a job's first attempt
 
     @classmethod
     def from_environ(cls) -> SlurmEnv:
@@ -35,7 +37,7 @@ class SlurmEnv:
         array = env.get("SLURM_ARRAY_JOB_ID")
         requeue = f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
         return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_NNODES", 1)),
-                   hosts, requeue)
+                   hosts, requeue, int(env.get("SLURM_RESTART_COUNT") or 0))
 
 
 def expand_hostlist(nodelist: str) -> list[str]:
@@ -107,3 +109,16 @@ def interface_of(ip: str) -> str | None:
             return name
     return None
 
+
+
+def attempt_dir(root: Path, name: str, restart_count: int) -> Path:
+    """This job's directory `root/name` (name holds the job id). A first attempt takes a fresh
+    one, `name.2`, `name.3`, ... beside an older job's whose id came back (a reset cluster counts
+    from 1 again), and creates it; a requeued attempt takes the newest, its first attempt's."""
+    numbered = (re.fullmatch(rf"{re.escape(name)}\.(\d+)", p.name) for p in root.glob(f"{name}.*"))
+    taken = [int(m.group(1)) for m in numbered if m] + ([1] if (root / name).exists() else [])
+    k = max(1, max(taken, default=0) + (0 if restart_count else 1))
+    path = root / (name if k == 1 else f"{name}.{k}")
+    if not restart_count:
+        path.mkdir(parents=True)
+    return path
