@@ -101,8 +101,9 @@ class BufferPool:
     A fresh buffer per sample costs a page-faulting allocation on CPU (glibc maps every
     allocation over 32 MB anew) and churn in the CUDA caching allocator. One byte buffer holds a
     whole sample (ids, then states), so the pool's bound is a count of samples: free and taken
-    buffers together stay within `limit` (what credits let a trainer hold), except while more
-    are taken at once; a release then drops the smallest free ones. Bounding the free ones
+    buffers together stay within `limit` (what credits let a trainer hold, and the micro-batches
+    a step holds while it packs), except while more are taken at once; a release then drops the
+    smallest free ones. Bounding the free ones
     alone let mixed lengths keep about twice the buffers, each grown to the longest sample.
     On CUDA the receives run on the receive thread's own stream and the trainer reads on its
     default stream: a release records an event after the trainer's copy out of the buffer
@@ -133,17 +134,25 @@ class BufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` for one sample's receive."""
         with self.lock:
-            self.out += 1
             fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
             if fits:  # the smallest that fits (the list is sorted)
                 flat = self.free.pop(fits[0])
                 used = self.done.pop(id(flat), None)
                 if used is not None:  # on the receiving thread's stream: after the trainer's pack
                     torch.cuda.current_stream(self.device).wait_event(used)
+                self.out += 1
                 return flat
-            self._trim(self.limit)  # none fits: a free one makes room for the larger buffer
+            self._trim(self.limit - 1)  # none fits: a free one makes room for the larger buffer
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self.lock:
+            self.out += 1
             self.allocated += 1
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return flat
+
+    def abandon(self, flat: torch.Tensor) -> None:
+        """A taken buffer whose receive failed: it leaves the pool."""
+        with self.lock:
+            self.out -= 1
 
     def lend(self, cap: Capture, flat: torch.Tensor) -> Capture:
         with self.lock:
@@ -187,9 +196,14 @@ def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | Non
     nbytes = sample_bytes(h.length, h.n_aux, h.hidden, states_dtype)
     flat = torch.empty(nbytes, dtype=torch.uint8, device=planes.device) if pool is None else pool.take(nbytes)
     ids, states = carve(flat, [((2, h.length), torch.int64), ((h.length, h.n_aux + 1, h.hidden), states_dtype)])
-    with message(Message.SAMPLE):
-        dist.recv(ids, src=src, group=planes.data)
-        dist.recv(states, src=src, group=planes.data)
+    try:
+        with message(Message.SAMPLE):
+            dist.recv(ids, src=src, group=planes.data)
+            dist.recv(states, src=src, group=planes.data)
+    except BaseException:
+        if pool is not None:
+            pool.abandon(flat)
+        raise
     cap = Capture.from_states(h.sample_id, ids[0], ids[1], states)
     return cap if pool is None else pool.lend(cap, flat)
 

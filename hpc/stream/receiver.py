@@ -36,7 +36,7 @@ class StreamReceiver:
     """
 
     def __init__(self, streamers: list[int], capacity: int, planes: Planes, peer_timeout_s: float = 30.0,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, held_per_step: int = 0):
         self.streamers = list(streamers)
         self.planes = planes
         self.timeout = peer_timeout_s
@@ -46,9 +46,10 @@ class StreamReceiver:
         # credit returns only when a micro-batch is packed.
         self.share = max(1, -(-capacity // len(self.streamers)))
         self.samples: queue.Queue = queue.Queue()
-        # Credits bound the samples received and not yet consumed to the shares; the micro-batches
-        # a step holds while it packs come on top, and a release trims back to this.
-        self.pool = BufferPool(planes.device, limit=self.share * len(self.streamers))
+        # Credits bound the samples received and not yet consumed to the shares; a step holds its
+        # micro-batches (`held_per_step` samples, their credit already back) on top while it packs.
+        # A smaller bound would drop and reallocate a step's buffers every step.
+        self.pool = BufferPool(planes.device, limit=self.share * len(self.streamers) + held_per_step)
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected

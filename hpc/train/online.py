@@ -146,7 +146,8 @@ def run_trainer(w: World, planes: Planes, train_cfg: TrainConfig, stream_cfg: St
     if w.rank == 0:
         stopped.unlink(missing_ok=True)  # a cause from an earlier run is not this run's
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
-    receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names)
+    receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names,
+                              held_per_step=train_cfg.grad_accumulation * trainer.micro_batch_size)
     receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.rank == 0)
 
     def step_hook(step: int, metrics: dict) -> None:

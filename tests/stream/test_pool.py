@@ -63,6 +63,41 @@ def test_a_step_holding_more_than_the_limit_is_trimmed_back_on_release():
     assert pool.held() == 2 and pool.allocated == 5
 
 
+def test_a_slow_trainer_reuses_every_buffer_once_warm():
+    """The trainer is behind: every credit is in use while a step packs the micro-batches it
+    drew (their credit already went back). A bound of the credits alone dropped and reallocated
+    a step's buffers every step; the receiver's bound counts the step's samples too."""
+    shares, step = 8, 2
+
+    def steady_allocations(limit: int) -> int:
+        pool = BufferPool(torch.device("cpu"), limit=limit)
+        queued = [pool.lend(_cap(i), pool.take(256)) for i in range(shares)]
+        warm = 0
+        for s in range(20):
+            if s == 2:
+                warm = pool.allocated
+            held, queued = queued[:step], queued[step:]  # the step draws its micro-batches: credit back
+            queued += [pool.lend(_cap(100 + s), pool.take(256)) for _ in range(step)]  # the streamer refills
+            for c in held:  # packed
+                pool.release(c)
+        return pool.allocated - warm
+
+    assert steady_allocations(shares + step) == 0
+    assert steady_allocations(shares) == 18 * step  # what the credits-only bound cost
+
+
+def test_a_failed_receive_gives_its_buffer_up():
+    import pytest
+
+    from hpc.stream.protocol import Header, Kind, recv_sample_body
+
+    pool = BufferPool(torch.device("cpu"), limit=2)
+    planes = type("P", (), {"device": torch.device("cpu"), "data": None})()
+    with pytest.raises((ValueError, RuntimeError)):  # no process group: the receive itself raises
+        recv_sample_body(Header(Kind.SAMPLE, 0, 4, 1, 2, 0, 0), 1, planes, pool)  # type: ignore[arg-type]
+    assert pool.out == 0 and pool.held() == 0
+
+
 def test_one_buffer_carries_ids_and_states_in_their_dtypes():
     T, n_aux, H = 5, 3, 4
     flat = torch.empty(sample_bytes(T, n_aux, H, torch.bfloat16), dtype=torch.uint8)
@@ -86,3 +121,4 @@ def test_the_streamers_shares_hold_the_whole_buffer():
         r = StreamReceiver(list(range(1, streamers + 1)), capacity, planes)  # type: ignore[arg-type]
         assert capacity <= r.share * streamers < capacity + streamers
         assert r.pool.limit == r.share * streamers
+    assert StreamReceiver([1, 2], 8, planes, held_per_step=6).pool.limit == 8 + 6  # type: ignore[arg-type]
