@@ -96,25 +96,29 @@ def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     # The marker names the data settings it answers for. A requeued attempt takes its own earlier
     # attempt's marker; a first attempt takes only one written since its nodes started: an older
     # one is another job's whose id came back (a reset cluster counts from 1 again), and skipping
-    # the preparation would train on that job's rows. A failure counts only from this attempt.
+    # the preparation would train on that job's rows. Node 0 removes a marker it does not take,
+    # so an attempt cut short while preparing leaves none for the requeue to trust. A failure
+    # counts only from this attempt.
     ours = {"settings": json.loads(json.dumps(data_settings(cfg)))}
+    this_attempt = {**ours, "attempt": env.restart_count}
     now = time.time()
     since = 0.0 if env.restart_count else now - START_SLACK_S
     if env.node_index == 0:
         if _answer_for(marker, ours, since) is not None:
             return
+        marker.unlink(missing_ok=True)
         failed.unlink(missing_ok=True)
         try:
             prep = prepare_data(cfg)
         except UserError as err:  # the other nodes stop waiting and say why
-            write_text(failed, json.dumps({**ours, "error": str(err)}))
+            write_text(failed, json.dumps({**this_attempt, "error": str(err)}))
             raise
         print(f"data: {prep.stats.summary()}", flush=True)
         write_text(marker, json.dumps(ours))
         return
     deadline = time.monotonic() + PREPARE_TIMEOUT_S
     while _answer_for(marker, ours, since) is None:
-        if (error := _answer_for(failed, ours, now - START_SLACK_S)) is not None:
+        if (error := _answer_for(failed, this_attempt, now - START_SLACK_S)) is not None:
             raise UserError(f"node 0 failed: {error['error']}")
         if time.monotonic() > deadline:
             raise UserError(f"the prepared data did not appear within {PREPARE_TIMEOUT_S:.0f}s ({marker}); "

@@ -114,7 +114,9 @@ def interface_of(ip: str) -> str | None:
 def attempt_dir(root: Path, name: str, restart_count: int) -> Path:
     """This job's directory `root/name` (name holds the job id). A first attempt takes a fresh
     one, `name.2`, `name.3`, ... beside an older job's whose id came back (a reset cluster counts
-    from 1 again), and creates it; a requeued attempt takes the newest, its first attempt's."""
+    from 1 again), and creates it; a requeued attempt takes the newest, its first attempt's.
+    (A first attempt that died before this call leaves its requeue the old job's directory:
+    Slurm hands a job no token that survives a requeue to tell them apart.)"""
     numbered = (re.fullmatch(rf"{re.escape(name)}\.(\d+)", p.name) for p in root.glob(f"{name}.*"))
     taken = [int(m.group(1)) for m in numbered if m] + ([1] if (root / name).exists() else [])
     k = max(1, max(taken, default=0) + (0 if restart_count else 1))

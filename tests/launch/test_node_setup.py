@@ -78,7 +78,7 @@ def test_an_old_failure_does_not_stop_the_other_nodes_but_a_new_one_does(job):
     from hpc.train.prepare import data_settings
 
     settings = json.loads(json.dumps(data_settings(job.cfg)))
-    failed.write_text(json.dumps({"settings": settings, "error": "disk full"}))
+    failed.write_text(json.dumps({"settings": settings, "attempt": 0, "error": "disk full"}))
     _age(failed)
     said: list[str] = []
 
@@ -108,3 +108,40 @@ def test_a_first_attempt_takes_a_fresh_directory_and_a_requeue_its_own(tmp_path)
     assert attempt_dir(tmp_path, "retrain-42", 0) == tmp_path / "retrain-42.3"
     assert attempt_dir(tmp_path, "retrain-7", 1) == tmp_path / "retrain-7"  # nothing yet: not created
     assert not (tmp_path / "retrain-7").exists()
+
+
+def test_a_requeue_after_a_first_attempt_cut_short_while_preparing_prepares(job, monkeypatch):
+    """Job 42's first attempt ignored last month's marker, then was preempted mid-preparation:
+    its requeue must not take that marker as its own."""
+    import hpc.train.prepare as prepare
+
+    job.marker.parent.mkdir(parents=True)
+    job.marker.write_text(json.dumps({"settings": json.loads(json.dumps(prepare.data_settings(job.cfg)))}))
+    _age(job.marker)
+
+    def preempted(cfg):
+        raise KeyboardInterrupt  # stands in for the job being killed
+
+    monkeypatch.setattr(prepare, "prepare_data", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        node_setup.prepare_once(job.cfg, _env(0))
+    monkeypatch.setattr(prepare, "prepare_data", lambda c: job.calls.append(c) or SimpleNamespace(
+        stats=SimpleNamespace(summary=lambda: "ok")))
+    node_setup.prepare_once(job.cfg, _env(0, restart=1))
+    assert len(job.calls) == 1
+
+
+def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
+    from hpc.train.prepare import data_settings
+
+    failed = job.marker.with_name(".prepared-42.error")
+    failed.parent.mkdir(parents=True)
+    failed.write_text(json.dumps({"settings": json.loads(json.dumps(data_settings(job.cfg))), "attempt": 0,
+                                  "error": "disk full"}))  # a minute ago, attempt 1
+    reader = threading.Thread(target=node_setup.prepare_once, args=(job.cfg, _env(1, restart=1)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # it waits for this attempt's node 0
+    node_setup.prepare_once(job.cfg, _env(0, restart=1))
+    reader.join(10)
+    assert not reader.is_alive() and len(job.calls) == 1
