@@ -31,8 +31,10 @@ from hpc.errors import UserError
 def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
           cwd: str | Path | None = None, append: bool = False) -> subprocess.Popen:
     """`cmd` in a new session (its own process group), its output and the command line in `log_path`."""
+    from hpc.config.secrets import redact_args
+
     with log_path.open("a" if append else "w") as log:
-        log.write("$ " + " ".join(map(str, cmd)) + "\n")
+        log.write("$ " + " ".join(redact_args(list(cmd))) + "\n")
         log.flush()
         return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=None if env is None else dict(env), cwd=cwd, start_new_session=True)

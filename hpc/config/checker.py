@@ -27,13 +27,9 @@ class Checker:
         self.problems: list[str] = []
 
     def fail(self, key: str, value: Any, message: str) -> None:
-        from hpc.config.secrets import MASK, is_secret_name, redact_uri
+        from hpc.config.secrets import shown
 
-        if key == "tracking.uri" and isinstance(value, str):
-            value = redact_uri(value)
-        elif key.startswith("verifier.env") and is_secret_name(key):
-            value = MASK  # an error line lands in job logs too
-        self.problems.append(f"{key} = {value!r}: {message}")
+        self.problems.append(f"{key} = {shown(key, value)!r}: {message}")  # error lines land in job logs too
 
     def positive(self, key: str, value: float, fix: str = "") -> None:
         if value is None or value <= 0:

@@ -102,8 +102,14 @@ def _drop_removed(full: str, value: Any, origin: str, problems: list[str]) -> An
     return out
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+def _short(value: Any, key: str = "") -> str:
+    from hpc.config.secrets import MASK, scrub
+
+    if key.startswith("verifier.env"):
+        # The value may be a secret whose name the error does not reach (verifier.env = 'x' for
+        # verifier.env.HF_TOKEN.x=...): error lines land in job logs.
+        return repr(MASK)
+    text = scrub(repr(value))
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -142,7 +148,8 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))
         except OmegaConfBaseException as err:
             inner = _item_problems(full, value, child)
-            problems.extend(f"{line} ({origin})" for line in inner or [f"{full} = {_short(value)}: {_reason(err, child)}"])
+            inner = inner or [f"{full} = {_short(value, full)}: {_reason(err, child)}"]
+            problems.extend(f"{line} ({origin})" for line in inner)
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -182,7 +189,7 @@ def _item_problems(full: str, value: Any, node: Any) -> list[str]:
     for where, item in items:
         if isinstance(elem, type) and is_dataclass(elem):
             if not isinstance(item, dict):
-                out.append(f"{where} = {_short(item)}: must be a mapping of {elem.__name__} keys")
+                out.append(f"{where} = {_short(item, where)}: must be a mapping of {elem.__name__} keys")
                 continue
             section = OmegaConf.structured(elem)
             OmegaConf.set_struct(section, True)
@@ -193,7 +200,7 @@ def _item_problems(full: str, value: Any, node: Any) -> list[str]:
                 try:
                     section.merge_with({k: v})
                 except OmegaConfBaseException as err:
-                    out.append(f"{where}.{k} = {_short(v)}: {_reason(err, section._get_node(str(k)))}")
+                    out.append(f"{where}.{k} = {_short(v, f'{where}.{k}')}: {_reason(err, section._get_node(str(k)))}")
             continue
         try:
             ListConfig(content=[], element_type=elem).append(item)
@@ -204,7 +211,7 @@ def _item_problems(full: str, value: Any, node: Any) -> list[str]:
                 reason = f"must be {_KINDS[elem]}"
             else:
                 reason = str(err).splitlines()[0]
-            out.append(f"{where} = {_short(item)}: {reason}")
+            out.append(f"{where} = {_short(item, where)}: {reason}")
     return out
 
 

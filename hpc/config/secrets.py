@@ -16,6 +16,7 @@ SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|a
                          re.IGNORECASE)
 # A URI anywhere in a text: exception messages (MLflow's, urllib's) quote the request URL.
 _URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
+_CREDS = re.compile(r"//([^/@:]*)(:[^/]*)?@")  # the authority's user[:password]@, up to its last @
 
 
 def is_secret_name(name: str) -> bool:
@@ -26,8 +27,8 @@ def redact_uri(uri: str) -> str:
     """`https://user:pw@host/?token=x` -> `https://user:***@host/?token=***`."""
     try:
         parts = urlsplit(uri)
-    except ValueError:
-        return uri
+    except ValueError:  # malformed (a bad IPv6 host): its credentials are masked all the same
+        return _CREDS.sub(lambda m: f"//{m.group(1)}:{MASK}@" if m.group(2) is not None else f"//{MASK}@", uri)
     netloc = parts.netloc
     if "@" in netloc:
         creds, host = netloc.rsplit("@", 1)
@@ -40,6 +41,15 @@ def redact_uri(uri: str) -> str:
     if (netloc, query) == (parts.netloc, parts.query):
         return uri  # unchanged: urlunsplit would drop the empty authority of sqlite:///path
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def shown(key: str, value):
+    """`value` as an error line about `key` may show it: secret env values masked, URIs redacted."""
+    if key.startswith("verifier.env") and is_secret_name(key):
+        return MASK
+    if isinstance(value, str):
+        return scrub(value)
+    return value
 
 
 def without_credentials(uri: str) -> str:
@@ -62,25 +72,32 @@ def scrub(text: str) -> str:
 SECRET_FLAGS = ("--hf-token", "--api-key", "--ssl-keyfile-password")
 
 
+def flag_name(arg: str) -> str:
+    """`--hf_token=X` -> `--hf-token`: vLLM's parser takes either spelling of a flag."""
+    flag = arg.partition("=")[0]
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
 def redact_args(args: list[str]) -> list[str]:
-    """vLLM's command-line flags with the values of secret ones masked (`--hf-token X`, `--api-key=X`)."""
+    """Command-line words with the values of secret flags masked (`--hf-token X`, `--api_key=X`)
+    and any credentials in a URI among them."""
     out, hide_next = [], False
-    for arg in args:
-        flag, eq, _ = arg.partition("=")
+    for arg in map(str, args):
+        secret = flag_name(arg) in SECRET_FLAGS
         if hide_next and not arg.startswith("-"):
             out.append(MASK)
-        elif eq and flag in SECRET_FLAGS:
-            out.append(f"{flag}={MASK}")
+        elif secret and "=" in arg:
+            out.append(f"{arg.partition('=')[0]}={MASK}")
         else:
-            out.append(arg)
-        hide_next = not eq and arg in SECRET_FLAGS
+            out.append(scrub(arg))
+        hide_next = secret and "=" not in arg
     return out
 
 
 def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
-    out.verifier.env = {k: (MASK if is_secret_name(k) else v) for k, v in out.verifier.env.items()}
+    out.verifier.env = {k: (MASK if is_secret_name(k) else scrub(str(v))) for k, v in out.verifier.env.items()}
     out.verifier.extra_args = redact_args(list(out.verifier.extra_args))
     out.tracking.uri = redact_uri(out.tracking.uri)
     return out

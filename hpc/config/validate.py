@@ -119,6 +119,9 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
                "or set verifier.allow_remote_host=true to expose them (API key still required)")
     if not 0 <= v.port <= 65535:
         c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
+    from hpc.config.validate_ops import check_extra_args
+
+    check_extra_args(c, v.extra_args)
     # vLLM also answers the regeneration and serves the evaluation's baseline and third-party
     # drafts, whatever backend captures the training states.
     engine = getattr(cfg.eval.engine, "value", cfg.eval.engine)

@@ -86,9 +86,17 @@ def _store_parent_ok(uri: str, cfg: DSparkConfig) -> bool:
 def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
     tr = cfg.tracking
     scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
-    if scheme not in TRACKING_SCHEMES:
+    try:
+        parts = urlsplit(tr.uri)
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as err:
+        c.fail("tracking.uri", tr.uri, f"not a valid URI ({err}); write it as http://HOST:PORT")
+        parts = None
+    if parts is None:
+        pass
+    elif scheme not in TRACKING_SCHEMES:
         c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
-    elif scheme in ("http", "https") and not urlsplit(tr.uri).hostname:
+    elif scheme in ("http", "https") and not parts.hostname:
         c.fail("tracking.uri", tr.uri, "no host; write it as http://HOST:PORT")
     elif scheme in ("sqlite", "file") and not _store_parent_ok(tr.uri, cfg):
         c.fail("tracking.uri", tr.uri, f"the directory of this store does not exist (relative to {os.getcwd()}); "
@@ -116,3 +124,18 @@ def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
             parse_cron(cron)
         except ValueError as err:
             c.fail("schedule.cron", cron, f"{err}; use {HINT}")
+
+
+# Flags our servers set themselves (vLLM takes the last of a repeated flag, so these would undo
+# the 127.0.0.1 bind or the job's own API key), or a secret vLLM prints with its arguments.
+OWNED_FLAGS = {"--host": "set verifier.host instead", "--port": "set verifier.port instead",
+               "--api-key": "remove it: each server gets a key of its own, which our clients send",
+               "--hf-token": "set verifier.env.HF_TOKEN instead (vLLM logs its arguments)"}
+
+
+def check_extra_args(c: Checker, extra_args: list[str]) -> None:
+    from hpc.config.secrets import flag_name
+
+    for arg in extra_args:
+        if (flag := flag_name(str(arg))) in OWNED_FLAGS:
+            c.fail("verifier.extra_args", flag, OWNED_FLAGS[flag])

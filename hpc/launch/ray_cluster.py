@@ -28,6 +28,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,15 +42,14 @@ from hpc.verifier.regen_ray import REGEN_RESOURCE
 TAG = "DSPARK_RAY_NODE"  # in the environment of everything a node's raylet starts, vLLM included
 
 
-def ray_start_command(env: SlurmEnv, port: int, *, object_store_mb: int) -> list[str]:
+def ray_start_command(env: SlurmEnv, port: int, *, object_store_mb: int, temp_dir: str | None = None) -> list[str]:
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--block", "--disable-usage-stats", "--node-ip-address", advertised_ip(env),
            "--resources", json.dumps({REGEN_RESOURCE: 1}), "--object-store-memory", str(object_store_mb * 2**20),
            "--min-worker-port", "0", "--max-worker-port", "0", "--dashboard-agent-listen-port", "0"]
     if env.node_index == 0:
-        # A short, job-owned temp dir: Ray's unix socket paths must stay under ~107 characters.
-        cmd += ["--head", "--port", str(port), "--include-dashboard", "false",
-                "--temp-dir", f"/tmp/dspark-ray-{env.job_id}"]
+        cmd += ["--head", "--port", str(port), "--include-dashboard", "false"]
+        cmd += ["--temp-dir", temp_dir] if temp_dir else []
     else:
         cmd += ["--address", f"{node_ip(env.hostnames[0])}:{port}"]
     return cmd
@@ -76,6 +76,7 @@ class RayNode:
         self.token_file = job_file(log_path.parent, "ray-token", env.job_id)
         self.tag = f"{attempt(env)}-{env.node_index}-{os.getpid()}"
         self.proc: subprocess.Popen | None = None
+        self.private: Path | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         head = self._head(token_timeout_s)
         self.late = head is None
@@ -83,7 +84,12 @@ class RayNode:
         self.port = int(head["port"]) if head else 0
         if self.late:
             return
-        self.cmd = ray_start_command(env, self.port, object_store_mb=object_store_mb)
+        # A short temp dir (Ray's unix socket paths must stay under ~107 characters) inside one only
+        # we can enter: Ray takes a directory someone made first as it is, then makes it 0777.
+        if env.node_index == 0:
+            self.private = Path(tempfile.mkdtemp(prefix=f"dspark-ray-{env.job_id}-"))
+        temp_dir = str(self.private / "r") if self.private else None
+        self.cmd = ray_start_command(env, self.port, object_store_mb=object_store_mb, temp_dir=temp_dir)
         child_env = dict(os.environ, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1", RAY_USAGE_STATS_ENABLED="0",
                          **{TAG: self.tag}, **self.auth)
         with open(log_path, "ab") as log:
@@ -165,7 +171,8 @@ class RayNode:
         kill_tagged(self.tag)
         if self.env.node_index == 0:
             self.token_file.unlink(missing_ok=True)
-            shutil.rmtree(f"/tmp/dspark-ray-{self.env.job_id}", ignore_errors=True)
+            if self.private is not None:
+                shutil.rmtree(self.private, ignore_errors=True)
 
 
 def kill_tagged(tag: str) -> int:

@@ -131,7 +131,7 @@ def end_pipeline_run(client, parent_run_id: str, status: str, why: str) -> None:
     """Set the parent run's final status (and why, as a tag); a tracking outage is a warning, not
     a second error on top of the one being reported."""
     try:
-        client.set_tag(parent_run_id, OUTCOME, why)
+        client.set_tag(parent_run_id, OUTCOME, scrub(why))  # error text quotes request URLs
         client.set_terminated(parent_run_id, status)
     except Exception as err:  # noqa: BLE001
         print(f"warning: pipeline run {parent_run_id} not marked {status}: {scrub(str(err).splitlines()[0])[:160]}",

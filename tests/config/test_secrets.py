@@ -53,14 +53,42 @@ def test_common_secret_names_are_masked_and_tuning_knobs_are_not(name):
 
 
 def test_secret_flags_of_vllm_are_masked_in_logged_params():
-    cfg = resolve(KIMI, ["verifier.extra_args=[--hf-token, hf_5, --api-key=sk-6, --max-num-seqs, '64']"],
-                  check_tracking=False)
-    assert redacted(cfg).verifier.extra_args == ["--hf-token", MASK, f"--api-key={MASK}", "--max-num-seqs", "64"]
+    """Validation refuses them (below), but a command line or an unchecked config can still hold
+    them: vLLM takes both spellings of a flag, and a proxy URL with a password under any name."""
+    from hpc.config import load_config, to_object
+
+    cfg = to_object(load_config(str(KIMI), ["verifier.extra_args=[--hf-token, hf_5, --api_key=sk-6, --max-num-seqs, '64']",
+                                       "verifier.env.HTTPS_PROXY=http://u:pw7@proxy:3128"]))
+    assert redacted(cfg).verifier.extra_args == ["--hf-token", MASK, f"--api_key={MASK}", "--max-num-seqs", "64"]
+    assert redacted(cfg).verifier.env["HTTPS_PROXY"] == f"http://u:{MASK}@proxy:3128"
     assert cfg.verifier.extra_args[1] == "hf_5"
     from hpc.config.secrets import redact_args
 
     plain = ["--skip-tokenizer-init", "--enforce-eager", "--max-num-batched-tokens", "8192", "--tokenizer", "t"]
     assert redact_args(plain) == plain  # "token" in a flag's name is not a secret
+    assert redact_args(["--hf_token", "hf_8"]) == ["--hf_token", MASK]
+
+
+def test_flags_our_servers_own_are_refused_in_extra_args():
+    """vLLM takes the last of a repeated flag: --host 0.0.0.0 undid the 127.0.0.1 bind that
+    verifier.host refuses, --api-key replaced the job's own key (our clients then got 401), and
+    vLLM prints a --hf-token into its log with its other arguments."""
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, ["verifier.extra_args=[--host, 0.0.0.0, --hf_token=hf_9, --api-key, k, --max-num-seqs, '64']"],
+                check_tracking=False)
+    lines = str(err.value).splitlines()
+    assert "verifier.extra_args = '--host': set verifier.host instead" in lines
+    assert any(line.startswith("verifier.extra_args = '--hf-token': set verifier.env.HF_TOKEN") for line in lines)
+    assert any(line.startswith("verifier.extra_args = '--api-key'") for line in lines)
+    assert "hf_9" not in str(err.value) and not any("max-num-seqs" in line for line in lines)
+
+
+def test_a_server_log_names_the_command_without_its_secrets(tmp_path):
+    from hpc.proc import spawn
+
+    proc = spawn(["true", "--hf-token", "hf_10", "--api-key=k11", "--x", "http://u:pw12@h/"], tmp_path / "s.log")
+    proc.wait()
+    assert (tmp_path / "s.log").read_text().splitlines()[0] == f"$ true --hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/"
 
 
 def test_an_error_message_quoting_the_uri_loses_its_password():
@@ -75,3 +103,35 @@ def test_an_error_message_quoting_the_uri_loses_its_password():
     assert scrub("at https://ghp_TOK@h/ and postgresql://bob:p@ss@db/m and http://h:5000/?token=SEC&x=1") == (
         "at https://***@h/ and postgresql://bob:***@db/m and http://h:5000/?token=***&x=1")
 
+
+
+@pytest.mark.parametrize("override", ["verifier.env.HF_TOKEN.x=S3CRET", "verifier.env.HF_TOKEN=[S3CRET, b]"])
+def test_a_type_error_under_verifier_env_does_not_print_the_value(override):
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, [override], check_tracking=False)
+    assert "S3CRET" not in str(err.value) and "verifier.env = '***': must be a mapping" in str(err.value)
+
+
+@pytest.mark.parametrize("uri", ["http://h:abc", "http://h:99999", "http://u:pw@[::1"])
+def test_a_malformed_tracking_uri_is_one_line_not_a_traceback(uri):
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, [f"tracking.uri={uri}"], check_tracking=False)
+    (line,) = [ln for ln in str(err.value).splitlines() if ln.startswith("tracking.uri")]
+    assert "not a valid URI" in line and "pw" not in line
+
+
+def test_the_outcome_tag_of_a_failed_pipeline_holds_no_password():
+    """MLflow's error text quotes the request URL; the report stage put it into the parent run's tag."""
+    from hpc.track.pipeline import end_pipeline_run
+
+    tags = {}
+
+    class Client:
+        def set_tag(self, run_id, key, value):
+            tags[key] = value
+
+        def set_terminated(self, run_id, status):
+            tags["status"] = status
+
+    end_pipeline_run(Client(), "r1", "FAILED", "the report failed: API request to http://u:PW13@mlflow:5000/x failed")
+    assert "PW13" not in str(tags) and tags["status"] == "FAILED"
