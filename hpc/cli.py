@@ -86,3 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dspark ... | head`: the reader left, which is not an error
         sys.stderr.close()
         return 0
+    except Exception:
+        # A bug's traceback, kept for whoever debugs it, but scrubbed: this lands in shared job
+        # logs, and MLflow's and urllib's error texts quote request URLs, credentials and all.
+        import traceback
+
+        from hpc.config.secrets import scrub
+
+        print(scrub(traceback.format_exc()), end="", file=sys.stderr)
+        return 1

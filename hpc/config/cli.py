@@ -20,6 +20,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {line}", file=sys.stderr)
         print(f"{len(err.problems)} problem(s) in {args.config}", file=sys.stderr)
         return 2
+    from hpc.config.validate_ops import advisories
+
+    for line in advisories(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     if args.print:
         from hpc.config.secrets import redacted
 

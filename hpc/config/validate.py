@@ -367,7 +367,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     dict shared by calls that validate variants of one config, so the target is read once."""
     from hpc.config.inputs import check_leaves, check_names, check_repeats
     from hpc.config.validate_eval import check_eval
-    from hpc.config.validate_ops import check_plan, check_schedule
+    from hpc.config.validate_ops import check_paths, check_plan, check_schedule
     from hpc.config.validate_ops import check_tracking as tracking_checks
 
     c = Checker()
@@ -389,4 +389,5 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     tracking_checks(c, cfg, check_tracking)
     check_schedule(c, cfg)
     check_plan(c, cfg)
+    check_paths(c, cfg)
     return c.problems

@@ -139,3 +139,24 @@ def check_extra_args(c: Checker, extra_args: list[str]) -> None:
     for arg in extra_args:
         if (flag := flag_name(str(arg))) in OWNED_FLAGS:
             c.fail("verifier.extra_args", flag, OWNED_FLAGS[flag])
+
+
+def advisories(cfg: DSparkConfig) -> list[str]:
+    """What is valid but worth a second look, said on the login node (as `warning:` lines)."""
+    from hpc.config.target import is_local
+
+    v, out = cfg.verifier, []
+    if v.trust_remote_code and v.revision is None and not is_local(v.model):
+        out.append(f"verifier.revision is unset with verifier.trust_remote_code=true: the code on {v.model}'s "
+                   "main branch when the job starts runs on every node; pin a commit (verifier.revision=SHA)")
+    return out
+
+
+def check_paths(c: Checker, cfg: DSparkConfig) -> None:
+    """An empty path means this directory, silently: captures of ~1 GB each on the shared
+    filesystem instead of /dev/shm, or outputs mixed into the checkout."""
+    for key, path in (("cluster.log_dir", cfg.cluster.log_dir), ("data.output_dir", cfg.data.output_dir),
+                      ("train.output_dir", cfg.train.output_dir), ("eval.output_dir", cfg.eval.output_dir),
+                      ("verifier.capture_dir", cfg.verifier.capture_dir)):
+        if not str(path).strip():
+            c.fail(key, path, "empty; name a directory")

@@ -295,6 +295,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
     """
     import sys
 
+    from hpc.config.secrets import scrub
     from hpc.errors import UserError
 
     os.environ["LOCAL_RANK"] = str(local_rank)
@@ -306,23 +307,23 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
     def thread_died(args) -> None:  # a helper thread losing its peer: one line, traceback to the file
         tb_file.parent.mkdir(parents=True, exist_ok=True)
         with open(tb_file, "a") as f:
-            f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
-        first = str(args.exc_value).splitlines()[0][:200] if str(args.exc_value) else ""
+            f.write(scrub("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))))
+        first = scrub(str(args.exc_value).splitlines()[0])[:200] if str(args.exc_value) else ""
         print(f"rank {rank}: thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {first} "
               f"(traceback in {tb_file})", file=sys.stderr, flush=True)
     threading.excepthook = thread_died
     try:
         code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
     except UserError as err:
-        print(f"error: rank {rank}: {err}", file=sys.stderr)
+        print(f"error: rank {rank}: {scrub(str(err))}", file=sys.stderr)
         code = 2
     except Exception as err:  # noqa: BLE001 - usually the echo of another rank's death: one line here,
         # the traceback in a file, so the launcher's one-line cause is not buried under N tracebacks.
         path = tb_file
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
-            f.write(traceback.format_exc())
-        print(f"rank {rank}: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''} "
+            f.write(scrub(traceback.format_exc()))  # error texts quote request URLs, credentials and all
+        print(f"rank {rank}: {type(err).__name__}: {scrub(str(err).splitlines()[0])[:200] if str(err) else ''} "
               f"(traceback in {path})", file=sys.stderr)
         code = 1
     sys.stdout.flush()

@@ -135,3 +135,15 @@ def test_the_outcome_tag_of_a_failed_pipeline_holds_no_password():
 
     end_pipeline_run(Client(), "r1", "FAILED", "the report failed: API request to http://u:PW13@mlflow:5000/x failed")
     assert "PW13" not in str(tags) and tags["status"] == "FAILED"
+
+
+def test_unpinned_remote_code_is_a_login_node_warning(capsys):
+    """trust_remote_code runs the hub's *.py on every node: unpinned, whatever main holds at job time."""
+    from hpc.config.cli import run
+
+    args = type("A", (), {"config": str(KIMI), "overrides": [], "offline": True, "print": False})()
+    assert run(args) == 0
+    assert "warning: verifier.revision is unset with verifier.trust_remote_code=true" in capsys.readouterr().err
+    args.overrides = ["verifier.revision=" + "a" * 40]
+    assert run(args) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -117,6 +117,8 @@ BAD_CASES = {
                                  "data.calibration_sources[0].path"),
     "empty calibration path": (["data.calibration_sources=[{split: train}]"], "dspark calibration-set"),
     "no trainer nodes": (["cluster.trainer_nodes=0"], "cluster.trainer_nodes"),
+    "empty capture dir": (["verifier.capture_dir="], "verifier.capture_dir = '': empty; name a directory"),
+    "empty output dir": (["train.output_dir="], "train.output_dir = '': empty; name a directory"),
     "no verifier nodes": (["cluster.verifier_nodes=0"], "cluster.verifier_nodes"),
     "eval on several nodes": (["cluster.eval_nodes=4"], "cluster.eval_nodes = 4: an evaluation runs on one node"),
     "stream buffer below a micro-batch": (["train.global_batch_size=64", "stream.buffer_per_trainer=4"],

@@ -88,6 +88,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
         train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
+        verifier=SimpleNamespace(model=str(tmp_path), revision=None, trust_remote_code=False),
     )
     monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
     monkeypatch.setattr("hpc.config.sweep_overrides", lambda c: [[]])

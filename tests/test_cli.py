@@ -1,0 +1,22 @@
+"""`dspark`'s error reporting: a bug's traceback stays, without the credentials error texts quote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc.cli import main
+
+KIMI = str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.6-dspark.yaml")
+
+
+def test_an_unexpected_error_prints_its_traceback_scrubbed(monkeypatch, capsys):
+    import hpc.launch.plan as plan
+
+    def broken(cfg):
+        raise RuntimeError("API request to http://alice:PW14@mlflow:5000/api failed")
+
+    monkeypatch.setattr(plan, "capacity_plan", broken)
+    assert main(["plan", KIMI]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert "PW14" not in err and "http://alice:***@mlflow:5000/api" in err
