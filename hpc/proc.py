@@ -29,12 +29,11 @@ from hpc.errors import UserError
 
 
 def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-          cwd: str | Path | None = None, append: bool = False) -> subprocess.Popen:
-    """`cmd` in a new session (its own process group), its output and the command line in `log_path`."""
-    from hpc.config.secrets import redact_args
-
+          cwd: str | Path | None = None, append: bool = False, shown: Sequence[str] | None = None) -> subprocess.Popen:
+    """`cmd` in a new session (its own process group), its output and the command line in `log_path`
+    (as `shown`, when the caller masked secrets in it)."""
     with log_path.open("a" if append else "w") as log:
-        log.write("$ " + " ".join(redact_args(list(cmd))) + "\n")
+        log.write("$ " + " ".join(map(str, cmd if shown is None else shown)) + "\n")
         log.flush()
         return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=None if env is None else dict(env), cwd=cwd, start_new_session=True)

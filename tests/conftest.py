@@ -40,6 +40,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skip is a failure, whatever raised it (a skipif, an importorskip, a fixture): a
+    green CI must mean every test ran."""
+    from tests.fixtures.infra import in_ci
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true ({reason}); CI must run every test"
+
+
 @pytest.fixture(autouse=True)
 def nccl_rules_hold(request):
     """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""

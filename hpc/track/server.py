@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.config.secrets import redact_args
 from hpc.errors import UserError
 from hpc.net import free_port
 from hpc.proc import SubprocessServer, http_ok, spawn
@@ -102,7 +103,7 @@ class MlflowServer(SubprocessServer):
                        # CSRF key of the auth app's forms: one server, so a fresh one per start is consistent.
                        MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))
         # Own session: stop() signals the whole group (the server forks workers).
-        self.proc = spawn(cmd, self.log_path, env=env, cwd=self.root, append=True)
+        self.proc = spawn(cmd, self.log_path, env=env, cwd=self.root, append=True, shown=redact_args(cmd))
         self.wait_healthy(timeout_s)
         return self
 

@@ -164,7 +164,9 @@ def start_vllm_server(
     if "VLLM_RPC_BASE_PATH" not in full_env:
         rpc_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-rpc-"))
         full_env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
-    proc = spawn(cmd, log_path, env=full_env)
+    from hpc.config.secrets import redact_args
+
+    proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)))
     server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key,
                         rpc_dir=rpc_dir)
     if wait:

@@ -83,12 +83,15 @@ def test_flags_our_servers_own_are_refused_in_extra_args():
     assert "hf_9" not in str(err.value) and not any("max-num-seqs" in line for line in lines)
 
 
-def test_a_server_log_names_the_command_without_its_secrets(tmp_path):
-    from hpc.proc import spawn
+def test_a_vllm_server_log_names_the_command_without_its_secrets(tmp_path):
+    from hpc.verifier.vllm_server import start_vllm_server
 
-    proc = spawn(["true", "--hf-token", "hf_10", "--api-key=k11", "--x", "http://u:pw12@h/"], tmp_path / "s.log")
-    proc.wait()
-    assert (tmp_path / "s.log").read_text().splitlines()[0] == f"$ true --hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/"
+    server = start_vllm_server("/bin/true", "m", port=1, wait=False, log_path=tmp_path / "s.log", base_args=[],
+                               extra_args=["--hf-token", "hf_10", "--api-key=k11", "--x", "http://u:pw12@h/"])
+    server.proc.wait()
+    first = (tmp_path / "s.log").read_text().splitlines()[0]
+    assert first.endswith(f"--hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/")
+    assert not any(s in first for s in ("hf_10", "k11", "pw12"))
 
 
 def test_an_error_message_quoting_the_uri_loses_its_password():

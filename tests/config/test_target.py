@@ -118,7 +118,7 @@ def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
     for f in (tmp_path / "logs").iterdir():  # last month's job 42, on the same target
         os.utime(f, (f.stat().st_mtime - 30 * 86400,) * 2)
     got = {}
-    reader = threading.Thread(target=lambda: got.update(cfg=localize_in_job(cfg, node(1))))
+    reader = threading.Thread(target=lambda: got.update(cfg=localize_in_job(cfg, node(1))), daemon=True)
     reader.start()
     reader.join(1.5)
     assert reader.is_alive()  # neither stale file answers for this job: it waits for node 0

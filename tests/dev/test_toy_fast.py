@@ -17,9 +17,12 @@ def test_toy_target_command_registers():
 
 def test_build_key_hashes_the_build_code(monkeypatch):
     monkeypatch.setattr(toy_corpus, "fingerprint", lambda: b"")
-    read: list[Path] = []
     original = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.resolve()) or original(self))
-    toy.build_key(ToyConfig())
-    modules = {Path(m.__file__).resolve() for m in (toy, toy_config, toy_train)}
-    assert modules <= set(read)
+    base = toy.build_key(ToyConfig())
+    for module in (toy, toy_config, toy_train):  # an edit to any build module is a new target
+        edited = Path(module.__file__).resolve()
+        monkeypatch.setattr(Path, "read_bytes",
+                            lambda self, e=edited: original(self) + (b"# edit" if self.resolve() == e else b""))
+        assert toy.build_key(ToyConfig()) != base, module.__name__
+    monkeypatch.setattr(Path, "read_bytes", original)
+    assert toy.build_key(ToyConfig()) == base

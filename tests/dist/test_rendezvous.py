@@ -6,7 +6,7 @@ import datetime
 
 from hpc.dist.planes import rendezvous_store
 from hpc.net import free_port
-from tests.verifier.test_vllm_backend import _listening_addresses
+from tests.fixtures.sockets import listening_addresses
 
 
 def test_the_store_listens_on_the_master_address_only():
@@ -15,4 +15,4 @@ def test_the_store_listens_on_the_master_address_only():
     store.set("k", "v")
     assert store.get("k") == b"v"
     # torch's own store, given a port alone, listens on "*" (every interface of the node).
-    assert _listening_addresses(port) == {"127.0.0.1"}
+    assert listening_addresses(port) == {"127.0.0.1"}

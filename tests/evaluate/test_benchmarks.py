@@ -153,8 +153,8 @@ def test_data_dir_serves_its_benchmarks_and_the_rest_fall_through(tmp_path):
 
 
 def test_parquet_override_filters_list_turns(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     rows = [{"category": "coding", "turns": ["Reverse a linked list in C.", "Now in Rust."]},
             {"category": "writing", "turns": ["Write a limerick."]},
             {"category": "coding", "turns": ["Write fizzbuzz in Go."]}]
@@ -208,7 +208,7 @@ def test_no_local_source_fails_fast_offline_naming_the_override():
 
 
 def test_hub_load_uses_the_pinned_revision_and_warns_on_row_count(monkeypatch, caplog):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     calls = []
 
     def fake_load(path, name=None, **kw):

@@ -39,6 +39,7 @@ def job(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "prepare_data", lambda c: calls.append(c) or SimpleNamespace(
         stats=SimpleNamespace(summary=lambda: "ok")))
     monkeypatch.setattr(node_setup, "POLL_S", 0.05)
+    monkeypatch.setattr(node_setup, "PREPARE_TIMEOUT_S", 20.0)  # a failing test ends, not hangs an hour
     marker = tmp_path / "run" / "data" / ".prepared-42"
     return SimpleNamespace(cfg=cfg, calls=calls, marker=marker)
 
@@ -52,7 +53,7 @@ def test_a_first_attempt_prepares_even_where_an_older_job_42_left_its_marker(job
     assert len(job.calls) == 1 and json.loads(job.marker.read_text())["settings"]["max_seq_len"] == 512
     _age(job.marker)  # last month's job 42, same output directory
     got = threading.Event()
-    reader = threading.Thread(target=lambda: (node_setup.prepare_once(job.cfg, _env(1)), got.set()))
+    reader = threading.Thread(target=lambda: (node_setup.prepare_once(job.cfg, _env(1)), got.set()), daemon=True)
     reader.start()
     reader.join(0.5)
     assert reader.is_alive()  # node 1 does not take the stale marker: it waits for node 0
@@ -88,7 +89,7 @@ def test_an_old_failure_does_not_stop_the_other_nodes_but_a_new_one_does(job):
         except UserError as err:
             said.append(str(err))
 
-    reader = threading.Thread(target=node_1)
+    reader = threading.Thread(target=node_1, daemon=True)
     reader.start()
     reader.join(0.5)
     assert reader.is_alive() and not said  # last month's failure is not this job's
@@ -138,7 +139,7 @@ def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
     failed.parent.mkdir(parents=True)
     failed.write_text(json.dumps({"settings": json.loads(json.dumps(data_settings(job.cfg))), "attempt": 0,
                                   "error": "disk full"}))  # a minute ago, attempt 1
-    reader = threading.Thread(target=node_setup.prepare_once, args=(job.cfg, _env(1, restart=1)))
+    reader = threading.Thread(target=node_setup.prepare_once, args=(job.cfg, _env(1, restart=1)), daemon=True)
     reader.start()
     reader.join(0.5)
     assert reader.is_alive()  # it waits for this attempt's node 0

@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import re
 
-import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from hpc.errors import UserError
 from hpc.net import free_port
 from hpc.track.server import MlflowServer, is_healthy
+from tests.fixtures.sockets import listening_addresses
 
 
 def test_run_round_trips_params_metrics_and_artifact(mlflow_server, tmp_path):
-    mlflow.set_tracking_uri(mlflow_server.uri)
-    mlflow.set_experiment("roundtrip")
+    # A client, not mlflow.set_tracking_uri: that sets MLFLOW_TRACKING_URI for every later test.
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.get_experiment_by_name("roundtrip")
+    run = client.create_run(exp.experiment_id if exp else client.create_experiment("roundtrip"), run_name="probe")
     note = tmp_path / "results.json"
     note.write_text('{"accept_len": 3.14}')
-    with mlflow.start_run(run_name="probe") as run:
-        mlflow.log_params({"train.lr": 3e-4, "draft.block_size": 8})
-        for step, loss in enumerate([2.0, 1.5, 1.25]):
-            mlflow.log_metric("loss", loss, step=step)
-        mlflow.log_artifact(str(note))
-    client = MlflowClient(mlflow_server.uri)
+    client.log_param(run.info.run_id, "train.lr", 3e-4)
+    client.log_param(run.info.run_id, "draft.block_size", 8)
+    for step, loss in enumerate([2.0, 1.5, 1.25]):
+        client.log_metric(run.info.run_id, "loss", loss, step=step)
+    client.log_artifact(run.info.run_id, str(note))
+    client.set_terminated(run.info.run_id)
     got = client.get_run(run.info.run_id)
     assert got.data.params == {"train.lr": "0.0003", "draft.block_size": "8"}
     history = client.get_metric_history(run.info.run_id, "loss")
@@ -33,8 +35,8 @@ def test_run_round_trips_params_metrics_and_artifact(mlflow_server, tmp_path):
 
 
 def test_server_binds_loopback_only(mlflow_server):
-    assert mlflow_server.host == "127.0.0.1"
-    assert is_healthy(mlflow_server.uri)
+    assert mlflow_server.host == "127.0.0.1" and is_healthy(mlflow_server.uri)
+    assert listening_addresses(mlflow_server.port) == {"127.0.0.1"}  # the socket, not the attribute
 
 
 def test_unreachable_server_is_reported(tmp_path):

@@ -90,19 +90,19 @@ def test_resume_is_bit_identical(target_dir, tmp_path):
     full = run(straight, verifier)
     assert len(full) == 8 and full[-1] < full[0]
 
-    cut = random.Random().randint(1, 7)
-    first, verifier = make_trainer(target_dir, tmp_path / "b", init_seed=0)
-    run(first, verifier, max_steps=cut)
-    # A new process would start from a different init: only the checkpoint carries the state.
-    second, verifier = make_trainer(target_dir, tmp_path / "b", init_seed=12345)
-    assert second.resume()
-    assert second.state.step == cut
-    resumed = run(second, verifier)
-    assert resumed == full, f"cut at {cut}"
-    for (name, a), b in zip(straight.model.state_dict().items(), second.model.state_dict().values()):
-        assert torch.equal(a, b), name
-    # 24 samples, 4 per step, 8 steps: the second epoch began at step 7 and its ledger restarted.
-    assert second.state.epoch == 1 and len(second.state.ledger) == 8
+    for cut in range(1, 8):  # every step, the epoch's last (6) and the next epoch's first (7) among them
+        first, verifier = make_trainer(target_dir, tmp_path / f"b{cut}", init_seed=0)
+        run(first, verifier, max_steps=cut)
+        # A new process would start from a different init: only the checkpoint carries the state.
+        second, verifier = make_trainer(target_dir, tmp_path / f"b{cut}", init_seed=12345)
+        assert second.resume()
+        assert second.state.step == cut
+        resumed = run(second, verifier)
+        assert resumed == full, f"cut at {cut}"
+        for (name, a), b in zip(straight.model.state_dict().items(), second.model.state_dict().values()):
+            assert torch.equal(a, b), (name, cut)
+        # 24 samples, 4 per step, 8 steps: the second epoch began at step 7 and its ledger restarted.
+        assert second.state.epoch == 1 and len(second.state.ledger) == 8, cut
 
 
 def test_signal_checkpoints_and_asks_for_requeue(target_dir, tmp_path):

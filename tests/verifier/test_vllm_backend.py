@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from hpc.verifier.vllm_backend import (
 )
 from hpc_dev.toy_data import toy_conversations
 from tests.fixtures.infra import infra_unavailable
+from tests.fixtures.sockets import listening_addresses
 
 # Unsorted and holding the final layer (id == num layers = 4): vLLM returns its ids sorted and
 # de-duplicated, so this exercises the column mapping.
@@ -227,30 +227,10 @@ def test_overlong_sample_is_refused_before_vllm(capture_server, capture_cfg):
         vllm.capture(3, [11] * capture_cfg.max_model_len, [1] * capture_cfg.max_model_len)
 
 
-def _listening_addresses(port: int) -> set[str]:
-    """Local addresses of LISTEN sockets on `port`, from /proc/net/tcp{,6}."""
-    found = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            addr_hex, port_hex = local.split(":")
-            if state != "0A" or int(port_hex, 16) != port:
-                continue
-            raw = bytes.fromhex(addr_hex)
-            # /proc prints each 32-bit word in host (little-endian) order.
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add(socket.inet_ntop(family, raw))
-    return found
-
-
 @pytest.mark.slow
 def test_capture_server_binds_loopback_only(capture_server):
     assert "--host" in capture_server.server.proc.args
-    assert _listening_addresses(capture_server.server.port) == {"127.0.0.1"}
+    assert listening_addresses(capture_server.server.port) == {"127.0.0.1"}
 
 
 def test_each_capture_server_gets_its_own_private_directory(tmp_path):
