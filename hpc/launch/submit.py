@@ -187,23 +187,39 @@ def dry_run(p: Pipeline) -> int:
     return 0
 
 
+def _discard(cfg: DSparkConfig, p: Pipeline) -> None:
+    """Remove what planning wrote: the pipeline's directory and its (still empty) output directory."""
+    import shutil
+
+    shutil.rmtree(p.root, ignore_errors=True)
+    try:
+        (Path(cfg.train.output_dir) / p.id).rmdir()
+    except OSError:
+        pass  # not empty: something else wrote there, keep it
+
+
 def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dict[str, str] | None = None) -> int:
     """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
     from hpc.launch.slurm import cancel, check_requests, requests_for
 
     cfg, p = plan_pipeline(config, overrides)
-    problems = check_requests(requests_for(cfg))
-    if problems:
-        raise UserError("nothing submitted:\n" + "\n".join(problems))
-    if dry:
-        return dry_run(p)
-    from mlflow.tracking import MlflowClient
+    try:
+        problems = check_requests(requests_for(cfg))
+        if problems:
+            raise UserError("nothing submitted:\n" + "\n".join(problems))
+        if dry:
+            return dry_run(p)  # its variant files stay: the dry run names them for a look
+        from mlflow.tracking import MlflowClient
 
+        from hpc.track.pipeline import create_pipeline_run
+
+        client = MlflowClient(cfg.tracking.uri)
+        parent = create_pipeline_run(client, cfg, p.id, extra_tags)
+    except BaseException:
+        _discard(cfg, p)  # nothing was submitted: leave no pipeline behind for `dspark status` to find
+        raise
     from hpc.launch.stage_table import run_stage
-    from hpc.track.pipeline import create_pipeline_run
 
-    client = MlflowClient(cfg.tracking.uri)
-    parent = create_pipeline_run(client, cfg, p.id, extra_tags)
     ids: dict[str, str] = {}
     submitted: list[str] = []
     try:

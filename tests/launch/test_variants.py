@@ -83,3 +83,28 @@ def test_the_report_job_runs_on_a_node_without_gpus(tmp_path, monkeypatch):
     assert stage_table.run_in_job("report", f) == 0 and seen == [("report", "cuda")]
     with pytest.raises(ConfigError, match="no CUDA device"):  # a GPU stage still checks its node
         stage_table.run_in_job("eval", f)
+
+
+@pytest.mark.parametrize("fails_at", ["slurm", "mlflow"])
+def test_a_submit_refused_before_any_job_leaves_no_pipeline_behind(tmp_path, monkeypatch, fails_at):
+    """Slurm refusing the requests, or the tracking server the parent run: nothing was submitted,
+    yet the pipeline's directory (0600 variant files, which may hold secrets) and an empty output
+    directory stayed, and `dspark status` found a pipeline that never ran."""
+    import hpc.launch.slurm as slurm
+    from hpc.launch.submit import submit
+
+    monkeypatch.setattr(slurm, "requests_for", lambda cfg: [])
+    monkeypatch.setattr(slurm, "check_requests", lambda reqs: ["cluster.partition = 'gpu': no such partition"]
+                        if fails_at == "slurm" else [])
+    if fails_at == "mlflow":
+        import hpc.track.pipeline as pipeline
+
+        def unreachable(*a, **k):
+            raise ConnectionError("tracking server down")
+
+        monkeypatch.setattr(pipeline, "create_pipeline_run", unreachable)
+    with pytest.raises((UserError, ConnectionError)):
+        submit(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+                      f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.allow_file_store=true"])
+    assert list((tmp_path / "slurm" / "pipelines").iterdir()) == []
+    assert list((tmp_path / "train").iterdir()) == []
