@@ -141,7 +141,9 @@ def test_table_from_parsed_sacct(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("COLUMNS", "80")  # a narrow terminal cuts nothing: no job id, state or progress
     fake = FakeRun(stdout=SACCT_OUT)
     monkeypatch.setattr(subprocess, "run", fake)
-    _progress(tmp_path / "v0" / "train", time.time() - 300)  # a stale file says how old it is
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)  # the age below is exact, however slow this machine
+    _progress(tmp_path / "v0" / "train", now - 300)  # a stale file says how old it is
     jobs = {"regenerate": "11", "train": "12", "eval-n3": "13", "eval-n7": "14", "report": "15"}
     pf = _write_pipeline(tmp_path, "toy", jobs, [str(tmp_path / "v0" / "train"), str(tmp_path / "v1" / "train")])
 

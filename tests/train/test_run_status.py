@@ -89,12 +89,13 @@ def test_an_error_after_the_run_was_closed_does_not_end_it_twice(rank0, monkeypa
     assert [log.statuses for log in FakeLogger.made] == [["FINISHED"]]
 
 
-def test_progress_counts_from_the_step_this_job_resumed_at():
+def test_progress_counts_from_the_step_this_job_resumed_at(monkeypatch):
     p = driver.Progress(10_000, 64)
     try:
-        p.t0 -= 2.0  # two seconds into the job, the first step after resuming from step 5000 ends
-        first = p.update(5001, {})
-        assert first["samples_per_s"] == pytest.approx(32.0, rel=0.05)  # one step of 64 samples in 2 s
-        assert first["eta_s"] == pytest.approx(2.0 * 4999, rel=0.05)  # not 5000 steps in 2 s
+        t0 = p.t0
+        monkeypatch.setattr(driver.time, "monotonic", lambda: t0 + 2.0)  # the clock Progress reads, frozen
+        first = p.update(5001, {})  # two seconds in, the first step after resuming from step 5000 ends
+        assert first["samples_per_s"] == pytest.approx(32.0)  # one step of 64 samples in 2 s
+        assert first["eta_s"] == pytest.approx(2.0 * 4999)  # not 5000 steps in 2 s
     finally:
         p.close()
