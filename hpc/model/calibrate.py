@@ -116,9 +116,10 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
         segment_T = response_segments(row.loss_mask_T, row.doc_ids_T)
         anchors = select_anchors(row.loss_mask_T, a.block_size, T, to_end=True).to(row.input_ids_T.device)
         blocks: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "v")}
-        ctx_TH = model.project_context(row.aux_TnH)  # once per row, not per chunk
+        ctx_TH = model.project_context(row.aux_TnH)  # once per row, not per chunk, with its K/V
+        ctx_kv = model.context_kv(ctx_TH, row.position_ids_T) if row.position_ids_T is not None else None
         for anchors_N in anchors.split(max_anchors):
-            out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N, ctx_TH=ctx_TH)
+            out = block_outputs(model, row, head, max_anchors, anchors_N=anchors_N, ctx_TH=ctx_TH, ctx_kv=ctx_kv)
             if out is None or out.conf_NB is None:
                 break
             # A slot whose token is not its response's (past its end: decoding stopped) has no label.

@@ -16,7 +16,7 @@ Read top to bottom:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -140,19 +140,28 @@ class DSparkDraft(nn.Module):
         """[T, n_aux, H_target] (ascending layer ids) -> [T, H]."""
         return self.hidden_norm(self.fc(aux_TnH.flatten(-2).to(self.fc.weight.dtype)))
 
+    def context_kv(self, ctx_TH: torch.Tensor, ctx_pos_T: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K/V over the context: computed once, it serves every chunk of blocks
+        drafted after the same context (calibration drafts a 20k-token row ~40 chunks at a time)."""
+        a = self.args
+        cos, sin = rope_cos_sin(ctx_pos_T, a.head_dim, a.rope_theta, ctx_TH.dtype)
+        return [cast(DecoderLayer, layer).self_attn.context_kv(ctx_TH, cos, sin) for layer in self.layers]
+
     # -- 2. backbone --------------------------------------------------------------------------
     def backbone(
         self, ctx_TH: torch.Tensor, ctx_pos_T: torch.Tensor, block_ids_Q: torch.Tensor,
         block_pos_Q: torch.Tensor, attention: AttentionFn,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm for every block slot, [Q, H]."""
+        """Hidden states after the final norm for every block slot, [Q, H]. `ctx_kv`: what
+        `context_kv` gave for this context, instead of computing it again."""
         a = self.args
         dtype = ctx_TH.dtype
         ctx_cos, ctx_sin = rope_cos_sin(ctx_pos_T, a.head_dim, a.rope_theta, dtype)
         cos, sin = rope_cos_sin(block_pos_Q, a.head_dim, a.rope_theta, dtype)
         x_QH = self.embed_tokens(block_ids_Q).to(dtype)
-        for layer in self.layers:
-            x_QH = layer(x_QH, cos, sin, ctx_TH, ctx_cos, ctx_sin, attention)
+        for i, layer in enumerate(self.layers):
+            x_QH = layer(x_QH, cos, sin, ctx_TH, ctx_cos, ctx_sin, attention, None if ctx_kv is None else ctx_kv[i])
         return self.norm(x_QH)
 
     def block_inputs(self, anchor_ids_N: torch.Tensor) -> torch.Tensor:

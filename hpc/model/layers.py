@@ -103,7 +103,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x_QH, cos_Qd, sin_Qd, ctx_TH, ctx_cos_Td, ctx_sin_Td, attention: AttentionFn):
-        ctx_k, ctx_v = self.self_attn.context_kv(ctx_TH, ctx_cos_Td, ctx_sin_Td)
+    def forward(self, x_QH, cos_Qd, sin_Qd, ctx_TH, ctx_cos_Td, ctx_sin_Td, attention: AttentionFn,
+                ctx_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`ctx_kv`: this layer's context K/V computed once for several calls over one context."""
+        ctx_k, ctx_v = ctx_kv if ctx_kv is not None else self.self_attn.context_kv(ctx_TH, ctx_cos_Td, ctx_sin_Td)
         x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), cos_Qd, sin_Qd, ctx_k, ctx_v, attention)
         return x_QH + self.mlp(self.post_attention_layernorm(x_QH))

@@ -151,10 +151,11 @@ def block_outputs(
     model: DSparkDraft, row: PackedRow, head: VerifierHead, max_anchors: int,
     generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
     detach_confidence: bool = False, ctx_TH: torch.Tensor | None = None,
+    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> BlockOutputs | None:
     """Blocks at anchors drawn from the row's loss mask, through the draft; None if none fit.
-    `ctx_TH`, the row's projected context, saves projecting it again per call (calibration
-    drafts a row's anchors a chunk at a time)."""
+    `ctx_TH`, the row's projected context, and `ctx_kv`, its K/V per layer, save computing them
+    again per call (calibration drafts a row's anchors a chunk at a time)."""
     a = model.args
     B = a.block_size
     if anchors_N is None:
@@ -172,7 +173,7 @@ def block_outputs(
     else:
         attend = tiled_sdpa_attention_fn(anchors_N, doc_ids_T, B)
     h_QH = model.backbone(ctx_TH, position_ids_T, blocks.block_ids_NB.flatten(), blocks.block_pos_NB.flatten(),
-                          attend)
+                          attend, ctx_kv)
     logits_QD, conf_Q = model.heads(h_QH, blocks.prev_ids_NB.flatten(), detach_confidence)
     with torch.no_grad():
         target_logits_QD = head(row.last_hidden_TH[blocks.target_idx_NB.flatten()]).float()
