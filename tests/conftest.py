@@ -54,6 +54,18 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI=true ({reason}); CI must run every test"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (a module-level importorskip or skip)."""
+    from tests.fixtures.infra import in_ci
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci():
+        report.outcome = "failed"
+        report.longrepr = f"{collector.nodeid} skipped at collection under CI=true; CI must run every test"
+
+
 @pytest.fixture(autouse=True)
 def nccl_rules_hold(request):
     """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""

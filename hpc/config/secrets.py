@@ -47,6 +47,10 @@ def shown(key: str, value):
     """`value` as an error line about `key` may show it: secret env values masked, URIs redacted."""
     if key.startswith("verifier.env") and is_secret_name(key):
         return MASK
+    # An extra_args word that is not a bare flag may be a secret flag's value (`--hf-token X`).
+    if key.startswith("verifier.extra_args") and not (isinstance(value, str) and value.startswith("-")
+                                                       and "=" not in value):
+        return MASK
     if isinstance(value, str):
         return scrub(value)
     return value

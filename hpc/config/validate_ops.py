@@ -130,7 +130,8 @@ def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
 # the 127.0.0.1 bind or the job's own API key), or a secret vLLM prints with its arguments.
 OWNED_FLAGS = {"--host": "set verifier.host instead", "--port": "set verifier.port instead",
                "--api-key": "remove it: each server gets a key of its own, which our clients send",
-               "--hf-token": "set verifier.env.HF_TOKEN instead (vLLM logs its arguments)"}
+               "--hf-token": "set verifier.env.HF_TOKEN instead (vLLM logs its arguments)",
+               "--ssl-keyfile-password": "vLLM logs its arguments, this one too; serve TLS from a proxy"}
 
 
 def check_extra_args(c: Checker, extra_args: list[str]) -> None:

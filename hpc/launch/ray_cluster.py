@@ -49,10 +49,9 @@ def ray_start_command(env: SlurmEnv, port: int, *, object_store_mb: int, temp_di
            "--min-worker-port", "0", "--max-worker-port", "0", "--dashboard-agent-listen-port", "0"]
     if env.node_index == 0:
         cmd += ["--head", "--port", str(port), "--include-dashboard", "false"]
-        cmd += ["--temp-dir", temp_dir] if temp_dir else []
     else:
         cmd += ["--address", f"{node_ip(env.hostnames[0])}:{port}"]
-    return cmd
+    return cmd + (["--temp-dir", temp_dir] if temp_dir else [])
 
 
 def attempt(env: SlurmEnv) -> str:
@@ -84,12 +83,11 @@ class RayNode:
         self.port = int(head["port"]) if head else 0
         if self.late:
             return
-        # A short temp dir (Ray's unix socket paths must stay under ~107 characters) inside one only
-        # we can enter: Ray takes a directory someone made first as it is, then makes it 0777.
-        if env.node_index == 0:
-            self.private = Path(tempfile.mkdtemp(prefix=f"dspark-ray-{env.job_id}-"))
-        temp_dir = str(self.private / "r") if self.private else None
-        self.cmd = ray_start_command(env, self.port, object_store_mb=object_store_mb, temp_dir=temp_dir)
+        # Every node's temp dir sits inside one only we can enter: Ray takes a directory someone
+        # made first as it is, then makes it 0777 (a worker without one takes the head's path).
+        # In /tmp itself, not $TMPDIR: Ray's unix socket paths must stay under 108 bytes.
+        self.private = Path(tempfile.mkdtemp(prefix=f"dsr-{env.job_id}-", dir="/tmp"))
+        self.cmd = ray_start_command(env, self.port, object_store_mb=object_store_mb, temp_dir=str(self.private / "r"))
         child_env = dict(os.environ, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1", RAY_USAGE_STATS_ENABLED="0",
                          **{TAG: self.tag}, **self.auth)
         with open(log_path, "ab") as log:
@@ -171,8 +169,8 @@ class RayNode:
         kill_tagged(self.tag)
         if self.env.node_index == 0:
             self.token_file.unlink(missing_ok=True)
-            if self.private is not None:
-                shutil.rmtree(self.private, ignore_errors=True)
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
 
 
 def kill_tagged(tag: str) -> int:

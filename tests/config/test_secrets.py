@@ -150,3 +150,9 @@ def test_unpinned_remote_code_is_a_login_node_warning(capsys):
     args.overrides = ["verifier.revision=" + "a" * 40]
     assert run(args) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_an_extra_args_value_in_an_error_line_is_masked():
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, ['verifier.extra_args=[--hf-token, "hf_S16\t"]'], check_tracking=False)
+    assert "hf_S16" not in str(err.value) and "verifier.extra_args[1] = '***'" in str(err.value)

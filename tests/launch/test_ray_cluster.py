@@ -25,8 +25,8 @@ def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEn
 
 def test_head_and_worker_commands():
     head = ray_start_command(env(0), 45678, object_store_mb=256, temp_dir="/tmp/private/r")
-    worker = ray_start_command(env(1), 45678, object_store_mb=256)
-    assert head[head.index("--temp-dir") + 1] == "/tmp/private/r" and "--temp-dir" not in worker
+    worker = ray_start_command(env(1), 45678, object_store_mb=256, temp_dir="/tmp/own/r")
+    assert head[head.index("--temp-dir") + 1] == "/tmp/private/r" and worker[worker.index("--temp-dir") + 1] == "/tmp/own/r"
     port = "45678"
     assert head[head.index("--port") + 1] == port and "--head" in head and "--address" not in head
     assert worker[worker.index("--address") + 1] == f"127.0.0.1:{port}" and "--head" not in worker
@@ -96,8 +96,8 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
         token = head.token_file
         assert token.stat().st_mode & 0o077 == 0 and worker.auth == head.auth  # one secret, owner-only
         # Ray makes its temp dir 0777: it sits inside one only we can enter.
-        private = head.private
-        assert private is not None and private.stat().st_mode & 0o077 == 0 and (private / "r").is_dir()
+        privates = [head.private, worker.private]  # each node's own, as Ray's sockets are per node
+        assert all(p is not None and p.stat().st_mode & 0o077 == 0 and (p / "r").is_dir() for p in privates)
     finally:
         ray.shutdown()
         worker.stop()
@@ -106,7 +106,7 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
             os.environ.pop(key, None)
         _refresh_ray_auth()
     assert not still_running(family, timeout=10)
-    assert not token.exists() and not private.exists()
+    assert not token.exists() and not any(p.exists() for p in privates if p is not None)
 
 
 def test_a_worker_whose_raylet_dies_ends_cleanly_and_says_so(tmp_path):

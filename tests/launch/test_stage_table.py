@@ -99,3 +99,18 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
         ("train", [], True), ("eval-n3", [("aftercorr", "train")], True),
         ("report", [("afterany", "eval-n3")], False), ("lint", [("afterok", "train")], False)]
     assert p.stages[0].params["nodes"] == 2 and p.stages[0].params["slurm_srun_args"] == ["--kill-on-bad-exit=1"]
+
+
+def test_a_stage_failing_inside_its_job_says_why_without_credentials(monkeypatch, capsys):
+    """submitit prints a raised error's traceback into the job log: MLflow's error text quotes the
+    request URL, password and all."""
+    def broken(*a):
+        raise ConnectionError("API request to http://alice:PW15@mlflow:5000/api/2.0/runs failed")
+
+    monkeypatch.setattr(stage_table, "run_in_job", broken)
+    with pytest.raises(UserError) as err:
+        stage_table.run_stage("report", "v.yaml", "parent", None)
+    assert str(err.value) == ("stage report: ConnectionError: API request to http://alice:***@mlflow:5000/api/2.0/runs "
+                              "failed")
+    printed = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in printed and "PW15" not in printed
