@@ -79,8 +79,13 @@ def create_pipeline_run(client, cfg: DSparkConfig, run_name: str | None = None, 
     from hpc.config.secrets import redacted
 
     params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(redacted(cfg))).items()]
-    for i in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[i:i + 100])
+    try:
+        for i in range(0, len(params), 100):
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+    except BaseException as err:  # nothing will run under it: it must not read as still working
+        end_pipeline_run(client, run.info.run_id, "FAILED",
+                         f"its parameters could not be logged: {(str(err).splitlines() or [''])[0][:200]}")
+        raise
     return run.info.run_id
 
 

@@ -156,3 +156,4 @@ def test_an_extra_args_value_in_an_error_line_is_masked():
     with pytest.raises(ConfigError) as err:
         resolve(KIMI, ['verifier.extra_args=[--hf-token, "hf_S16\t"]'], check_tracking=False)
     assert "hf_S16" not in str(err.value) and "verifier.extra_args[1] = '***'" in str(err.value)
+

@@ -74,3 +74,27 @@ def test_the_report_ends_the_pipeline_run_even_when_it_fails(tmp_path):
         report_stage(cfg, parent)  # the evals never ran: nothing to report
     run = client.get_run(parent)
     assert run.info.status == "FAILED" and "no eval runs" in run.data.tags["dspark.outcome"]
+
+
+def test_a_parent_run_whose_params_fail_is_ended_not_left_running(tmp_path):
+    """submit drops its pipeline directory when the parent run cannot be made; a run already
+    created stayed RUNNING, an orphan that read as a pipeline still working."""
+    from mlflow.tracking import MlflowClient
+
+    from hpc.config import load_config, to_object
+    from hpc.track.pipeline import create_pipeline_run
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    real = client.log_batch
+
+    def outage(*a, **k):
+        raise ConnectionError("API request to http://u:PW17@h/ failed")
+
+    client.log_batch = outage
+    kimi = Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.6-dspark.yaml"
+    cfg = to_object(load_config(str(kimi), [f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"]))
+    with pytest.raises(ConnectionError):
+        create_pipeline_run(client, cfg, "p")
+    client.log_batch = real
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert run.info.status == "FAILED" and "PW17" not in str(run.data.tags)
