@@ -86,14 +86,14 @@ def _store_parent_ok(uri: str, cfg: DSparkConfig) -> bool:
 def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
     tr = cfg.tracking
     scheme = tr.uri.split(":", 1)[0] if ":" in tr.uri else ""
+    parts, malformed = urlsplit("x:"), None
     try:
         parts = urlsplit(tr.uri)
         parts.port  # noqa: B018 - raises on a port that is not a number in range
     except ValueError as err:
-        c.fail("tracking.uri", tr.uri, f"not a valid URI ({err}); write it as http://HOST:PORT")
-        parts = None
-    if parts is None:
-        pass
+        malformed = err
+    if malformed is not None:
+        c.fail("tracking.uri", tr.uri, f"not a valid URI ({malformed}); write it as http://HOST:PORT")
     elif scheme not in TRACKING_SCHEMES:
         c.fail("tracking.uri", tr.uri, "use http://HOST:PORT of an MLflow server or sqlite:///PATH")
     elif scheme in ("http", "https") and not parts.hostname:

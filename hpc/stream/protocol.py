@@ -103,8 +103,8 @@ class BufferPool:
     whole sample (ids, then states), so the pool's bound is a count of samples: free and taken
     buffers together stay within `limit` (what credits let a trainer hold, and the micro-batches
     a step holds while it packs), except while more are taken at once; a release then drops the
-    smallest free ones. Bounding the free ones
-    alone let mixed lengths keep about twice the buffers, each grown to the longest sample.
+    smallest free ones. Bounding the free ones alone let mixed lengths keep about twice the
+    buffers, each grown to the longest sample.
     On CUDA the receives run on the receive thread's own stream and the trainer reads on its
     default stream: a release records an event after the trainer's copy out of the buffer
     (pack), and the next receive into it waits for that event (a dropped buffer is marked used
