@@ -87,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception:
-        # A bug's traceback, kept for whoever debugs it, but scrubbed: this lands in shared job
-        # logs, and MLflow's and urllib's error texts quote request URLs, credentials and all.
-        import traceback
+        from hpc.config.secrets import scrubbed_traceback
 
-        from hpc.config.secrets import scrub
-
-        print(scrub(traceback.format_exc()), end="", file=sys.stderr)
+        print(scrubbed_traceback(), end="", file=sys.stderr)  # a bug's traceback, for whoever debugs it
         return 1

@@ -20,10 +20,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {line}", file=sys.stderr)
         print(f"{len(err.problems)} problem(s) in {args.config}", file=sys.stderr)
         return 2
-    from hpc.config.validate_ops import advisories
+    from hpc.config.validate_ops import warn_advisories
 
-    for line in advisories(cfg):
-        print(f"warning: {line}", file=sys.stderr)
+    warn_advisories(cfg)
     if args.print:
         from hpc.config.secrets import redacted
 

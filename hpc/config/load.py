@@ -103,13 +103,9 @@ def _drop_removed(full: str, value: Any, origin: str, problems: list[str]) -> An
 
 
 def _short(value: Any, key: str = "") -> str:
-    from hpc.config.secrets import MASK, scrub
+    from hpc.config.secrets import scrub, shown
 
-    if key.startswith("verifier.env"):
-        # The value may be a secret whose name the error does not reach (verifier.env = 'x' for
-        # verifier.env.HF_TOKEN.x=...): error lines land in job logs.
-        return repr(MASK)
-    text = scrub(repr(value))
+    text = scrub(repr(shown(key, value)))  # error lines land in job logs
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -44,8 +44,10 @@ def redact_uri(uri: str) -> str:
 
 
 def shown(key: str, value):
-    """`value` as an error line about `key` may show it: secret env values masked, URIs redacted."""
-    if key.startswith("verifier.env") and is_secret_name(key):
+    """`value` as an error line about `key` may show it: secret env values masked, URIs redacted.
+    Under `verifier.env` anything but a string at a plainly named key is masked: an error about
+    the mapping itself (verifier.env = 'x' for verifier.env.HF_TOKEN.x=...) has lost the name."""
+    if key.startswith("verifier.env") and (key == "verifier.env" or is_secret_name(key) or not isinstance(value, str)):
         return MASK
     # An extra_args word that is not a bare flag may be a secret flag's value (`--hf-token X`).
     if key.startswith("verifier.extra_args") and not (isinstance(value, str) and value.startswith("-")
@@ -74,6 +76,14 @@ def scrub(text: str) -> str:
 
 # vLLM's flags that take a secret ("token" alone would also match --max-num-batched-tokens).
 SECRET_FLAGS = ("--hf-token", "--api-key", "--ssl-keyfile-password")
+
+
+def scrubbed_traceback() -> str:
+    """The exception being handled, as a traceback with every URI's credentials masked: error
+    texts (MLflow's, urllib's) quote request URLs, and tracebacks land in shared job logs."""
+    import traceback
+
+    return scrub(traceback.format_exc())
 
 
 def flag_name(arg: str) -> str:

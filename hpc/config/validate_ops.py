@@ -142,8 +142,16 @@ def check_extra_args(c: Checker, extra_args: list[str]) -> None:
             c.fail("verifier.extra_args", flag, OWNED_FLAGS[flag])
 
 
+def warn_advisories(cfg: DSparkConfig) -> None:
+    """Print `advisories` as `warning:` lines on stderr (login node: validate, submit)."""
+    import sys
+
+    for line in advisories(cfg):
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def advisories(cfg: DSparkConfig) -> list[str]:
-    """What is valid but worth a second look, said on the login node (as `warning:` lines)."""
+    """What is valid but worth a second look, said on the login node."""
     from hpc.config.target import is_local
 
     v, out = cfg.verifier, []

@@ -146,19 +146,18 @@ def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ..
 def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
     """The callable `dspark submit` hands to submitit. A failing stage raises, so the task
     exits non-zero and Slurm's dependencies see it."""
-    from hpc.config.secrets import scrub
+    from hpc.config.secrets import scrub, scrubbed_traceback
 
     try:
         code = run_in_job(stage_name, config_file, (), parent_run_id, n)
     except UserError as err:
         raise UserError(scrub(str(err)), exit_code=err.exit_code) from None
     except Exception as err:
-        # submitit prints the traceback into the job's log and its result file: error texts quote
-        # request URLs, credentials and all. The traceback goes out scrubbed, the cause in one line.
+        # submitit would print the raw traceback into the job's log and its result file: it goes
+        # out scrubbed here, and the cause in one line.
         import sys
-        import traceback
 
-        print(scrub(traceback.format_exc()), end="", file=sys.stderr, flush=True)
+        print(scrubbed_traceback(), end="", file=sys.stderr, flush=True)
         first = (str(err).splitlines() or [""])[0]
         raise UserError(f"stage {stage_name}: {type(err).__name__}: {scrub(first)[:300]}") from None
     if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already

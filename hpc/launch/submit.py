@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import secrets
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,10 +96,9 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     from hpc.launch.variants import check_sweep_shape, private_dir, variant_path
 
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
-    from hpc.config.validate_ops import advisories
+    from hpc.config.validate_ops import warn_advisories
 
-    for line in advisories(cfg):
-        print(f"warning: {line}", file=sys.stderr)
+    warn_advisories(cfg)
     scheme = cfg.tracking.uri.split(":", 1)[0]
     if scheme in ("sqlite", "file") and not cfg.tracking.allow_file_store:
         raise UserError(f"tracking.uri = {cfg.tracking.uri!r}: a pipeline's jobs write to the tracking store at once, "

@@ -295,7 +295,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
     """
     import sys
 
-    from hpc.config.secrets import scrub
+    from hpc.config.secrets import scrub, scrubbed_traceback
     from hpc.errors import UserError
 
     os.environ["LOCAL_RANK"] = str(local_rank)
@@ -322,7 +322,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
         path = tb_file
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
-            f.write(scrub(traceback.format_exc()))  # error texts quote request URLs, credentials and all
+            f.write(scrubbed_traceback())
         print(f"rank {rank}: {type(err).__name__}: {scrub(str(err).splitlines()[0])[:200] if str(err) else ''} "
               f"(traceback in {path})", file=sys.stderr)
         code = 1
