@@ -2,10 +2,11 @@
 
 The head is trained on one event (`train.loss.confidence_target`), while serving runs in one of
 two modes: greedy decoding accepts a draft when it equals the target's argmax, speculative
-sampling with probability 1 - TV. Whatever the head was trained on, a Platt map per position,
-sigmoid(a_k * z + b_k), fitted on held-out captures against each mode's event, makes its output
-the chance that mode accepts: it is stored beside the export (`confidence_calibration.json`,
-which vLLM does not read) and applied by whoever reads the confidences.
+sampling with probability 1 - TV. Whatever the head was trained on, a map per position, fitted
+on held-out captures against each mode's event, makes its output the chance that mode accepts:
+Platt's sigmoid(a_k * z + b_k), or an isotonic map (`hpc.model.isotonic`) where that predicts
+held-out rows better. It is stored beside the export (`confidence_calibration.json`, which vLLM
+does not read) and applied by whoever reads the confidences.
 
 The held-out slots are weighed as decoding reaches them, because a position's confidence is
 only ever read after every earlier draft in the block was accepted: greedy counts a slot when
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from hpc.model import metrics as M
 from hpc.model.dspark import DSparkDraft
+from hpc.model.isotonic import fit_isotonic, isotonic_chance, isotonic_logit
 
 FILE = "confidence_calibration.json"
 MODES = ("greedy", "sampling")
@@ -43,21 +45,29 @@ class Calibration:
     # Per mode, the positions that share the pooled map (too few slots, or their own map
     # predicted the other half of the rows worse): a record of the fit, not read by `apply`.
     pooled_at: dict[str, list[int]] = field(default_factory=dict)
+    # Per mode and position, an isotonic map's knots (`hpc.model.isotonic`) that replace that
+    # position's Platt map: kept where it predicted the other half of the rows better.
+    isotonic: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
 
     def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor:
         """`position` counts drafted slots from 1; beyond the fitted ones the last map holds."""
         maps = self.maps.get(mode)
         if not maps:
             return logit
-        a, b = maps[min(position, len(maps)) - 1]
+        k = min(position, len(maps))
+        knots = self.isotonic.get(mode, {}).get(k)
+        if knots is not None:
+            return isotonic_logit(logit, knots)
+        a, b = maps[k - 1]
         return a * logit + b
 
     def save(self, export_dir: str | Path) -> Path:
         from hpc.fsio import write_text
 
         path = Path(export_dir) / FILE
-        write_text(path, json.dumps({"maps": self.maps, "fitted_on": self.fitted_on, "pooled_at": self.pooled_at},
-                                    indent=1) + "\n")
+        isotonic = {m: {str(k): [list(xs), list(ps)] for k, (xs, ps) in per.items()} for m, per in self.isotonic.items()}
+        write_text(path, json.dumps({"maps": self.maps, "fitted_on": self.fitted_on, "pooled_at": self.pooled_at,
+                                     "isotonic": isotonic}, indent=1) + "\n")
         return path
 
     @classmethod
@@ -68,11 +78,20 @@ class Calibration:
         try:
             d = json.loads(path.read_text())
             maps = {m: [(float(a), float(b)) for a, b in d["maps"][m]] for m in d["maps"] if m in MODES}
+            isotonic = {m: {int(k): _knots(xs, ps) for k, (xs, ps) in per.items()}
+                        for m, per in d.get("isotonic", {}).items() if m in MODES}  # older files have none
         except (ValueError, KeyError, TypeError) as err:
             from hpc.errors import UserError
 
             raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration") from None
-        return cls(maps, int(d.get("fitted_on", 0)), {m: list(v) for m, v in d.get("pooled_at", {}).items()})
+        return cls(maps, int(d.get("fitted_on", 0)), {m: list(v) for m, v in d.get("pooled_at", {}).items()}, isotonic)
+
+
+def _knots(xs, ps) -> tuple[list[float], list[float]]:
+    xs, ps = [float(x) for x in xs], [float(p) for p in ps]
+    if not xs or len(xs) != len(ps) or xs != sorted(xs) or not all(0.0 <= p <= 1.0 for p in ps):
+        raise ValueError("isotonic knots must be non-empty, sorted, paired logits and chances in [0, 1]")
+    return xs, ps
 
 
 @dataclass
@@ -232,21 +251,27 @@ def _pooled(slots: HeldOutSlots, mode: str) -> tuple[float, float]:
 
 
 def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlots] | None = None,
-                    share: dict[str, list[int]] | None = None) -> Calibration:
+                    share: dict[str, list[int]] | None = None,
+                    isotonic_at: dict[str, list[int]] | None = None) -> Calibration:
     """A map per mode and position, or the pooled map where a position has too few slots. With
     the rows' two `halves`, a position also shares the pooled map when its own, fitted on one
     half, predicts the other half worse than the pooled one does: two parameters fitted on a
     few dozen reached slots mostly fit their noise (on the toy, 72 slots at position 4 read a
     cross-fitted ECE of 0.22 where the pooled map read 0.06 on the benchmarks). `share` names
-    positions, per mode, that share the pooled map whatever their counts."""
+    positions, per mode, that share the pooled map whatever their counts.
+
+    A position with a map of its own also gets an isotonic map (`hpc.model.isotonic`), which
+    replaces its Platt map where, fitted on one half, it predicts the other half better (both
+    ways, summed); `isotonic_at` names positions, per mode, that get one without that test."""
     maps: dict[str, list[tuple[float, float]]] = {}
     pooled_at: dict[str, list[int]] = {}
+    isotonic: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
     for mode in MODES:
         event, w = _event(slots, mode), slots.reach[mode]
         pooled = _pooled(slots, mode)
         # Each half's pooled map, fitted once: every position's test scores against it.
         halves_pooled = None if halves is None else (_pooled(halves[0], mode), _pooled(halves[1], mode))
-        per, shared = [], []
+        per, shared, iso = [], [], {}
         for k in range(1, int(slots.position.max()) + 1):
             at = slots.position == k
             if (float(w[at].sum()) < MIN_WEIGHT or k in (share or {}).get(mode, ())
@@ -254,12 +279,32 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
                         and not _own_map_generalises(halves, halves_pooled, mode, k))):
                 per.append(pooled)
                 shared.append(k)
-            else:
-                per.append(_fit(slots.logit[at], event[at], w[at]))
-        maps[mode], pooled_at[mode] = per, shared
+                continue
+            per.append(_fit(slots.logit[at], event[at], w[at]))
+            if k in (isotonic_at or {}).get(mode, ()) or (halves is not None and _isotonic_generalises(halves, mode, k)):
+                iso[k] = fit_isotonic(slots.logit[at], event[at], w[at])
+        maps[mode], pooled_at[mode], isotonic[mode] = per, shared, iso
     # Slots no decode reads (weight 0 in both modes) are not counted as fitted on.
     read = int(((slots.reach["greedy"] > 0) | (slots.reach["sampling"] > 0)).sum())
-    return Calibration(maps, read, pooled_at)
+    return Calibration(maps, read, pooled_at, isotonic)
+
+
+def _isotonic_generalises(halves: tuple[HeldOutSlots, HeldOutSlots], mode: str, k: int) -> bool:
+    """Does position k's isotonic map, fitted on each half, predict the other half at k better
+    than its Platt map fitted there? Judged by the reach-weighted squared error (Brier): the
+    isotonic map says 0 or 1 at its ends, where a log loss would judge one miss as infinitely bad."""
+    iso = platt = 0.0
+    for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+        at_fit, at_score = fit_on.position == k, score_on.position == k
+        z, y, w = fit_on.logit[at_fit], _event(fit_on, mode)[at_fit], fit_on.reach[mode][at_fit]
+        if float(w.sum()) < MIN_WEIGHT or float(score_on.reach[mode][at_score].sum()) <= 0:
+            return False
+        a, b = _fit(z, y, w)
+        zs = score_on.logit[at_score].double().cpu()
+        ys, ws = _event(score_on, mode)[at_score].double().cpu(), score_on.reach[mode][at_score].double().cpu()
+        iso += float((ws * (isotonic_chance(zs, fit_isotonic(z, y, w)) - ys) ** 2).sum())
+        platt += float((ws * (torch.sigmoid(a * zs + b) - ys) ** 2).sum())
+    return iso < platt
 
 
 def _own_map_generalises(halves: tuple[HeldOutSlots, HeldOutSlots],
@@ -331,12 +376,13 @@ def calibrated(slots: HeldOutSlots, cal: Calibration, mode: str) -> HeldOutSlots
     return HeldOutSlots(z, slots.greedy, slots.sampling, slots.position, slots.reach)
 
 
-def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots,
-                     pooled_at: dict[str, list[int]] | None = None) -> dict[str, list[tuple[float, float]]]:
+def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots, pooled_at: dict[str, list[int]] | None = None,
+                     isotonic_at: dict[str, list[int]] | None = None) -> dict[str, list[tuple[float, float]]]:
     """Per mode, (ECE, effective count) per position, each half scored by the map fitted on the
     other: what the map fitted on both will read on rows it has not seen, where an in-sample ECE
-    would flatter it. `pooled_at` (the fit on both halves' choice) makes each half's map pooled
-    at the same positions."""
-    cal_a, cal_b = fit_calibration(a, share=pooled_at), fit_calibration(b, share=pooled_at)
+    would flatter it. `pooled_at` and `isotonic_at` (the fit on both halves' choices) give each
+    half's map the same kind at each position."""
+    cal_a = fit_calibration(a, share=pooled_at, isotonic_at=isotonic_at)
+    cal_b = fit_calibration(b, share=pooled_at, isotonic_at=isotonic_at)
     return {mode: ece_by_position(concat_slots([calibrated(a, cal_b, mode), calibrated(b, cal_a, mode)]), None, mode)
             for mode in MODES}

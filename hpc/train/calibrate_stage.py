@@ -108,7 +108,8 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     slots = concat_slots(parts)
     pair = (parts[0], parts[1]) if len(parts) == 2 else None
     cal = fit_calibration(slots, halves=pair)
-    ece = cross_fitted_ece(pair[0], pair[1], pooled_at=cal.pooled_at) if pair else None
+    ece = cross_fitted_ece(pair[0], pair[1], pooled_at=cal.pooled_at,
+                           isotonic_at={m: sorted(per) for m, per in cal.isotonic.items()}) if pair else None
     floors = []
     greedy = calibrated(slots, cal, "greedy")
     for k in range(1, int(slots.position.max()) + 1):
@@ -127,6 +128,10 @@ def format_fitted(f: Fitted) -> str:
     if shared:
         lines.append(f"greedy positions {', '.join(map(str, shared))} share the pooled map (too few slots, or their own "
                      "map predicted the other half of the rows worse)")
+    own = sorted(f.calibration.isotonic.get("greedy", {}))
+    if own:
+        lines.append(f"greedy positions {', '.join(map(str, own))} use an isotonic map (it predicted the other half "
+                     "of the rows better than a Platt map)")
     lines.append("ECE per position, cross-fitted (each half of the rows scored by the map fitted on the other); "
                  "'floor' is what a perfectly calibrated head reads at that count")
     table = []
