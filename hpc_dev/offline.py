@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
@@ -18,6 +19,9 @@ from hpc.train.prepare import calibration_rows, load_prepared, prepare_data, spl
 from hpc.train.sources import local_micro_batches
 from hpc.verifier.hf_backend import HFVerifier
 
+if TYPE_CHECKING:
+    from hpc.train.calibrate_stage import Fitted
+
 
 def target_architectures(model_dir: str) -> list[str]:
     import json
@@ -27,13 +31,14 @@ def target_architectures(model_dir: str) -> list[str]:
 
 
 def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
-                     on_step: Callable[[int, dict], None] | None = None) -> Path:
+                     on_step: Callable[[int, dict], None] | None = None,
+                     on_calibrated: Callable[[Fitted], None] | None = None) -> Path:
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 
     With `train.hold_out_every` > 0 those rows train nobody. Afterwards the confidence head's
     calibration is fitted on the calibration rows (`data.calibration_sources`, else the held-out
     ones) as the calibrate stage fits it (`hpc.train.calibrate_stage`), and saved beside the last
-    checkpoint so that its export carries it."""
+    checkpoint so that its export carries it, and handed to `on_calibrated` with its figures."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
     if steps is not None:
@@ -74,4 +79,6 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
                               ns=cfg.eval.num_speculative_tokens)
         fitted.calibration.save(ckpt)
         print(format_fitted(fitted), flush=True)
+        if on_calibrated is not None:
+            on_calibrated(fitted)
     return ckpt
