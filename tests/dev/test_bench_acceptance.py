@@ -25,6 +25,9 @@ def test_a_budget_too_small_names_the_minimum(capsys):
     assert main(["bench", "acceptance", "configs/toy-cpu.yaml", "--steps", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"at least --steps {ba.MIN_STEPS}" in err
+    assert main(["bench", "acceptance", "configs/toy-cpu.yaml", "--toy", "--traffic", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--traffic -1: give 0 or more" in err
 
 
 def test_a_failure_ends_the_parent_run_failed_not_running(tmp_path, monkeypatch):
@@ -161,3 +164,21 @@ def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor()
     assert metrics["ece_greedy_pos2"] == 0.08 and "ece_greedy_pos4" not in metrics
     assert ba.judged_lines(None) == ([], {})
     assert ba.judged_lines(Fitted(fitted.calibration, 1, None, [], "calibration rows")) == ([], {})
+
+
+def test_every_manifest_prompt_is_evaluated_unless_a_setting_says_otherwise(tmp_path):
+    """The toy config evaluates 2 rows per benchmark; the bench compares drafts on every prompt the
+    manifests ship (40), where its tau is steadier and its confidence is scored too."""
+    import argparse
+
+    from hpc.config import load_config, to_object
+
+    def rows(*argv: str) -> int | None:
+        parser = argparse.ArgumentParser()
+        ba.add_args(parser)
+        args = parser.parse_args(["configs/toy-cpu.yaml", *argv])
+        return to_object(load_config(args.config, ba.bench_overrides(args, tmp_path))).eval.rows
+
+    assert rows() is None
+    assert rows("--quick") == 1
+    assert rows("eval.rows=3") == 3
