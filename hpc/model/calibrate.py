@@ -18,6 +18,7 @@ target's greedy choice on regenerated data: fit on rows regenerated at temperatu
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,7 @@ class Calibration:
             maps = {m: [(float(a), float(b)) for a, b in d["maps"][m]] for m in d["maps"] if m in MODES}
             isotonic = {m: {int(k): _knots(xs, ps) for k, (xs, ps) in per.items()}
                         for m, per in d.get("isotonic", {}).items() if m in MODES}  # older files have none
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             from hpc.errors import UserError
 
             raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration") from None
@@ -89,8 +90,9 @@ class Calibration:
 
 def _knots(xs, ps) -> tuple[list[float], list[float]]:
     xs, ps = [float(x) for x in xs], [float(p) for p in ps]
-    if not xs or len(xs) != len(ps) or xs != sorted(xs) or not all(0.0 <= p <= 1.0 for p in ps):
-        raise ValueError("isotonic knots must be non-empty, sorted, paired logits and chances in [0, 1]")
+    if (not xs or len(xs) != len(ps) or not all(math.isfinite(x) for x in xs) or xs != sorted(xs)
+            or ps != sorted(ps) or not all(0.0 <= p <= 1.0 for p in ps)):
+        raise ValueError("isotonic knots must be non-empty, paired, finite sorted logits and sorted chances in [0, 1]")
     return xs, ps
 
 

@@ -18,7 +18,7 @@ from hpc.model.calibrate import (
     ece_by_position,
     fit_calibration,
 )
-from hpc.model.isotonic import EPS, fit_isotonic, isotonic_chance
+from hpc.model.isotonic import EPS, fit_isotonic, isotonic_chance, isotonic_logit
 
 
 def test_pool_adjacent_violators_by_hand():
@@ -33,6 +33,33 @@ def test_pool_adjacent_violators_by_hand():
     assert again[0] == pytest.approx(xs) and again[1] == pytest.approx(ps)
     with pytest.raises(ValueError, match="no slot with weight"):
         fit_isotonic(torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([0.0]))
+
+
+def test_slots_of_one_logit_are_one_point_of_the_fit(tmp_path):
+    """bf16 logits take a few hundred values: slots sharing one must read their pooled mean, not
+    the first of several knots at the same logit, and the map must load back once saved."""
+    g = torch.Generator().manual_seed(0)
+    y = (torch.rand(2000, generator=g) < 0.5).float()
+    xs, ps = fit_isotonic(torch.zeros(2000), y, torch.ones(2000))
+    assert xs == [0.0] and ps == pytest.approx([float(y.mean())])
+    w = torch.rand(3000, generator=g)
+    y = (torch.rand(3000, generator=g) < 0.5).float()
+    knots = fit_isotonic(torch.full((3000,), 0.1), y, w)
+    assert len(knots[0]) == 1 and knots[1][0] == pytest.approx(float((w * y).sum() / w.sum()))
+    cal = Calibration({"greedy": [(1.0, 0.0)]}, isotonic={"greedy": {1: knots}})
+    assert Calibration.load(cal.save(tmp_path).parent).isotonic == cal.isotonic
+    # Two logits, each in many slots: two knots, at those logits.
+    z = torch.tensor([0.0, 1.0]).repeat_interleave(1000)
+    xs, ps = fit_isotonic(z, (torch.arange(2000) % 4 < torch.where(z > 0, 3, 1)).float(), torch.ones(2000))
+    assert xs == pytest.approx([0.0, 1.0]) and ps == pytest.approx([0.25, 0.75])
+
+
+def test_half_precision_logits_read_finite_logits():
+    knots = ([0.0, 1.0, 2.0], [0.0, 0.5, 1.0])
+    for dtype in (torch.bfloat16, torch.float16):
+        out = isotonic_logit(torch.tensor([-3.0, 1.0, 5.0], dtype=dtype), knots)
+        assert out.dtype == dtype and torch.isfinite(out).all() and float(out[1]) == 0.0
+    assert isotonic_chance(torch.tensor(0.3), ([1.0], [0.4])).item() == pytest.approx(0.4)  # 0-dim, one knot
 
 
 def test_the_map_interpolates_between_knots_and_holds_flat_beyond():
@@ -93,8 +120,17 @@ def test_an_older_file_without_isotonic_maps_loads_as_platt_only(tmp_path):
     assert cal.apply(torch.tensor([1.0]), "greedy", 1).item() == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("knots", [[[1.0, 0.0], [0.2, 0.4]], [[0.0], [1.5]], [[], []], [[0.0, 1.0], [0.2]]])
+@pytest.mark.parametrize("knots", [[[1.0, 0.0], [0.2, 0.4]], [[0.0], [1.5]], [[], []], [[0.0, 1.0], [0.2]],
+                                   [[0.0, float("nan")], [0.2, 0.4]], [[float("-inf"), 0.0], [0.2, 0.4]],
+                                   [[0.0, 1.0], [0.6, 0.4]]])
 def test_malformed_knots_are_one_line_naming_the_file(tmp_path, knots):
     (tmp_path / FILE).write_text(json.dumps({"maps": {"greedy": [[1.0, 0.0]]}, "isotonic": {"greedy": {"1": knots}}}))
+    with pytest.raises(UserError, match="not a confidence calibration"):
+        Calibration.load(tmp_path)
+
+
+@pytest.mark.parametrize("isotonic", [[], {"greedy": [[0.0], [0.5]]}, {"greedy": {"x": [[0.0], [0.5]]}}])
+def test_a_malformed_isotonic_section_is_one_line_too(tmp_path, isotonic):
+    (tmp_path / FILE).write_text(json.dumps({"maps": {"greedy": [[1.0, 0.0]]}, "isotonic": isotonic}))
     with pytest.raises(UserError, match="not a confidence calibration"):
         Calibration.load(tmp_path)
