@@ -276,14 +276,17 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
         per, shared, iso = [], [], {}
         for k in range(1, int(slots.position.max()) + 1):
             at = slots.position == k
-            if (float(w[at].sum()) < MIN_WEIGHT or k in (share or {}).get(mode, ())
-                    or (halves is not None and halves_pooled is not None
-                        and not _own_map_generalises(halves, halves_pooled, mode, k))):
+            sparse = float(w[at].sum()) < MIN_WEIGHT or k in (share or {}).get(mode, ())
+            # Each half's own map at k, fitted once for both tests below.
+            own = None if sparse or halves is None else _half_maps(halves, mode, k)
+            if sparse or (halves is not None and halves_pooled is not None
+                          and (own is None or not _own_map_generalises(halves, halves_pooled, own, mode, k))):
                 per.append(pooled)
                 shared.append(k)
                 continue
             per.append(_fit(slots.logit[at], event[at], w[at]))
-            if k in (isotonic_at or {}).get(mode, ()) or (halves is not None and _isotonic_generalises(halves, mode, k)):
+            if (k in (isotonic_at or {}).get(mode, ())
+                    or (halves is not None and own is not None and _isotonic_generalises(halves, own, mode, k))):
                 iso[k] = fit_isotonic(slots.logit[at], event[at], w[at])
         maps[mode], pooled_at[mode], isotonic[mode] = per, shared, iso
     # Slots no decode reads (weight 0 in both modes) are not counted as fitted on.
@@ -291,17 +294,29 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
     return Calibration(maps, read, pooled_at, isotonic)
 
 
-def _isotonic_generalises(halves: tuple[HeldOutSlots, HeldOutSlots], mode: str, k: int) -> bool:
-    """Does position k's isotonic map, fitted on each half, predict the other half at k better
-    than its Platt map fitted there? Judged by the reach-weighted squared error (Brier): the
-    isotonic map says 0 or 1 at its ends, where a log loss would judge one miss as infinitely bad."""
-    iso = platt = 0.0
+def _half_maps(halves: tuple[HeldOutSlots, HeldOutSlots], mode: str,
+               k: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """Position k's Platt map fitted on each half, in the halves' order; None where a half has
+    too few slots to fit or the other half none to score it on (then k shares the pooled map)."""
+    maps = []
     for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+        at_fit, w = fit_on.position == k, fit_on.reach[mode]
+        if float(w[at_fit].sum()) < MIN_WEIGHT or float(score_on.reach[mode][score_on.position == k].sum()) <= 0:
+            return None
+        maps.append(_fit(fit_on.logit[at_fit], _event(fit_on, mode)[at_fit], w[at_fit]))
+    return maps[0], maps[1]
+
+
+def _isotonic_generalises(halves: tuple[HeldOutSlots, HeldOutSlots],
+                          own: tuple[tuple[float, float], tuple[float, float]], mode: str, k: int) -> bool:
+    """Does position k's isotonic map, fitted on each half, predict the other half at k better
+    than its Platt map fitted there (`own`, in the halves' order)? Judged by the reach-weighted
+    squared error (Brier): the isotonic map says 0 or 1 at its ends, where a log loss would judge
+    one miss as infinitely bad."""
+    iso = platt = 0.0
+    for (fit_on, score_on), (a, b) in zip(((halves[0], halves[1]), (halves[1], halves[0])), own):
         at_fit, at_score = fit_on.position == k, score_on.position == k
         z, y, w = fit_on.logit[at_fit], _event(fit_on, mode)[at_fit], fit_on.reach[mode][at_fit]
-        if float(w.sum()) < MIN_WEIGHT or float(score_on.reach[mode][at_score].sum()) <= 0:
-            return False
-        a, b = _fit(z, y, w)
         zs = score_on.logit[at_score].double().cpu()
         ys, ws = _event(score_on, mode)[at_score].double().cpu(), score_on.reach[mode][at_score].double().cpu()
         iso += float((ws * (isotonic_chance(zs, fit_isotonic(z, y, w)) - ys) ** 2).sum())
@@ -310,18 +325,16 @@ def _isotonic_generalises(halves: tuple[HeldOutSlots, HeldOutSlots], mode: str, 
 
 
 def _own_map_generalises(halves: tuple[HeldOutSlots, HeldOutSlots],
-                         halves_pooled: tuple[tuple[float, float], tuple[float, float]], mode: str, k: int) -> bool:
-    """Does position k's own map, fitted on each half, predict the other half at k better than
-    that half's pooled map (`halves_pooled`, in the halves' order) does?"""
-    own = pooled = 0.0
-    for (fit_on, score_on), fit_pooled in zip(((halves[0], halves[1]), (halves[1], halves[0])), halves_pooled):
-        at_fit, at_score = fit_on.position == k, score_on.position == k
-        w = fit_on.reach[mode]
-        if float(w[at_fit].sum()) < MIN_WEIGHT or float(score_on.reach[mode][at_score].sum()) <= 0:
-            return False
-        own += _log_loss(score_on, mode, _fit(fit_on.logit[at_fit], _event(fit_on, mode)[at_fit], w[at_fit]), at_score)
+                         halves_pooled: tuple[tuple[float, float], tuple[float, float]],
+                         own: tuple[tuple[float, float], tuple[float, float]], mode: str, k: int) -> bool:
+    """Does position k's own map, fitted on each half (`own`), predict the other half at k better
+    than that half's pooled map (`halves_pooled`) does? Both in the halves' order."""
+    mine = pooled = 0.0
+    for score_on, fit_own, fit_pooled in zip((halves[1], halves[0]), own, halves_pooled):
+        at_score = score_on.position == k
+        mine += _log_loss(score_on, mode, fit_own, at_score)
         pooled += _log_loss(score_on, mode, fit_pooled, at_score)
-    return own < pooled
+    return mine < pooled
 
 
 def weighted_ece(conf: torch.Tensor, event: torch.Tensor, weight: torch.Tensor, bins: int = 10) -> float:
