@@ -5,7 +5,7 @@ weighted by exp(-k / gamma) (k from 0) and normalised by the number of supervise
 `confidence_w * BCE(confidence, c*)` with the same weights, where c* is the event the served
 decoding accepts on: the greedy match (draft argmax == target argmax) for greedy serving, or
 1 - TV (speculative sampling's acceptance probability) for sampled serving. Targets are the frozen
-verifier lm_head rows of the draft vocab applied to the captured last hidden state.
+verifier's own logits (hpc.model.teacher) over the draft vocab, from the captured last hidden state.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hpc.model import metrics as M
 from hpc.model.blocks import check_attention, flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
-from hpc.model.layers import RMSNorm
+from hpc.model.teacher import VerifierHead
 
 
 @dataclass
@@ -70,33 +69,6 @@ class PackedRow:
         assert self.doc_ids_T is not None and self.position_ids_T is not None  # __post_init__ fills them
         return PackedRow(self.input_ids_T.to(device), self.loss_mask_T.to(device), self.aux_TnH.to(device),
                          self.last_hidden_TH.to(device), self.doc_ids_T.to(device), self.position_ids_T.to(device))
-
-
-class VerifierHead(nn.Module):
-    """Frozen verifier lm_head rows of the draft vocab, with its final norm when asked for."""
-
-    draft_rows_DH: torch.Tensor  # buffers, registered in __init__
-    full_VH: torch.Tensor | None
-    t2d_V: torch.Tensor
-
-    def __init__(self, lm_head_VH: torch.Tensor, t2d_V: torch.Tensor, norm_weight_H: torch.Tensor | None = None,
-                 eps: float = 1e-6, keep_full: bool = False):
-        super().__init__()
-        self.register_buffer("draft_rows_DH", lm_head_VH[t2d_V].clone())
-        # The full head only serves the off-vocab mass metric; at Kimi scale it is 2.3 GB.
-        self.register_buffer("full_VH", lm_head_VH.clone() if keep_full else None)
-        self.register_buffer("t2d_V", t2d_V.clone())
-        self.norm = None
-        if norm_weight_H is not None:
-            self.norm = RMSNorm(norm_weight_H.numel(), eps)
-            self.norm.weight.data.copy_(norm_weight_H)
-        self.requires_grad_(False)
-
-    def hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(last_hidden) if self.norm is not None else last_hidden
-
-    def forward(self, last_hidden_SH: torch.Tensor) -> torch.Tensor:
-        return self.hidden(last_hidden_SH).to(self.draft_rows_DH.dtype) @ self.draft_rows_DH.T
 
 
 def slot_decay(block_size: int, gamma: float, sample_from_anchor: bool, device=None) -> torch.Tensor:
@@ -235,5 +207,5 @@ def dspark_loss(
         if head.full_VH is not None:
             sample = out_b.target_idx_NB.flatten()[valid_NB.flatten()][:256]
             out["target_mass_outside_vocab"] = M.mass_outside_draft_vocab(
-                head.hidden(row.last_hidden_TH[sample]), head.full_VH, head.t2d_V)
+                head.full_logits(row.last_hidden_TH[sample]), head.t2d_V)
     return loss, out

@@ -41,15 +41,13 @@ def greedy_acceptance(draft_logits_NBD: torch.Tensor, target_logits_NBD: torch.T
     return (draft_logits_NBD.argmax(-1) == target_logits_NBD.argmax(-1)).float()
 
 
-def mass_outside_draft_vocab(
-    last_hidden_TH: torch.Tensor, lm_head_VH: torch.Tensor, t2d_V: torch.Tensor
-) -> torch.Tensor:
+def mass_outside_draft_vocab(target_logits_TV: torch.Tensor, t2d_V: torch.Tensor) -> torch.Tensor:
     """Mean target probability on ids the draft cannot propose.
 
     Targets renormalised over the draft vocab overstate acceptance exactly by this mass, so it
     is logged beside every acceptance estimate.
     """
-    logits_TV = last_hidden_TH.float() @ lm_head_VH.float().T
+    logits_TV = target_logits_TV.float()
     lse_all_T = torch.logsumexp(logits_TV, -1)
     lse_kept_T = torch.logsumexp(logits_TV[:, t2d_V], -1)
     return (1.0 - torch.exp(lse_kept_T - lse_all_T)).mean()

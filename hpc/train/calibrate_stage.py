@@ -187,10 +187,9 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     Returns the metrics to log; {} when there is nothing to calibrate (said in one line)."""
     from hpc.dist.planes import rank_device
     from hpc.model.export import is_export, load_draft
-    from hpc.model.loss import VerifierHead
+    from hpc.model.teacher import target_head
     from hpc.train.driver import make_capture
     from hpc.train.online import autocast_dtype
-    from hpc.train.target_weights import load_target_tensors
 
     out = Path(cfg.train.output_dir)
     export = out / "export"
@@ -213,9 +212,7 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     if draft.confidence_head is None:
         print(f"calibrate: {export} has no confidence head; nothing to calibrate", flush=True)
         return {}
-    t = load_target_tensors(cfg.verifier.model)
-    head = VerifierHead(t["lm_head"].float(), draft.t2d.cpu(),
-                        t["norm"].float() if cfg.train.apply_verifier_norm else None).to(device)
+    head = target_head(cfg.verifier.model, draft.t2d.cpu(), pre_norm=cfg.train.apply_verifier_norm).to(device)
     capture, server = make_capture(cfg, str(device), out)
     try:
         fitted = fit_held_out(draft, head, capture, held, device, amp, quiet=quiet, where=where,

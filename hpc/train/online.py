@@ -23,11 +23,11 @@ from hpc.errors import EXIT_REQUEUE
 from hpc.fsio import atomic_path
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
-from hpc.model.loss import VerifierHead
+from hpc.model.target_weights import load_target_tensors
+from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.train.loop import RequeueRequested, Trainer
 from hpc.train.sources import epoch_sequence
-from hpc.train.target_weights import load_target_tensors
 
 EXIT_PEER_DIED = 3  # a trainer whose streamer (or another trainer) is gone: checkpointed, resumable
 EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never started
@@ -98,7 +98,7 @@ def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm:
     """The draft with the target's frozen embedding and lm_head rows, and the verifier head."""
     from hpc.verifier.target_files import text_config
 
-    tensors = load_target_tensors(target_dir)
+    tensors = load_target_tensors(target_dir, ("embed_tokens", *TEACHER_ROLES))
     vocab = load_file(str(vocab_file))
     positions = text_config(target_dir).get("max_position_embeddings")
     model = DSparkDraft(replace(args, max_position_embeddings=int(positions)) if positions else args)
@@ -109,7 +109,7 @@ def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm:
     # than random, and what speculators does.
     model.lm_head.weight.data.copy_(tensors["lm_head"].float()[vocab["t2d"]])
     model.lm_head.weight.requires_grad_(train_lm_head)
-    head = VerifierHead(tensors["lm_head"].float(), vocab["t2d"], tensors["norm"].float() if norm else None)
+    head = target_head(target_dir, vocab["t2d"], pre_norm=norm, tensors=tensors)
     return model, head
 
 

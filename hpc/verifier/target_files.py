@@ -72,12 +72,3 @@ def final_norm_weight(model: str | Path) -> torch.Tensor:
     shard = target_file(model, weight_map[found[0]]) if index is not None else target_file(model, SINGLE)
     with safe_open(shard, framework="pt") as fh:
         return fh.get_tensor(found[0])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / rms(x)` as HF's Llama/Qwen3/DeepseekV3 RMSNorm computes it: statistics in
-    fp32, the product in the input dtype (so bf16 captures round as the target's own norm does).
-    Models whose norm scales by (1 + weight), e.g. Gemma, would need their own variant."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(x.dtype) * normed.to(x.dtype)

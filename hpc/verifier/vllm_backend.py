@@ -36,10 +36,11 @@ from safetensors import SafetensorError, safe_open
 
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError, VerifierDown
+from hpc.model.teacher import target_transform
 from hpc.net import free_port
 from hpc.proc import log_tail
 from hpc.stream.sample import Capture
-from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
+from hpc.verifier.target_files import final_norm_weight, text_config
 from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
 
 # capture_connector.py imports vllm, which lives only in vLLM's venv: refer to it by file and
@@ -194,7 +195,7 @@ class VLLMVerifier:
         tcfg = text_config(cfg.model)
         self.n_layers = int(tcfg["num_hidden_layers"])
         self.hidden = int(tcfg["hidden_size"])
-        self.eps = float(tcfg.get("rms_norm_eps", 1e-6))
+        self.transform = target_transform(cfg.model)  # the family's final norm (Gemma's is 1 + w)
         self.aux_layer_ids = list(cfg.aux_layer_ids)
         self.layer_ids = capture_layer_ids(self.aux_layer_ids, self.n_layers)
         self.final_hidden = FinalHidden(cfg.final_hidden)
@@ -295,7 +296,7 @@ class VLLMVerifier:
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
         out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]].float()
         if self.norm_weight is not None:  # the last column becomes the post-norm hidden
-            out[:, -1] = rms_norm(out[:, -1], self.norm_weight, self.eps).float()
+            out[:, -1] = self.transform.final_norm(out[:, -1], self.norm_weight).float()
         return Capture.from_states(sample_id, torch.tensor(ids, dtype=torch.long),
                                    torch.as_tensor(loss_mask, dtype=torch.long), out)
 

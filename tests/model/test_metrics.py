@@ -49,11 +49,10 @@ def test_greedy_acceptance():
 
 
 def test_mass_outside_draft_vocab():
-    # hidden = [1], lm_head rows give logits [0, ln 3] -> probs [0.25, 0.75]; keep id 1 only.
-    h = torch.tensor([[1.0]])
-    w = torch.tensor([[0.0], [math.log(3.0)]])
+    # logits [0, ln 3] -> probs [0.25, 0.75]; keep id 1 only.
+    logits = torch.tensor([[0.0, math.log(3.0)]])
     t2d = torch.tensor([False, True])
-    assert mass_outside_draft_vocab(h, w, t2d).item() == pytest.approx(0.25, abs=1e-6)
+    assert mass_outside_draft_vocab(logits, t2d).item() == pytest.approx(0.25, abs=1e-6)
 
 
 def test_brier_and_ece():

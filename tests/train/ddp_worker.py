@@ -85,7 +85,7 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
 def _tiny_trainer(planes, out_dir: str):
     """A Trainer of the tiny test draft on the trainers' two groups: 2 samples per step, no checkpoints."""
     from hpc.config.schema import TrainConfig
-    from hpc.model.loss import VerifierHead
+    from hpc.model.teacher import VerifierHead
     from hpc.train.loop import Trainer
     from tests.model.test_dspark import D, H, V, tiny_model
 

@@ -13,10 +13,10 @@ from hpc.errors import UserError
 from hpc.model.calibrate import FILE, Calibration
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import export_draft, load_draft
+from hpc.model.target_weights import load_target_tensors
 from hpc.model.vocab import mapping_from_selected
 from hpc.train.calibrate_stage import calibrate_export
 from hpc.train.prepare import split_held_out
-from hpc.train.target_weights import load_target_tensors
 from tests.train.test_resume import H, V, target_dir  # noqa: F401 - the tiny random Qwen3 target, a fixture
 
 D = 64

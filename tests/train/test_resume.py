@@ -13,11 +13,11 @@ from hpc.config.schema import TrainConfig
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.loss import VerifierHead
+from hpc.model.target_weights import load_target_tensors
 from hpc.model.vocab import mapping_from_selected
 from hpc.train.checkpoint import list_checkpoints
 from hpc.train.loop import RequeueRequested, Trainer
 from hpc.train.sources import local_micro_batches
-from hpc.train.target_weights import load_target_tensors
 from hpc.verifier.hf_backend import HFVerifier
 
 V, H = 96, 32

@@ -16,11 +16,12 @@ from safetensors.torch import save_file
 
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError
+from hpc.model.teacher import target_transform
 from hpc.net import free_port
 from hpc.verifier import vllm_backend
 from hpc.verifier.data import to_messages, tokenize_conversation
 from hpc.verifier.hf_backend import HFVerifier
-from hpc.verifier.target_files import final_norm_weight, rms_norm, text_config
+from hpc.verifier.target_files import final_norm_weight, text_config
 from hpc.verifier.vllm_backend import (
     CaptureError,
     VLLMVerifier,
@@ -85,8 +86,7 @@ def test_norm_from_safetensors_matches_hf(toy_target):
     x = torch.randn(5, int(text_config(toy_target)["hidden_size"]))
     weight = final_norm_weight(toy_target)
     assert torch.equal(weight, hf.model.model.norm.weight.detach())
-    eps = float(text_config(toy_target)["rms_norm_eps"])
-    assert torch.allclose(rms_norm(x, weight, eps), hf.model.model.norm(x), atol=1e-6)
+    assert torch.allclose(target_transform(toy_target).final_norm(x, weight), hf.model.model.norm(x), atol=1e-6)
 
 
 @pytest.mark.slow
@@ -100,8 +100,7 @@ def test_deepseek_toy_captures_through_hf(toy_deepseek):
     hidden = int(text_config(toy_deepseek)["hidden_size"])
     assert pre.aux_TnH.shape == (40, 2, hidden) and post.last_hidden_TH.shape == (40, hidden)
     assert torch.isfinite(pre.aux_TnH).all() and torch.isfinite(post.last_hidden_TH).all()
-    eps = float(text_config(toy_deepseek)["rms_norm_eps"])
-    ours = rms_norm(pre.last_hidden_TH, final_norm_weight(toy_deepseek), eps)
+    ours = target_transform(toy_deepseek).final_norm(pre.last_hidden_TH, final_norm_weight(toy_deepseek))
     print(f"deepseek toy: post-norm ours vs HF max abs diff {(ours - post.last_hidden_TH).abs().max():.2e}")
     assert torch.allclose(ours, post.last_hidden_TH, atol=1e-5)
 

@@ -16,7 +16,9 @@ ROLES = {
     "lm_head": ("lm_head.weight",),
     "embed_tokens": ("model.embed_tokens.weight", "embed_tokens.weight"),
     "norm": ("model.norm.weight", "norm.weight"),
+    "lm_head_bias": ("lm_head.bias",),
 }
+OPTIONAL = ("lm_head_bias",)  # most heads have no bias; a missing one is not an error
 
 
 def _index(model_dir: Path) -> dict[str, str]:
@@ -39,6 +41,8 @@ def load_target_tensors(model_dir: str | Path, roles=("lm_head", "embed_tokens",
         if name is None:
             if role == "lm_head":  # tied embeddings: the head is the embedding
                 name = next((n for s in ROLES["embed_tokens"] for n in weight_map if n.endswith(s)), None)
+            if name is None and role in OPTIONAL:
+                continue
             if name is None:
                 raise UserError(f"{model_dir}: no tensor for {role} (looked for {', '.join(ROLES[role])})")
         with safe_open(str(model_dir / weight_map[name]), "pt") as f:
