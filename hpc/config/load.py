@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.target import follow_target, written_keys
 from hpc.errors import ConfigError, UserError
 
 
@@ -292,9 +293,14 @@ def load_config_collecting(
     """Like load_config, but returns the problems; bad leaves keep their schema defaults."""
     cfg = _schema()
     problems: list[str] = []
+    written: set[str] = set()
     if path is not None:
-        _apply(cfg, _read_yaml(Path(path)), "", str(path), problems)
+        data = _read_yaml(Path(path))
+        written = written_keys(data)
+        _apply(cfg, data, "", str(path), problems)
     _apply_overrides(cfg, list(overrides or []), problems)
+    written |= {key for key, _ in _parse_overrides(list(overrides or []), [])}
+    follow_target(cfg, written)
     return cfg, problems
 
 

@@ -127,7 +127,8 @@ class DraftConfig:
     """The DSpark draft: a DFlash backbone of Qwen3 layers plus Markov and confidence heads."""
 
     num_hidden_layers: int = 3
-    hidden_size: int = 7168
+    # The draft embeds tokens with the target's embed_tokens, so its width is the target's.
+    hidden_size: int = "${verifier.hidden_size}"  # type: ignore[assignment]
     # 56 x 128 = 7168 = hidden: with these dims the draft is the card's 6.3 GB in bf16.
     num_attention_heads: int = 56
     num_key_value_heads: int = 8
@@ -327,3 +328,11 @@ class DSparkConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     # One training array task per combination, e.g. {"train.lr": [3e-4, 1e-4]}.
     sweep: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Built in code (tests, gpu-check) rather than loaded, the schema's interpolations are
+        # still strings: give them the values OmegaConf would.
+        if isinstance(self.draft.hidden_size, str):
+            self.draft.hidden_size = self.verifier.hidden_size
+        if isinstance(self.data.draft_vocab_size, str):
+            self.data.draft_vocab_size = self.draft.draft_vocab_size

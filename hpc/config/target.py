@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from hpc.config.schema import DSparkConfig, VerifierConfig
 from hpc.errors import UserError
@@ -109,3 +111,40 @@ def localize(cfg: DSparkConfig) -> DSparkConfig:
         return cfg
     path = resolve_target(v.model, v.revision, v.offline, token=v.env.get("HF_TOKEN"))
     return replace(cfg, verifier=localized(v, path))
+
+
+# The target's dims the config repeats (the draft's width follows verifier.hidden_size).
+TARGET_DIMS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def written_keys(data: Mapping, prefix: str = "") -> set[str]:
+    """Every dotted key a YAML mapping writes a value at."""
+    out: set[str] = set()
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        out.add(full)
+        if isinstance(value, Mapping):
+            out |= written_keys(value, full)
+    return out
+
+
+def follow_target(cfg: Any, written: set[str]) -> None:
+    """The target dims the user left out of `verifier` take the values of the target's own
+    config.json when it is on this machine (a directory or the HF cache, never the network), so
+    a recipe moves to another target by changing verifier.model alone. `cfg`: the DictConfig."""
+    missing = [k for k in TARGET_DIMS if f"verifier.{k}" not in written]
+    model = cfg.verifier.get("model") if missing else None
+    if not isinstance(model, str) or not model:
+        return
+    try:
+        where = cached_config_dir(model, cfg.verifier.get("revision"))
+        if where is None or not (where / "config.json").is_file():
+            return
+        data = read_config_json(where / "config.json", model)
+    except (UserError, OSError):
+        return  # validate names an unreadable config.json in its own line
+    text = data.get("text_config") or data
+    for key in missing:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            cfg.verifier[key] = value

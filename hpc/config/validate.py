@@ -7,48 +7,17 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.schema import DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
-from hpc.errors import UserError
+from hpc.config.validate_target import TargetShape, check_target, shape_once
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class TargetShape:
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    source: str  # where the numbers came from, for messages
-    architectures: tuple[str, ...] = ()  # the target's model classes, when its config.json was read
-
-
-def target_shape(cfg: DSparkConfig) -> TargetShape:
-    """The target's real dims from its config.json when it is local (a directory or the HF
-    cache: never the network, login nodes often have none), else the configured ones."""
-    from hpc.config.target import cached_config_dir, read_config_json
-
-    v = cfg.verifier
-    where = cached_config_dir(v.model, v.revision)
-    config_json = where / "config.json" if where is not None else None
-    if config_json is not None and config_json.is_file():
-        outer = read_config_json(config_json, v.model)
-        data = outer.get("text_config") or outer  # multimodal wrappers keep the LM dims nested
-        return TargetShape(
-            data.get("num_hidden_layers", v.num_hidden_layers),
-            data.get("hidden_size", v.hidden_size),
-            data.get("vocab_size", v.vocab_size),
-            str(config_json),
-            tuple(outer.get("architectures") or ()),
-        )
-    return TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*")
 
 
 def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
@@ -92,19 +61,6 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         c.fail("verifier.aux_layer_ids", ids, "need at least one layer id, e.g. [1, 29, 57]")
     if len(set(ids)) != len(ids) or ids != sorted(ids):
         c.fail("verifier.aux_layer_ids", ids, "must be strictly increasing without repeats")
-    for i in ids:
-        if not 0 <= i <= shape.num_hidden_layers:
-            c.fail(
-                "verifier.aux_layer_ids", ids,
-                f"id {i} outside 0..{shape.num_hidden_layers} (the target has "
-                f"{shape.num_hidden_layers} layers per {shape.source}); pick ids in that range",
-            )
-            break
-    if shape.source != "verifier.*":
-        for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-            mine, real = getattr(v, key), getattr(shape, key)
-            if mine != real:
-                c.fail(f"verifier.{key}", mine, f"the target's config.json says {real}; set verifier.{key}={real}")
     c.positive("verifier.tensor_parallel_size", v.tensor_parallel_size)
     gpus = cfg.cluster.gpus_per_node
     if gpus > 0 and v.tensor_parallel_size > gpus:
@@ -158,32 +114,18 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         c.fail("verifier.final_hidden", v.final_hidden.value, norm_msg)
 
 
-def _check_draft(c: Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
+def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
     d = cfg.draft
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "block_size", "draft_vocab_size"):
         c.positive(f"draft.{key}", getattr(d, key))
     c.positive("draft.rope_theta", d.rope_theta)
     c.positive("draft.rms_norm_eps", d.rms_norm_eps)
-    if d.num_attention_heads > 0 and d.head_dim > 0 and d.num_attention_heads * d.head_dim != d.hidden_size:
-        c.fail("draft.num_attention_heads", d.num_attention_heads,
-               f"heads x head_dim = {d.num_attention_heads * d.head_dim} != draft.hidden_size={d.hidden_size}; "
-               "make them equal (e.g. 56 x 128 = 7168)")
     if d.num_key_value_heads > 0 and d.num_attention_heads % d.num_key_value_heads:
         c.fail("draft.num_key_value_heads", d.num_key_value_heads,
                f"must divide draft.num_attention_heads={d.num_attention_heads} (grouped-query attention)")
-    if d.hidden_size != shape.hidden_size:
-        c.fail("draft.hidden_size", d.hidden_size,
-               f"must equal the target hidden size {shape.hidden_size}: the draft embeds tokens with the "
-               "target's embed_tokens")
     if d.head_dim % 2:
         c.fail("draft.head_dim", d.head_dim, "must be even for rotary embeddings")
-    if not 0 <= d.mask_token_id < shape.vocab_size:
-        c.fail("draft.mask_token_id", d.mask_token_id,
-               f"outside the target vocab 0..{shape.vocab_size - 1}; use a reserved id of the target tokenizer")
-    if d.draft_vocab_size > shape.vocab_size:
-        c.fail("draft.draft_vocab_size", d.draft_vocab_size,
-               f"larger than the target vocab {shape.vocab_size}; set it <= {shape.vocab_size}")
     c.nonneg("draft.markov_rank", d.markov_rank)
     c.one_of("draft.markov_head_type", d.markov_head_type, MARKOV_HEADS)
     if d.markov_rank == 0 and not d.enable_confidence_head and d.sample_from_anchor:
@@ -343,24 +285,6 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
                    "train.dist_backend=gloo, or run on a GPU node")
 
 
-def _shape_once(c: Checker, cfg: DSparkConfig, shapes: dict | None) -> TargetShape:
-    """`target_shape`, read once per target when a sweep validates many variants of one config
-    (`shapes` is shared between the calls). An unreadable config.json is one problem among the
-    rest, not a crash."""
-    v = cfg.verifier
-    which = (v.model, v.revision, v.num_hidden_layers, v.hidden_size, v.vocab_size)
-    shapes = {} if shapes is None else shapes
-    if which not in shapes:
-        try:
-            shapes[which] = (target_shape(cfg), None)
-        except UserError as err:
-            shapes[which] = (TargetShape(v.num_hidden_layers, v.hidden_size, v.vocab_size, "verifier.*"), str(err))
-    shape, problem = shapes[which]
-    if problem:
-        c.problems.append(problem)
-    return shape
-
-
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
              check_vllm: bool = True, shapes: dict | None = None) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit. `shapes`: a
@@ -378,10 +302,11 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
         runs_here = cfg.cluster.executor == "local"
     if runs_here:
         _check_devices_here(c, cfg)
-    shape = _shape_once(c, cfg, shapes)
+    shape = shape_once(c, cfg, shapes)
     _check_cluster(c, cfg)
     _check_verifier(c, cfg, shape, check_vllm)
-    _check_draft(c, cfg, shape)
+    _check_draft(c, cfg)
+    check_target(c, cfg, shape)
     _check_data(c, cfg)
     _check_train(c, cfg)
     _check_stream(c, cfg)

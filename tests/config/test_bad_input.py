@@ -205,7 +205,7 @@ def test_a_sweep_reads_the_yaml_and_the_target_once(monkeypatch):
     """Each variant is the loaded config plus its dotlist: re-reading the YAML and the target's
     config.json per variant made a 9-variant validate take over a second."""
     import hpc.config.load as load
-    import hpc.config.validate as validate
+    import hpc.config.validate_target as validate_target
 
     calls = {"yaml": 0, "shape": 0}
 
@@ -216,7 +216,7 @@ def test_a_sweep_reads_the_yaml_and_the_target_once(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(load, "_read_yaml", counted("yaml", load._read_yaml))
-    monkeypatch.setattr(validate, "target_shape", counted("shape", validate.target_shape))
+    monkeypatch.setattr(validate_target, "target_shape", counted("shape", validate_target.target_shape))
     cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 2e-4, 3e-4], train.seed: [0, 1, 2]}"], check_tracking=False)
     assert cfg.sweep == {"train.lr": [1e-4, 2e-4, 3e-4], "train.seed": [0, 1, 2]}
     assert calls == {"yaml": 1, "shape": 1}
