@@ -34,6 +34,10 @@ from hpc.track.keys import (
 
 OUR_DRAFT = "dspark"
 MISSING = "-"
+# A column on another engine than the baseline column's: its speedup is against a baseline the
+# table does not show, and read beside the others it sets a torch loop's step savings against
+# serving throughput, which measures the engines, not the draft.
+ENGINES_DIFFER = "n/a (engines differ)"
 
 
 @dataclass(frozen=True)
@@ -65,17 +69,22 @@ def _draft_title(draft: str) -> str:
     return "DSpark" if draft == OUR_DRAFT else draft
 
 
+def draft_column(label: str, method: str) -> str:
+    """Our --draft is one column; other drafts, our ablations among them, keep their names."""
+    return OUR_DRAFT if method == "dspark" and label.lower() == OUR_DRAFT else label
+
+
 def _benchmarks(evals: list[EvalRecord]) -> list[str]:
     seen = {k.split("/", 1)[0] for e in evals for k in e.metrics if "/" in k} - {MEAN}
     return [b for b in BENCHMARKS if b in seen] + sorted(seen - set(BENCHMARKS))
 
 
 def _cell(tok_s: float | None, speedup: float | None, accept_len: float | None,
-          lo: float | None = None, hi: float | None = None) -> str:
+          lo: float | None = None, hi: float | None = None, engines_differ: bool = False) -> str:
     if tok_s is None and speedup is None and accept_len is None:
         return MISSING
-    speed = MISSING
-    if speedup is not None:
+    speed = ENGINES_DIFFER if engines_differ else MISSING
+    if speedup is not None and not engines_differ:
         speed = f"{speedup:.2f}x" + ("!" if implausible(speedup, accept_len) else "")
         if lo is not None and hi is not None:
             speed += f" [{lo:.2f}-{hi:.2f}]"
@@ -99,7 +108,8 @@ def card_table(evals: list[EvalRecord]) -> Table:
     pipelines, each pipeline's columns in turn, prefixed by its label. A later record for the
     same (pipeline, draft, n) replaces an earlier one, so pass them oldest first. `best` is the
     column with the highest speedup (first one on a tie). In the mean row, `rows` is the total
-    and speedup/accept_len are the runner's `mean/*` metrics when logged.
+    and speedup/accept_len are the runner's `mean/*` metrics when logged. A column on another
+    engine than the baseline column's (vLLM's, when any column ran on it) shows no speedup.
     """
     latest: dict[tuple[str, str, int, float], EvalRecord] = {}
     pipelines: list[str] = []
@@ -117,41 +127,44 @@ def card_table(evals: list[EvalRecord]) -> Table:
     ordered.sort(key=lambda e: (e.engine not in ("", "vllm"), pipelines.index(e.pipeline)))
     engines = [rec.engine or "vllm" for rec in records]
     mixed = len(set(engines)) > 1
+    base_engine = (ordered[0].engine or "vllm") if ordered else "vllm"
+    on_base = [e for e in ordered if (e.engine or "vllm") == base_engine]  # the baseline column's engine only
+    off = [engine != base_engine for engine in engines]  # no speedup against another engine's baseline
 
     rows: list[list[str]] = []
     totals: dict[str, list[float]] = {}
     per_record: list[dict[str, list[float]]] = [{"tok_s": [], "speedup": [], "accept_len": []} for _ in records]
     for bench in _benchmarks(evals):
-        n_rows, baseline = _first(ordered, metric(bench, "rows")), _first(ordered, metric(bench, "baseline_tok_s"))
+        n_rows, baseline = _first(ordered, metric(bench, "rows")), _first(on_base, metric(bench, "baseline_tok_s"))
         if n_rows is not None:
             totals.setdefault("rows", []).append(n_rows)
         if baseline is not None:
             totals.setdefault("baseline", []).append(baseline)
         cells, scores = [], []
-        for rec, acc in zip(records, per_record):
+        for rec, acc, cross in zip(records, per_record, off):
             vals = {m: rec.metrics.get(metric(bench, m)) for m in ("tok_s", "speedup", "accept_len", "speedup_lo",
                                                                    "speedup_hi")}
             for m, v in vals.items():
                 if v is not None:
                     acc.setdefault(m, []).append(v)
             cells.append(_cell(vals["tok_s"], vals["speedup"], vals["accept_len"], vals["speedup_lo"],
-                               vals["speedup_hi"]))
+                               vals["speedup_hi"], cross))
             scores.append(vals)
         rows.append([bench, MISSING if n_rows is None else str(int(n_rows)),
                      MISSING if baseline is None else f"{baseline:.1f}", *cells, _best(titles, scores, mixed)])
 
     mean_cells, mean_scores = [], []
-    for rec, acc in zip(records, per_record):
+    for rec, acc, cross in zip(records, per_record, off):
         vals = {"speedup": rec.metrics.get(MEAN_SPEEDUP, _mean(acc["speedup"])),
                 "accept_len": rec.metrics.get(MEAN_ACCEPT_LEN, _mean(acc["accept_len"])),
                 "speedup_lo": _mean(acc.get("speedup_lo", [])), "speedup_hi": _mean(acc.get("speedup_hi", []))}
         mean_cells.append(_cell(_mean(acc["tok_s"]), vals["speedup"], vals["accept_len"], vals["speedup_lo"],
-                                vals["speedup_hi"]))
+                                vals["speedup_hi"], cross))
         mean_scores.append(vals)
     total_rows, mean_base = totals.get("rows"), _mean(totals.get("baseline", []))
     rows.append(["mean", MISSING if not total_rows else str(int(sum(total_rows))),
                  MISSING if mean_base is None else f"{mean_base:.1f}", *mean_cells, _best(titles, mean_scores, mixed)])
-    base_title = f"baseline tok/s ({ordered[0].engine or 'vllm'})" if mixed and ordered else "baseline tok/s"
+    base_title = f"baseline tok/s ({base_engine})" if mixed else "baseline tok/s"
     return Table(["benchmark", "rows", base_title, *titles, "best"], rows)
 
 
@@ -248,9 +261,7 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
                 n = int(tags.get(SPEC_N, ""))
             except ValueError:
                 continue  # not an eval this table can place; the runner always sets n
-            # Our --draft is one column; other drafts, our ablations among them, keep their names.
-            label = tags.get(DRAFT, OUR_DRAFT)
-            draft = OUR_DRAFT if tags.get(METHOD) == "dspark" and label.lower() == OUR_DRAFT else label
+            draft = draft_column(tags.get(DRAFT, OUR_DRAFT), tags.get(METHOD, ""))
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
                                   dict(run.data.metrics), tags.get(METHOD, ""),
                                   tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0)))
@@ -338,6 +349,9 @@ def legend(table: Table) -> str:
         lines.append(f"x!: a speedup above tau x {NOISE_SLACK:g} is impossible: timing noise, never chosen as best")
     if "(by tau)" in text:
         lines.append("best (by tau): timing could not separate the columns, so the longest acceptance is named")
+    if ENGINES_DIFFER in text:
+        lines.append(f"{ENGINES_DIFFER}: the column ran on another engine than the baseline column; a speedup "
+                     "read across engines measures the engines, not the draft: compare tau")
     return "\n\n" + "\n".join(lines) if lines else ""
 
 

@@ -27,25 +27,25 @@ SPEC_PREFIX = "vllm:spec_decode_"
 class Counters:
     """Cumulative spec-decode counters; a benchmark's numbers are the delta of two reads."""
 
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
+    verify_steps: int = 0  # vLLM's num_drafts: one per target forward that verified a draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def minus(self, before: Counters) -> Counters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
-        return Counters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                        self.accepted - before.accepted,
+        return Counters(self.verify_steps - before.verify_steps, self.drafted_tokens - before.drafted_tokens,
+                        self.accepted_tokens - before.accepted_tokens,
                         [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))])
 
     @property
     def accept_len(self) -> float | None:
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
     def per_position(self, n: int) -> list[float]:
         pos = (self.accepted_per_pos + [0] * n)[:n]
-        return [a / self.drafts if self.drafts else 0.0 for a in pos]
+        return [a / self.verify_steps if self.verify_steps else 0.0 for a in pos]
 
 
 def parse_spec_metrics(text: str) -> Counters:
@@ -54,7 +54,8 @@ def parse_spec_metrics(text: str) -> Counters:
 
     out = Counters()
     per_pos: dict[int, int] = {}
-    names = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted"}
+    names = {"num_drafts": "verify_steps", "num_draft_tokens": "drafted_tokens",
+             "num_accepted_tokens": "accepted_tokens"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if not s.name.startswith(SPEC_PREFIX) or not s.name.endswith("_total"):
@@ -115,8 +116,8 @@ class ReferenceEngine:
         self.steps: list[tuple[list[float], list[int]]] = []  # (confidences, accepted) per verify step
 
     def counters(self) -> Counters:
-        return Counters(self._total.drafts, self._total.draft_tokens, self._total.accepted,
-                        list(self._total.accepted_per_pos))
+        t = self._total
+        return Counters(t.verify_steps, t.drafted_tokens, t.accepted_tokens, list(t.accepted_per_pos))
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
         import torch
@@ -133,8 +134,9 @@ class ReferenceEngine:
                                           record=self.steps, temperature=self.temperature, generator=gen)
         wall = time.perf_counter() - t0
         t = self._total
-        t.drafts, t.draft_tokens, t.accepted = t.drafts + stats.drafts, t.draft_tokens + stats.draft_tokens, \
-            t.accepted + stats.accepted
+        t.verify_steps += stats.verify_steps
+        t.drafted_tokens += stats.drafted_tokens
+        t.accepted_tokens += stats.accepted_tokens
         t.accepted_per_pos = [a + b for a, b in zip(t.accepted_per_pos, stats.accepted_per_pos)]
         return len(out), wall
 

@@ -19,6 +19,9 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+# Result-file keys before the counts were named for what they count -> their names now.
+LEGACY_NAMES = {"drafts": "verify_steps", "accepted": "accepted_tokens"}
+
 
 @dataclass
 class BenchResult:
@@ -35,8 +38,9 @@ class BenchResult:
     wall_s: float
     max_tokens: int
     concurrency: int = 1
-    drafts: int = 0
-    accepted: int = 0
+    verify_steps: int = 0  # target forwards that verified a draft (vLLM's num_drafts)
+    drafted_tokens: int | None = 0  # None: a file from before the count was kept
+    accepted_tokens: int = 0
     accept_len: float | None = None
     per_position: list[float] = field(default_factory=list)
     baseline_tok_s: float | None = None
@@ -51,6 +55,11 @@ class BenchResult:
 
     @classmethod
     def from_json(cls, d: dict) -> BenchResult:
+        # Files written before the rename said `drafts` for verify steps and kept no drafted
+        # tokens; a requeue or an upload still reads them as measured.
+        if "drafts" in d or "accepted" in d:
+            d = {LEGACY_NAMES.get(k, k): v for k, v in d.items()}
+            d.setdefault("drafted_tokens", None)
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
@@ -152,7 +161,8 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
             delta = engine.counters().minus(before)
             res = BenchResult(b.name, len(b.prompts), b.sha256, b.source, engine.name, label, method, n,
                               statistics.mean(rates) if rates else 0.0, tokens, wall, b.max_tokens,
-                              drafts=delta.drafts, accepted=delta.accepted, accept_len=delta.accept_len if n else None,
+                              verify_steps=delta.verify_steps, drafted_tokens=delta.drafted_tokens,
+                              accepted_tokens=delta.accepted_tokens, accept_len=delta.accept_len if n else None,
                               per_position=delta.per_position(n) if n else [], temperature=temperature,
                               calibration_steps=first_pass)
             if ratios:

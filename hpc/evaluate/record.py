@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from hpc.config.schema import BENCHMARKS, DSparkConfig
 from hpc.config.secrets import scrub
-from hpc.evaluate.harness import BenchResult, write_json_atomic
+from hpc.evaluate.compare import EvalRecord, card_markdown, card_table, draft_column
+from hpc.evaluate.harness import LEGACY_NAMES, BenchResult, write_json_atomic
 from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, STAGE_EVAL, metric
 from hpc.track.pipeline import create_child_run, create_pipeline_run, end_pipeline_run
 
@@ -54,6 +55,26 @@ def run_metrics(results: list[BenchResult]) -> dict[str, float]:
         if vals:
             m[metric(MEAN, key)] = statistics.mean(vals)
     return m
+
+
+def eval_records(runs: Iterable[list[BenchResult]]) -> list[EvalRecord]:
+    """The records `dspark compare` reads back from MLflow, made from the runs' results (one list
+    per run directory): the evaluation prints the card it measured with tracking off too.
+    Baselines are no column: their tok/s reach the card through each draft's baseline_tok_s."""
+    out = []
+    for results in runs:
+        if not results or not results[0].n:
+            continue
+        r = results[0]
+        out.append(EvalRecord("", draft_column(r.label, r.method), r.n, run_metrics(results), r.method, r.engine,
+                              r.temperature))
+    return out
+
+
+def card_text(runs: Iterable[list[BenchResult]]) -> str:
+    """The card as `dspark compare` prints it for these runs; empty when no draft ran."""
+    evals = eval_records(runs)
+    return card_markdown(card_table(evals), evals) if evals else ""
 
 
 def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str | None]] = (),
@@ -110,8 +131,20 @@ def results_digest(results: list[BenchResult]) -> str:
     """What a run directory's MLflow run was made from: re-measured results need a new one."""
     import hashlib
 
-    blob = json.dumps(sorted((asdict(r) for r in results), key=lambda d: d["benchmark"]), sort_keys=True)
+    blob = json.dumps(sorted((_digest_view(r) for r in results), key=lambda d: d["benchmark"]), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _digest_view(r: BenchResult) -> dict:
+    """The result under the key names its file had before the counts were renamed, without the
+    drafted tokens such a file did not keep: a directory measured then keeps its MLflow run on a
+    requeue, instead of being logged again as re-measured."""
+    d = asdict(r)
+    for old, new in LEGACY_NAMES.items():
+        d[old] = d.pop(new)
+    if d["drafted_tokens"] is None:
+        del d["drafted_tokens"]
+    return d
 
 
 def pending_runs(out_dir: Path, cfg: DSparkConfig | None = None) -> list[Path]:

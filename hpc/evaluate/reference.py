@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 import torch
 
 from hpc.model.dspark import DSparkDraft
+from hpc.model.teacher import loaded_target_head
 
 
 @dataclass
 class SpecStats:
     n: int
-    drafts: int = 0  # verify steps that carried a draft (vLLM's num_drafts)
-    draft_tokens: int = 0
-    accepted: int = 0
+    verify_steps: int = 0  # target forwards that verified a draft (vLLM's num_drafts)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    verify_steps: int = 0
+    target_forwards: int = 0  # the verify steps and the prompt's prefill
     draft_steps: int = 0
     output_tokens: int = 0
 
@@ -40,36 +41,41 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
+        return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.accepted_per_pos]
 
     def merge(self, other: SpecStats) -> SpecStats:
-        for k in ("drafts", "draft_tokens", "accepted", "verify_steps", "draft_steps", "output_tokens"):
+        for k in ("verify_steps", "drafted_tokens", "accepted_tokens", "target_forwards", "draft_steps",
+                  "output_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
         return self
 
 
 class TargetRunner:
-    """The HF target with a KV cache, returning next-token logits and aux states per position."""
+    """The HF target with a KV cache, returning next-token logits and aux states per position.
+    The logits are the teacher's (hpc.model.teacher) on the decoder's post-norm output: the
+    distribution the draft was trained toward, which the parity tests hold equal to HF's."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model = model
+        self.decoder = model.get_decoder()
+        self.head = loaded_target_head(model)
         self.aux_layer_ids = list(aux_layer_ids)
         self.n_layers = model.config.num_hidden_layers
         self._final_input: torch.Tensor | None = None
         import inspect
 
         # transformers 5 renamed past_key_values to cache; accept either build.
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         if self.n_layers in self.aux_layer_ids:
             # Aux id == n_layers is the last layer's output BEFORE the final norm; HF's
             # hidden_states[-1] is after it, so read the norm's input instead.
-            model.model.norm.register_forward_pre_hook(self._grab_final_input)
+            self.decoder.norm.register_forward_pre_hook(self._grab_final_input)
         self.reset()
 
     def _grab_final_input(self, _module, args):
@@ -87,11 +93,12 @@ class TargetRunner:
     @torch.no_grad()
     def forward_logits(self, ids_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(next-token logits per position [S, V], aux states [S, n_aux, H]) for new tokens."""
-        out = self.model(input_ids=ids_S[None], use_cache=True, output_hidden_states=True,
-                         **{self._cache_kwarg: self.cache})
+        out = self.decoder(input_ids=ids_S[None], use_cache=True, output_hidden_states=True,
+                           **{self._cache_kwarg: self.cache})
         hs = out.hidden_states
         aux = [self._final_input_now()[0] if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
-        return out.logits[0], (torch.stack(aux, dim=1) if aux else hs[0][0, :, None, :0])
+        logits_SV = self.head(out.last_hidden_state[0])
+        return logits_SV, (torch.stack(aux, dim=1) if aux else hs[0][0, :, None, :0])
 
     def crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -159,7 +166,7 @@ def speculative_generate(
     device = next(draft.parameters()).device
     prompt = torch.tensor(prompt_ids, device=device)
     logits_SV, aux_SnH = runner.forward_logits(prompt)
-    stats.verify_steps += 1
+    stats.target_forwards += 1
     ctx_TH = draft.project_context(aux_SnH.to(draft.fc.weight.dtype))
     out = [_pick(logits_SV[-1], temperature, generator)]
     seq_len = len(prompt_ids)  # positions < seq_len are in the cache and the context
@@ -177,7 +184,7 @@ def speculative_generate(
         k = drafts.numel()
         verify_ids = torch.cat([torch.tensor([anchor], device=device), drafts])
         logits_KV, aux = runner.forward_logits(verify_ids)
-        stats.verify_steps += 1
+        stats.target_forwards += 1
         if sampled:
             q_KV = torch.softmax(logits_KV.float() / temperature, -1)
             accepted, follow = verify_sampled(drafts, p_kV[:k], q_KV, generator)
@@ -194,9 +201,9 @@ def speculative_generate(
                        drafted.index(eos_token_id) + 1 if eos_token_id in drafted else k)
             hits = min(accepted, live)
             record.append(([float(c) for c in confs[:live]], [1] * hits + [0] * (live - hits)))
-        stats.drafts += 1
-        stats.draft_tokens += k
-        stats.accepted += accepted
+        stats.verify_steps += 1
+        stats.drafted_tokens += k
+        stats.accepted_tokens += accepted
         for i in range(accepted):
             stats.accepted_per_pos[i] += 1
         new = drafts[:accepted].tolist() + [follow]
@@ -234,7 +241,7 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_toke
 
 def mean_acceptance_length(target, draft: DSparkDraft, prompts: list[list[int]], n: int, max_new_tokens: int,
                            eos_token_id: int | None = None) -> tuple[float, SpecStats]:
-    """Pooled over prompts, as vLLM's counters pool requests: 1 + accepted / drafts."""
+    """Pooled over prompts, as vLLM's counters pool requests: 1 + accepted tokens / verify steps."""
     total = SpecStats(n=n)
     for ids in prompts:
         total.merge(speculative_generate(target, draft, ids, max_new_tokens, n, eos_token_id)[1])

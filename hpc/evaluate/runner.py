@@ -8,7 +8,8 @@ Order of work, so that a requeue or an outage costs as little as possible:
    server per (draft, n, temperature), benchmarks single-stream; with eval.timing=paired the
    baseline engine runs beside it and requests alternate (harness.py), else (cached) the
    baseline of step 2 gives the speedup;
-4. upload to MLflow (or keep on disk), plots, calibration report, registry.
+4. upload to MLflow (or keep on disk), plots, calibration report, registry;
+5. the card's table for what this evaluation measured, as `dspark compare` prints it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hpc.errors import UserError
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
 from hpc.evaluate.hardware import hardware_id
 from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
-from hpc.evaluate.record import find_baseline, load_results, upload_all
+from hpc.evaluate.record import card_text, find_baseline, load_results, upload_all
 from hpc.track.keys import (
     BASELINE_KEY,
     DRAFT,
@@ -155,7 +156,7 @@ class EngineFactory:
 def check_draft_fits_target(path: Path, cfg: DSparkConfig) -> None:
     """A draft trained for another target fails here, before any server starts (not after the
     baseline has run): its vocabulary, hidden size and aux layers must be the target's."""
-    from hpc.config.validate import target_shape
+    from hpc.config.validate_target import target_shape
 
     d = json.loads((path / "config.json").read_text())
     shape = target_shape(cfg)
@@ -298,6 +299,9 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
             print(f"results kept in {out}; upload them with `dspark evaluate CONFIG --upload` once "
                   f"{redact_uri(cfg.tracking.uri)} answers")
 
+    card = card_text(results.values())
+    if card and not quiet:  # quiet callers (bench acceptance) print a table of their own
+        print(f"\n{card}", flush=True)
     return results
 
 

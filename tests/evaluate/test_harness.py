@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpc.evaluate.engines import ReferenceEngine
-from hpc.evaluate.harness import implausible, ratio_spread, run_benchmarks
+from hpc.evaluate.engines import Counters, ReferenceEngine
+from hpc.evaluate.harness import BenchResult, finished, implausible, ratio_spread, run_benchmarks
 from tests.evaluate.test_reference import random_draft, random_target
 
 
@@ -83,8 +83,6 @@ class Counted:
 def test_a_result_is_reused_only_on_the_engine_and_timing_that_measured_it(tmp_path):
     """Run directories are named for the draft: a result measured on the reference loop must not
     come back as vLLM's, nor a cached-timing one as paired."""
-    from hpc.evaluate.harness import finished
-
     b = bench("gsm8k", ["one two"])
     first = Counted("reference")
     run_benchmarks(first, [b], CharTokenizer(), tmp_path, "DSpark", "dspark", 3, quiet=True)
@@ -115,3 +113,38 @@ def test_a_cached_baseline_is_keyed_by_how_the_engine_serves():
     assert key("vllm") == key("vllm", "verifier.port=9000")  # where it listens changes no figure
     assert key("reference") != key("reference", "eval.device=cuda")
     assert key("reference") == key("reference", "verifier.tensor_parallel_size=4")  # vLLM's flags only
+
+
+class Drafting(Counted):
+    """Counts as vLLM's /metrics would: per request, 2 verify steps of 3 drafted tokens, 4 accepted."""
+
+    def counters(self):
+        r = self.requests
+        return Counters(verify_steps=2 * r, drafted_tokens=6 * r, accepted_tokens=4 * r, accepted_per_pos=[2 * r] * 2)
+
+
+def test_the_result_file_names_its_counts_for_what_they_count(tmp_path):
+    b = bench("gsm8k", ["one two", "three"])
+    [res] = run_benchmarks(Drafting("vllm"), [b], CharTokenizer(), tmp_path, "ngram", "ngram", 3, quiet=True)
+    data = json.loads((tmp_path / "gsm8k.json").read_text())
+    assert (data["verify_steps"], data["drafted_tokens"], data["accepted_tokens"]) == (4, 12, 8)
+    assert "drafts" not in data and "accepted" not in data
+    assert res.accept_len == data["accept_len"] == 1 + 8 / 4  # tokens per verify step, as before
+
+
+OLD_FILE = {"benchmark": "gsm8k", "rows": 2, "sha256": "0" * 64, "source": "test", "engine": "vllm", "label": "ngram",
+            "method": "ngram", "n": 3, "tok_s": 8.0, "output_tokens": 8, "wall_s": 1.0, "max_tokens": 12,
+            "concurrency": 1, "drafts": 4, "accepted": 8, "accept_len": 3.0, "per_position": [0.5, 0.5, 0.0],
+            "baseline_tok_s": None, "speedup": None, "speedup_lo": None, "speedup_hi": None, "pairs": 0,
+            "timing": "cached", "temperature": 0.0, "calibration_steps": []}
+
+
+def test_a_result_file_from_before_the_rename_still_loads_and_is_reused(tmp_path):
+    old = BenchResult.from_json(OLD_FILE)
+    assert (old.verify_steps, old.accepted_tokens, old.accept_len) == (4, 8, 3.0)
+    assert old.drafted_tokens is None  # not kept then: unknown, not zero
+    (tmp_path / "gsm8k.json").write_text(json.dumps(OLD_FILE))
+    engine = Drafting("vllm")
+    [res] = run_benchmarks(engine, [bench("gsm8k", ["one two"])], CharTokenizer(), tmp_path, "ngram", "ngram", 3,
+                           quiet=True)
+    assert engine.requests == 0 and res == old  # a requeue after the upgrade measures nothing again

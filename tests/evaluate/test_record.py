@@ -47,6 +47,23 @@ def test_re_measured_results_are_a_new_run_and_dropped_benchmarks_do_not_count(t
     assert [(r.benchmark, r.sha256) for r in load_results(run_dir)] == [("gsm8k", "b" * 64)]  # ...not counted
 
 
+def test_a_directory_measured_before_the_count_rename_keeps_its_mlflow_run(tmp_path, capsys):
+    """Its run.json digest was taken over the old key names: a requeue after the upgrade must not
+    read the renamed fields as a re-measurement and log the run twice."""
+    import hashlib
+
+    from tests.evaluate.test_harness import OLD_FILE
+
+    run_dir = tmp_path / "eval-n3-ngram"
+    run_dir.mkdir()
+    (run_dir / "gsm8k.json").write_text(json.dumps(OLD_FILE))
+    old_digest = hashlib.sha256(json.dumps([OLD_FILE], sort_keys=True).encode()).hexdigest()  # as the old code took it
+    write_json_atomic(run_dir / "run.json", {"digest": old_digest, "mlflow_run_id": "r1"})
+    _write_meta(run_dir, TRACKING, Job(None, 3, "vllm"), "eval", "parent", {}, load_results(run_dir, ["gsm8k"]))
+    assert json.loads((run_dir / "run.json").read_text())["mlflow_run_id"] == "r1"
+    assert "re-measured" not in capsys.readouterr().out and pending_runs(tmp_path) == []
+
+
 class BrokenClient:
     """MLflow answering the run's creation, then failing mid-upload (a server restart, a full disk)."""
 

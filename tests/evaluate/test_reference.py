@@ -76,8 +76,8 @@ def test_bookkeeping_is_exact_with_a_scheduled_oracle(n):
     oracle.setup(prompt + want, schedule, target, len(prompt))
     got, stats = speculative_generate(target, oracle, prompt, new_tokens, n)
     assert got == want[:new_tokens] and oracle.ctx_checked >= 2
-    used = [schedule[i % len(schedule)] for i in range(stats.drafts)]
-    assert stats.accepted == sum(used)
+    used = [schedule[i % len(schedule)] for i in range(stats.verify_steps)]
+    assert stats.accepted_tokens == sum(used)
     assert stats.accepted_per_pos == [sum(u > i for u in used) for i in range(n)]
     assert stats.mean_acceptance_length == pytest.approx(1 + sum(used) / len(used))
 
@@ -90,8 +90,8 @@ def test_speculative_output_equals_greedy_with_a_real_draft(n, sample_from_ancho
     want = greedy_generate(target, prompt, 24)
     got, stats = speculative_generate(target, draft, prompt, 24, n)
     assert got == want
-    assert stats.output_tokens == 24 and stats.draft_tokens == n * stats.drafts
-    assert stats.verify_steps == stats.drafts + 1 and stats.draft_steps == stats.drafts
+    assert stats.output_tokens == 24 and stats.drafted_tokens == n * stats.verify_steps
+    assert stats.target_forwards == stats.verify_steps + 1 and stats.draft_steps == stats.verify_steps
 
 
 def test_adaptive_n_stays_exact_and_drafts_less():
@@ -102,7 +102,7 @@ def test_adaptive_n_stays_exact_and_drafts_less():
     prompt = [5, 17, 33, 2]
     want = greedy_generate(target, prompt, 16)
     got, stats = speculative_generate(target, draft, prompt, 16, 7, conf_threshold=0.2)
-    assert got == want and stats.draft_tokens == stats.drafts  # 0.27 >= 0.2 > 0.27**2: one token per step
+    assert got == want and stats.drafted_tokens == stats.verify_steps  # 0.27 >= 0.2 > 0.27**2: one token per step
 
 
 def test_eos_stops_generation():
@@ -171,7 +171,7 @@ def sampled_counts(target, draft, runs: int) -> tuple[list[list[int]], int, int]
         out, stats = speculative_generate(target, draft, PROMPT, 3, 3, temperature=TEMP, generator=gen)
         for i, tok in enumerate(out):
             counts[i][tok] += 1
-        accepted, drafted = accepted + stats.accepted, drafted + stats.draft_tokens
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
     return counts, accepted, drafted
 
 
@@ -217,7 +217,7 @@ def test_calibration_record_holds_every_drafted_slot_and_the_accepted_prefix():
     assert all(m == sorted(m, reverse=True) for _, m in record)  # the accepted prefix, then misses
     lens = [len(c) for c, _ in record]
     assert lens[0] == 5 and lens == sorted(lens, reverse=True)  # only the output's end cuts a block
-    assert sum(lens) <= stats.draft_tokens == 5 * len(record)
+    assert sum(lens) <= stats.drafted_tokens == 5 * len(record)
     full = benchmark_report(record, cost=0.1)["full"]
     assert full["n"] == 5 and full["mean_drafted"] > 4.0 and any(0 in m for _, m in record)
     # Scored only where reached: a slot after a miss is drafted, never judged.

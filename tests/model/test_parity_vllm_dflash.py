@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "peers" / "vllm_dflash_spec.py"
 NS = (3, 7)  # draft block_size 8: the DFlash layout runs n+1 <= 8 slots
 MAX_TOKENS = 48
-STEPS = 600  # the toy target talks: at 300 steps n=3 accepted [19, 3, 0] of 136 drafts
+STEPS = 600  # the toy target talks: at 300 steps n=3 accepted [19, 3, 0] in 136 verify steps
 PROMPTS = 12
 TIE_BUDGET = 0.01  # share of drafted positions a float tie may flip
 DFLASH_OVERRIDES = ["draft.markov_rank=0", "draft.enable_confidence_head=false",
@@ -130,14 +130,15 @@ def test_dflash_acceptance_per_position_matches_vllm(vllm_python, toy_target, tm
     for n in NS:
         o, v = ours[n], theirs[str(n)]
         flipped = sum(abs(a - b) for a, b in zip(o.accepted_per_pos, v["accepted_per_pos"]))
-        print(f"n={n}: drafts ours {o.drafts} / vLLM {v['drafts']}, draft tokens {o.draft_tokens} / "
-              f"{v['draft_tokens']}, accepted per position ours {o.accepted_per_pos} / vLLM "
-              f"{v['accepted_per_pos']}; {flipped} of {o.draft_tokens} drafted positions differ")
+        print(f"n={n}: verify steps ours {o.verify_steps} / vLLM {v['verify_steps']}, drafted tokens "
+              f"{o.drafted_tokens} / {v['drafted_tokens']}, accepted per position ours {o.accepted_per_pos} / vLLM "
+              f"{v['accepted_per_pos']}; {flipped} of {o.drafted_tokens} drafted positions differ")
         assert v["outputs"] == greedy, f"n={n}: vLLM's greedy spec decoding differs from HF greedy"
-        budget = TIE_BUDGET * o.draft_tokens
+        budget = TIE_BUDGET * o.drafted_tokens
         assert flipped <= budget
-        assert abs(o.drafts - v["drafts"]) <= budget and abs(o.draft_tokens - v["draft_tokens"]) <= budget
+        assert abs(o.verify_steps - v["verify_steps"]) <= budget
+        assert abs(o.drafted_tokens - v["drafted_tokens"]) <= budget
         # Acceptances really happen, at the first three positions at least: the comparison is not
         # vacuous. (On a target that talks, a short-trained draft rarely reaches position 7.)
-        assert o.accepted_per_pos[0] >= 0.1 * o.drafts and min(o.accepted_per_pos[:3]) > 0, o.accepted_per_pos
+        assert o.accepted_per_pos[0] >= 0.1 * o.verify_steps and min(o.accepted_per_pos[:3]) > 0, o.accepted_per_pos
     print(f"train + reference {trained_s:.0f}s, vLLM {time.monotonic() - started - trained_s:.0f}s")

@@ -8,8 +8,8 @@ the given prompt token ids at temperature 0; the spec-decode counters are read f
     python vllm_dflash_spec.py SPEC.json  ->  one JSON object on the last line of stdout
 
 SPEC: {"target": dir, "draft": dir, "prompts": [[ids]], "ns": [3, 7], "max_tokens": 48}
-Output: {"runs": {"3": {"outputs": [[ids]], "drafts": int, "draft_tokens": int, "accepted": int,
-"accepted_per_pos": [int]}, ...}}
+Output: {"runs": {"3": {"outputs": [[ids]], "verify_steps": int, "drafted_tokens": int,
+"accepted_tokens": int, "accepted_per_pos": [int]}, ...}} (the names of `hpc.evaluate.engines.Counters`)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ PREFIX = "vllm:spec_decode_"
 
 def spec_counters(llm) -> dict[str, object]:
     """The cumulative spec-decode counters; absent ones read as zero."""
-    out: dict[str, object] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
-    names = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted"}
+    out: dict[str, object] = {"verify_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    names = {"num_drafts": "verify_steps", "num_draft_tokens": "drafted_tokens", "num_accepted_tokens": "accepted_tokens"}
     for m in llm.get_metrics():
         if not m.name.startswith(PREFIX):
             continue
@@ -43,7 +43,7 @@ def spec_counters(llm) -> dict[str, object]:
 
 def delta(after: dict, before: dict, n: int) -> dict:
     per_pos = lambda d: (list(d["accepted_per_pos"]) + [0] * n)[:n]  # noqa: E731
-    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    out = {k: after[k] - before[k] for k in ("verify_steps", "drafted_tokens", "accepted_tokens")}
     out["accepted_per_pos"] = [a - b for a, b in zip(per_pos(after), per_pos(before))]
     return out
 
