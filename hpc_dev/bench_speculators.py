@@ -47,10 +47,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--their-attn", choices=["sdpa", "eager"], default="sdpa",
                    help="speculators' attention on CPU (its default, flex, needs a compiler)")
+    p.add_argument("--teacher", action="store_true",
+                   help="instead of speculators: our step with the target's logit transform (Gemma 2's norm and "
+                        "soft-cap) against the identity teacher, side by side in this venv")
 
 
 def run(args: argparse.Namespace) -> int:
-    py = speculators_python()
+    py = Path(sys.executable) if args.teacher else speculators_python()
     if py is None:
         print(f"speculators venv not built: run `.venv/bin/python -m hpc_dev.speculators_env` in {REPO} "
               f"(~3 min), or set DSPARK_SPECULATORS_VENV to one", file=sys.stderr)
@@ -73,14 +76,15 @@ def run(args: argparse.Namespace) -> int:
 def format_train_step(result: dict) -> str:
     tokens = result["tokens_per_step"]
     rows, rate = [], {}
-    for impl in ("ours", "speculators"):
+    base, peer = list(result["times"])
+    for impl in (base, peer):
         times = result["times"][impl]
         med = statistics.median(times)
         rate[impl] = tokens / med
         rows.append([impl, f"{med:.3f}", f"{min(times):.3f}", f"{max(times):.3f}", f"{rate[impl]:.0f}", str(len(times))])
     lines = [f"train-step: {result['config']}",
              *text_table(["impl", "median s", "min s", "max s", "tokens/s", "n"], rows, right={1, 2, 3, 4})]
-    best = min(result["times"]["speculators"]) / min(result["times"]["ours"])
+    best = min(result["times"][peer]) / min(result["times"][base])
     # On a shared machine the best iteration is the least disturbed estimate; both are shown.
-    lines.append(f"ratio ours/speculators (tokens/s): {rate['ours'] / rate['speculators']:.2f} median, {best:.2f} best")
+    lines.append(f"ratio {base}/{peer} (tokens/s): {rate[base] / rate[peer]:.2f} median, {best:.2f} best")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ import torch
 
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import export_draft, load_draft
-from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
+from hpc.model.loss import LossWeights, PackedRow, dspark_loss
+from hpc.model.teacher import LogitTransform, VerifierHead
 
 # speculators' recipe trains the confidence head on 1 - TV: the same work as ours on greedy matches.
 WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0, confidence_target="sampling")
@@ -116,6 +117,36 @@ def build(c: dict, tmp: Path) -> tuple[Callable[[], None], Callable[[], None], d
     return step_ours, step_theirs, info
 
 
+def build_teacher(c: dict) -> tuple[Callable[[], None], Callable[[], None], dict]:
+    """Our step twice, on one draft and row: with the identity teacher (Qwen3, Kimi) and with the
+    heaviest transform in the table (Gemma 2: its (1 + w) final norm on a pre-norm capture, then
+    a soft-cap), so the cost the teacher adds is the ratio of the two."""
+    g = torch.Generator().manual_seed(0)
+    model = random_draft(draft_args(c), g).train()
+    for frozen in (model.embed_tokens, model.lm_head):
+        frozen.requires_grad_(False)
+    lm_head_VH = torch.randn(c["target_vocab"], c["hidden"], generator=g) * c["hidden"] ** -0.5
+    norm_H = torch.randn(c["hidden"], generator=g) * 0.1
+    t2d = model.t2d.bool()
+    heads = {"identity": VerifierHead(lm_head_VH, t2d, norm_H),
+             "transform": VerifierHead(lm_head_VH, t2d, norm_H, transform=LogitTransform(norm="rms_1p", softcap=30.0))}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    row = packed_row(c, g)
+    max_anchors = c["anchors"] * c["batch"]
+
+    def step(head: VerifierHead) -> Callable[[], None]:
+        def run() -> None:
+            anchors_gen = torch.Generator().manual_seed(1)  # the same anchors on both sides
+            loss, _ = dspark_loss(model, row, head, WEIGHTS, max_anchors, anchors_gen, attention="sdpa")
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
+
+    return step(heads["identity"]), step(heads["transform"]), {"trainable_params": [sum(p.numel() for p in params)] * 2}
+
+
 def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -127,23 +158,28 @@ def main(argv: list[str]) -> int:
     if c.get("threads"):
         torch.set_num_threads(c["threads"])
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        step_ours, step_theirs, info = build(c, Path(tmp))
+    names = ("identity", "transform") if c.get("teacher") else ("ours", "speculators")
+    if c.get("teacher"):
+        step_ours, step_theirs, info = build_teacher(c)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            step_ours, step_theirs, info = build(c, Path(tmp))
     if info["trainable_params"][0] != info["trainable_params"][1]:
         raise SystemExit(f"trainable parameter counts differ: {info['trainable_params']}")
     for _ in range(c["warmup"]):
         step_ours()
         step_theirs()
-    times: dict[str, list[float]] = {"ours": [], "speculators": []}
+    times: dict[str, list[float]] = {names[0]: [], names[1]: []}
     for i in range(c["iters"]):
-        pair = [("ours", step_ours), ("speculators", step_theirs)]
+        pair = [(names[0], step_ours), (names[1], step_theirs)]
         for name, fn in pair if i % 2 == 0 else pair[::-1]:
             times[name].append(timed(fn))
     T = c["seq_len"] * c["batch"]
     desc = (f"H={c['hidden']} L={c['layers']} heads={c['heads']}/{c['kv_heads']} T={c['batch']}x{c['seq_len']} "
             f"anchors={c['anchors'] * c['batch']} B={c['block_size']} V_draft={c['draft_vocab']} "
             f"V_target={c['target_vocab']} r={c['markov_rank']} threads={torch.get_num_threads()} "
-            f"their_attn={c['their_attn']} trainable={info['trainable_params'][0]}")
+            f"{'teacher' if c.get('teacher') else 'their_attn=' + c['their_attn']} "
+            f"trainable={info['trainable_params'][0]}")
     print(json.dumps({"config": desc, "tokens_per_step": T, "times": times}))
     return 0
 
