@@ -98,13 +98,16 @@ class VerifierHead(nn.Module):
                  transform: LogitTransform | None = None):
         super().__init__()
         self.transform = transform or LogitTransform(eps=eps)
-        self.register_buffer("draft_rows_DH", lm_head_VH[t2d_V].clone())
-        self.register_buffer("bias_D", bias_V[t2d_V].clone() if bias_V is not None else None)
-        # The full head only serves the off-vocab mass metric; at Kimi scale it is 2.3 GB.
-        self.register_buffer("full_VH", lm_head_VH.clone() if keep_full else None)
-        self.register_buffer("full_bias_V", bias_V.clone() if keep_full and bias_V is not None else None)
+        # Boolean indexing already copies, and a full vocab shares the caller's head rather than
+        # copying it: at Kimi scale one lm_head is 2.3 GB, and nothing here writes to it.
+        every = bool(t2d_V.all())
+        self.register_buffer("draft_rows_DH", lm_head_VH.detach() if every else lm_head_VH[t2d_V])
+        self.register_buffer("bias_D", None if bias_V is None else bias_V.detach() if every else bias_V[t2d_V])
+        # The full head only serves the off-vocab mass metric.
+        self.register_buffer("full_VH", lm_head_VH.detach() if keep_full else None)
+        self.register_buffer("full_bias_V", bias_V.detach() if keep_full and bias_V is not None else None)
         self.register_buffer("t2d_V", t2d_V.clone())
-        self.register_buffer("norm_H", norm_weight_H.clone() if norm_weight_H is not None else None)
+        self.register_buffer("norm_H", norm_weight_H.detach() if norm_weight_H is not None else None)
         self.requires_grad_(False)
 
     def hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -169,13 +172,15 @@ def loaded_target_head(hf_model) -> VerifierHead:
 
 
 @functools.lru_cache(maxsize=2)
-def _full_head(target: str, pre_norm: bool) -> VerifierHead:
-    return target_head(target, pre_norm=pre_norm)
+def _full_head(target: str, pre_norm: bool, device: str) -> VerifierHead:
+    # Keyed by device: Module.to moves a module in place, so one cached head shared by callers
+    # on two devices would move back and forth under them.
+    return target_head(target, pre_norm=pre_norm).to(device)
 
 
 def target_logits(target: str | Path, last_hidden_TH: torch.Tensor, pre_norm: bool = False) -> torch.Tensor:
     """The target's full-vocabulary next-token logits [T, V] from its last hidden state as the
     capture delivers it: after the final norm (the default), or before it with `pre_norm`.
     Equal to the target's own forward's logits (tests/model/test_teacher.py, per architecture)."""
-    head = _full_head(str(target), pre_norm).to(last_hidden_TH.device)
+    head = _full_head(str(target), pre_norm, str(last_hidden_TH.device))
     return head(last_hidden_TH)

@@ -156,3 +156,15 @@ def test_a_bias_in_the_checkpoint_is_applied(tmp_path):
     with torch.no_grad():
         want = post @ tensors["lm_head.weight"].T + bias
     assert _rel(target_logits(path.parent, post), want) < 1e-5
+
+
+def test_a_full_vocab_head_shares_the_models_lm_head(tmp_path):
+    # At Kimi scale one lm_head is 2.3 GB: the reference engine's teacher must not hold a copy.
+    model = _build("Qwen3ForCausalLM", tmp_path)
+    head = loaded_target_head(model)
+    weight = model.get_output_embeddings().weight
+    assert head.draft_rows_DH.data_ptr() == weight.data_ptr()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:7] = True
+    sub = target_head(tmp_path / "Qwen3ForCausalLM", t2d)
+    assert sub.draft_rows_DH.shape == (7, weight.shape[1])
