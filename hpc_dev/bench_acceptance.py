@@ -183,7 +183,7 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) ->
 def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = max(NS),
                       fitted_on: str = "held-out rows") -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
-    from hpc.evaluate.calibration import perfect_head_eces, position_report, reached
+    from hpc.evaluate.calibration import position_report, reached, survival
 
     if not steps:
         return [], {}
@@ -196,19 +196,33 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
         # Judged against the goal only where a perfectly calibrated head would read under it: with
         # fewer slots, ECE's upward bias alone exceeds the goal. There, an ECE above what 95% of
         # perfect heads read at this count is still a miss.
-        null = perfect_head_eces([c for c, _ in reached(steps, k)])
-        floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
-        if floor < ECE_GOAL:
-            verdict = ("meets" if rep["ece"] <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})"
-        elif rep["ece"] > q95:
-            verdict = f"misses: above what 95% of perfectly calibrated heads read at this count ({q95:.3f})"
-        else:
-            verdict = f"too few slots to judge against {ECE_GOAL}"
+        floor, verdict = _judged(rep["ece"], [c for c, _ in reached(steps, k)], "slots")
         lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (a perfectly calibrated "
                      f"head would read {floor:.3f} at this count; mean confidence {rep['mean_conf']:.3f}, "
                      f"accepted {rep['accuracy']:.3f}): {verdict}")
         metrics[f"ece_n{n}_pos{k}"] = rep["ece"]
+        # The survival: the product of slots 1..k's confidences against "1..k all accepted", over
+        # every step that drafted k (what vLLM's adaptive verification reads as a probability).
+        pairs = survival(steps, k)
+        surv = position_report([([c], [e]) for c, e in pairs], 1, 10)
+        floor, verdict = _judged(surv["ece"], [c for c, _ in pairs], "steps")
+        lines.append(f"  survival to {k}: ECE {surv['ece']:.3f} over {surv['count']} steps (perfectly calibrated: "
+                     f"{floor:.3f}; said {surv['mean_conf']:.3f}, all accepted {surv['accuracy']:.3f}): {verdict}")
+        metrics[f"ece_survival_n{n}_pos{k}"] = surv["ece"]
     return lines, metrics
+
+
+def _judged(ece: float, confs: list[float], what: str) -> tuple[float, str]:
+    """(the floor, the verdict) of one ECE against the goal."""
+    from hpc.evaluate.calibration import perfect_head_eces
+
+    null = perfect_head_eces(confs)
+    floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
+    if floor < ECE_GOAL:
+        return floor, ("meets" if ece <= ECE_GOAL else "misses") + f" the goal (<= {ECE_GOAL})"
+    if ece > q95:
+        return floor, f"misses: above what 95% of perfectly calibrated heads read at this count ({q95:.3f})"
+    return floor, f"too few {what} to judge against {ECE_GOAL}"
 
 
 def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
@@ -229,6 +243,13 @@ def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
                    f"meets the goal (<= {ECE_GOAL})" if ece <= ECE_GOAL else f"misses the goal (<= {ECE_GOAL})")
         lines.append(f"  position {k}: ECE {ece:.3f} over {w:.0f} slots (a perfectly calibrated head would read "
                      f"{floor:.3f}): {verdict}")
+    for k, (ece, w, floor) in enumerate((fitted.survival or {}).get("greedy", []), start=1):
+        if w <= 0:
+            continue
+        verdict = (f"too few blocks to judge against {ECE_GOAL}" if floor >= ECE_GOAL else
+                   f"meets the goal (<= {ECE_GOAL})" if ece <= ECE_GOAL else f"misses the goal (<= {ECE_GOAL})")
+        lines.append(f"  survival to {k} (the product vLLM's adaptive verification reads): ECE {ece:.3f} over "
+                     f"{w:.0f} blocks (a perfectly calibrated one would read {floor:.3f}): {verdict}")
     return [*lines, ""], metrics(fitted)
 
 

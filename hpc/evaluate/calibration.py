@@ -6,7 +6,10 @@ accepts the leading run of 1s. A position's confidence is scored only in the ste
 it (every earlier draft accepted): that is the event the head predicts.
 
 Two questions are answered from the same data:
-- is the head calibrated? ECE and Brier score per position, pooled over benchmarks;
+- is the head calibrated? ECE and Brier score per position, pooled over benchmarks; and the ECE
+  of the survival at each k (the product of the confidences of slots 1..k) against "slots 1..k
+  were all accepted", over the steps that drafted k slots. vLLM's adaptive verification admits
+  slots by that product, read as a probability, so it is the figure serving depends on;
 - what should drafting do? the fixed n, and the confidence threshold (stop before the first
   position whose cumulative confidence product falls below it, keeping at least one), that
   maximise `(1 + E[accepted]) / (1 + cost * E[drafted])`: tokens per verify step over the
@@ -111,6 +114,18 @@ def position_report(steps: list[Step], position: int, bins: int) -> dict:
             "bins": out_bins}
 
 
+def survival(steps: list[Step], k: int) -> list[tuple[float, int]]:
+    """(product of the confidences of slots 1..k, were they all accepted) in each step that drafted k."""
+    return [(math.prod(c[:k]), int(all(m[:k]))) for c, m in steps if len(c) >= k]
+
+
+def survival_report(steps: list[Step], k: int, bins: int) -> dict:
+    """`position_report`'s figures for the survival at k, with its ECE floor."""
+    pairs = survival(steps, k)
+    report = position_report([([s], [e]) for s, e in pairs], 1, bins)
+    return {**report, "position": k, "ece_floor": ece_floor([s for s, _ in pairs], bins)}
+
+
 def perfect_head_eces(confs: list[float], bins: int = 10, draws: int = 200, seed: int = 0) -> list[float]:
     """The ECEs a perfectly calibrated head shows on these confidences at this count: one per
     event vector drawn as Bernoulli(conf), sorted."""
@@ -138,6 +153,7 @@ def calibration_report(steps_by_bench: dict[str, list[Step]], cost: float = 0.03
             "positions": [{**position_report(pooled, i, bins),
                            "ece_floor": ece_floor([c for c, _ in reached(pooled, i)], bins)}
                           for i in range(1, n_max + 1)],
+            "survival": [survival_report(pooled, k, bins) for k in range(1, n_max + 1)],
             "benchmarks": {b: benchmark_report(steps, cost) for b, steps in steps_by_bench.items()}}
 
 
@@ -153,10 +169,15 @@ def format_report(report: dict) -> str:
     lines = [f"confidence head calibration ({report['bins']} bins; a drafted token costs "
              f"{report['cost']:g} of a verify step)", ""]
     # "ECE floor": what a perfectly calibrated head would read at this count (ece_floor).
-    lines += text_table(["pos", "drafted", "ECE", "ECE floor", "Brier", "conf", "acc"], [
+    # Survival: the product of slots 1..k's confidences against "1..k all accepted" (what vLLM's
+    # adaptive verification reads); older reports have none.
+    survival = {s["position"]: s for s in report.get("survival", [])}
+    lines += text_table(["pos", "drafted", "ECE", "ECE floor", "Brier", "conf", "acc",
+                         "survival ECE", "floor", "survival", "all accepted"], [
         [str(p["position"]), str(p["count"]),
-         *(_num(p.get(k)) for k in ("ece", "ece_floor", "brier", "mean_conf", "accuracy"))]
-        for p in report["positions"]], right=range(7))
+         *(_num(p.get(k)) for k in ("ece", "ece_floor", "brier", "mean_conf", "accuracy")),
+         *(_num(survival.get(p["position"], {}).get(k)) for k in ("ece", "ece_floor", "mean_conf", "accuracy"))]
+        for p in report["positions"]], right=range(11))
     rows = []
     for bench, b in report["benchmarks"].items():
         if not b["steps"]:
@@ -172,7 +193,8 @@ def format_report(report: dict) -> str:
 
 
 def calibration_png(report: dict, path: str | Path) -> Path:
-    """A reliability diagram per drafted position: accuracy per confidence bin against the diagonal."""
+    """A reliability diagram per drafted position: accuracy per confidence bin against the
+    diagonal (bars), and the survival's (the product of slots 1..k) as a line."""
     from hpc.track.plots import _figure, _save
 
     plt = _figure()
@@ -180,15 +202,23 @@ def calibration_png(report: dict, path: str | Path) -> Path:
     cols = min(4, len(positions))
     rows = math.ceil(len(positions) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    survival = {s["position"]: s for s in report.get("survival", [])}
     for ax, p in zip(axes.flat, positions):
         filled = [b for b in p["bins"] if b["count"]]
         width = 1.0 / report["bins"]
         ax.bar([b["lo"] for b in filled], [b["acc"] for b in filled], width=width, align="edge",
-               edgecolor="black", alpha=0.7, label="accuracy")
+               edgecolor="black", alpha=0.7, label="slot")
+        s = survival.get(p["position"])
+        title = f"position {p['position']}: ECE {_num(p['ece'])}, n={p['count']}"
+        if s is not None:
+            sb = [b for b in s["bins"] if b["count"]]
+            ax.plot([b["conf"] for b in sb], [b["acc"] for b in sb], marker="o", color="tab:red", label="survival")
+            title += f"\nsurvival ECE {_num(s['ece'])}, n={s['count']}"
+            ax.legend(fontsize=7, loc="upper left")
         ax.plot([0, 1], [0, 1], ls="--", color="gray", lw=1)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
-        ax.set_title(f"position {p['position']}: ECE {_num(p['ece'])}, n={p['count']}", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("confidence")
         ax.set_ylabel("accuracy")
     for ax in list(axes.flat)[len(positions):]:

@@ -105,6 +105,7 @@ class HeldOutSlots:
     sampling: torch.Tensor  # [S] 1 - TV
     position: torch.Tensor  # [S] from 1
     reach: dict[str, torch.Tensor]  # mode -> [S] weight: does decoding read this slot's confidence?
+    block: torch.Tensor | None = None  # [S] the block each slot was drafted in (hpc.model.survival)
 
 
 @torch.no_grad()
@@ -131,7 +132,8 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
     first = 0 if a.sample_from_anchor else 1
     if ns and (min(ns) < 1 or max(ns) > a.max_n):
         raise ValueError(f"ns={list(ns)}: each n must be 1..{a.max_n}, the draft slots of its block")
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("z", "g", "s", "k", "rg", "rs", "b")}
+    blocks_before = 0
     for row in rows:
         T = row.input_ids_T.numel()
         segment_T = response_segments(row.loss_mask_T, row.doc_ids_T)
@@ -172,13 +174,17 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
                 r *= torch.stack([decode_visits(acc, anchors, segment_T, n).to(r.dtype)[:, None] * (col_B < n)
                                   for n in ns]).mean(0)
         pos = torch.arange(1, g_NB.shape[1] + 1, device=g_NB.device).expand_as(g_NB)
+        block = blocks_before + torch.arange(g_NB.shape[0], device=g_NB.device)[:, None].expand_as(g_NB)
+        blocks_before += g_NB.shape[0]
         sel = v.bool()
-        for key, t in (("z", z), ("g", g_NB), ("s", s_NB), ("k", pos), ("rg", reach_g), ("rs", reach_s)):
+        for key, t in (("z", z), ("g", g_NB), ("s", s_NB), ("k", pos), ("rg", reach_g), ("rs", reach_s),
+                       ("b", block)):
             parts[key].append(t[sel])
     if not parts["z"]:
         raise ValueError("no held-out slots: the draft has no confidence head, or the rows have no loss mask")
     cat = {k: torch.cat(v) for k, v in parts.items()}
-    return HeldOutSlots(cat["z"], cat["g"], cat["s"], cat["k"], {"greedy": cat["rg"], "sampling": cat["rs"]})
+    return HeldOutSlots(cat["z"], cat["g"], cat["s"], cat["k"], {"greedy": cat["rg"], "sampling": cat["rs"]},
+                        cat["b"])
 
 
 def response_segments(loss_mask_T: torch.Tensor, doc_ids_T: torch.Tensor | None) -> torch.Tensor:
@@ -377,9 +383,17 @@ def ece_by_position(slots: HeldOutSlots, cal: Calibration | None, mode: str) -> 
 
 
 def concat_slots(parts: list[HeldOutSlots]) -> HeldOutSlots:
+    block = None
+    if parts and all(p.block is not None for p in parts):
+        ids, before = [], 0
+        for p in parts:  # each part numbers its blocks from 0: keep them apart
+            assert p.block is not None
+            ids.append(p.block + before)
+            before += int(p.block.max()) + 1 if p.block.numel() else 0
+        block = torch.cat(ids)
     return HeldOutSlots(torch.cat([p.logit for p in parts]), torch.cat([p.greedy for p in parts]),
                         torch.cat([p.sampling for p in parts]), torch.cat([p.position for p in parts]),
-                        {m: torch.cat([p.reach[m] for p in parts]) for m in MODES})
+                        {m: torch.cat([p.reach[m] for p in parts]) for m in MODES}, block)
 
 
 def calibrated(slots: HeldOutSlots, cal: Calibration, mode: str) -> HeldOutSlots:
@@ -388,7 +402,7 @@ def calibrated(slots: HeldOutSlots, cal: Calibration, mode: str) -> HeldOutSlots
     for k in range(1, int(slots.position.max()) + 1):
         at = slots.position == k
         z[at] = cal.apply(slots.logit[at], mode, k)
-    return HeldOutSlots(z, slots.greedy, slots.sampling, slots.position, slots.reach)
+    return HeldOutSlots(z, slots.greedy, slots.sampling, slots.position, slots.reach, slots.block)
 
 
 def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots, pooled_at: dict[str, list[int]] | None = None,
@@ -397,7 +411,13 @@ def cross_fitted_ece(a: HeldOutSlots, b: HeldOutSlots, pooled_at: dict[str, list
     other: what the map fitted on both will read on rows it has not seen, where an in-sample ECE
     would flatter it. `pooled_at` and `isotonic_at` (the fit on both halves' choices) give each
     half's map the same kind at each position."""
+    return {mode: ece_by_position(crossed, None, mode)
+            for mode, crossed in cross_fitted(a, b, pooled_at, isotonic_at).items()}
+
+
+def cross_fitted(a: HeldOutSlots, b: HeldOutSlots, pooled_at: dict[str, list[int]] | None = None,
+                 isotonic_at: dict[str, list[int]] | None = None) -> dict[str, HeldOutSlots]:
+    """Per mode, both halves' slots, each calibrated by the map fitted on the other half."""
     cal_a = fit_calibration(a, share=pooled_at, isotonic_at=isotonic_at)
     cal_b = fit_calibration(b, share=pooled_at, isotonic_at=isotonic_at)
-    return {mode: ece_by_position(concat_slots([calibrated(a, cal_b, mode), calibrated(b, cal_a, mode)]), None, mode)
-            for mode in MODES}
+    return {mode: concat_slots([calibrated(a, cal_b, mode), calibrated(b, cal_a, mode)]) for mode in MODES}

@@ -28,8 +28,9 @@ import torch
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
-from hpc.model.calibrate import MODES, Calibration, HeldOutSlots, concat_slots, cross_fitted_ece, held_out_slots
+from hpc.model.calibrate import MODES, Calibration, HeldOutSlots, concat_slots, cross_fitted, ece_by_position, held_out_slots
 from hpc.model.loss import PackedRow
+from hpc.model.survival import survival_ece
 from hpc.tables import text_table
 
 CaptureFn = Callable[[int, list[int], list[int]], object]
@@ -43,6 +44,9 @@ class Fitted:
     ece: dict[str, list[tuple[float, float]]] | None
     greedy_floor: list[float]  # the ECE a perfectly calibrated head reads at each position's count
     where: str = "held-out rows"  # or "calibration rows" (data.calibration_sources)
+    # per mode, (ECE, effective block count, floor) of the survival at each k (hpc.model.survival),
+    # cross-fitted as `ece` is: what vLLM's adaptive verification reads; None with a single row
+    survival: dict[str, list[tuple[float, float, float]]] | None = None
 
 
 def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device,
@@ -108,8 +112,10 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     slots = concat_slots(parts)
     pair = (parts[0], parts[1]) if len(parts) == 2 else None
     cal = fit_calibration(slots, halves=pair)
-    ece = cross_fitted_ece(pair[0], pair[1], pooled_at=cal.pooled_at,
+    crossed = cross_fitted(pair[0], pair[1], pooled_at=cal.pooled_at,
                            isotonic_at={m: sorted(per) for m, per in cal.isotonic.items()}) if pair else None
+    ece = {m: ece_by_position(crossed[m], None, m) for m in MODES} if crossed else None
+    survival = {m: survival_ece(crossed[m], m, floors=m == "greedy") for m in MODES} if crossed else None
     floors = []
     greedy = calibrated(slots, cal, "greedy")
     for k in range(1, int(slots.position.max()) + 1):
@@ -117,7 +123,7 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
         # Fewer draws on many slots (Kimi's held-out rows): the floor is small and steady there.
         floors.append(weighted_ece_floor(torch.sigmoid(greedy.logit[at]), slots.reach["greedy"][at],
                                          draws=max(10, min(200, 1_000_000 // max(1, int(at.sum()))))))
-    return Fitted(cal, len(ids), ece, floors, where)
+    return Fitted(cal, len(ids), ece, floors, where, survival)
 
 
 def format_fitted(f: Fitted) -> str:
@@ -133,14 +139,18 @@ def format_fitted(f: Fitted) -> str:
         lines.append(f"greedy positions {', '.join(map(str, own))} use an isotonic map (it predicted the other half "
                      "of the rows better than a Platt map)")
     lines.append("ECE per position, cross-fitted (each half of the rows scored by the map fitted on the other); "
-                 "'floor' is what a perfectly calibrated head reads at that count")
+                 "'floor' is what a perfectly calibrated head reads at that count; 'survival' is the product of "
+                 "slots 1..k's confidences against 'slots 1..k all accepted', which vLLM's adaptive verification reads")
     table = []
+    cell = lambda e, w: "-" if w <= 0 else f"{e:.3f}"  # noqa: E731
+    nothing = (float("nan"), 0.0, float("nan"))
     for k, ((eg, wg), (es, ws)) in enumerate(zip(f.ece["greedy"], f.ece["sampling"]), start=1):
-        cell = lambda e, w: "-" if w <= 0 else f"{e:.3f}"  # noqa: E731
+        sg, bg, fg = f.survival["greedy"][k - 1] if f.survival else nothing
+        ss, bs, _ = f.survival["sampling"][k - 1] if f.survival else nothing
         table.append([str(k), f"{wg:.0f}", cell(eg, wg), f"{f.greedy_floor[k - 1]:.3f}" if wg > 0 else "-",
-                      f"{ws:.1f}", cell(es, ws)])
-    lines += text_table(["pos", "greedy slots", "greedy ECE", "floor", "sampling weight", "sampling ECE"], table,
-                        right=range(6))
+                      cell(sg, bg), cell(fg, bg), f"{ws:.1f}", cell(es, ws), cell(ss, bs)])
+    lines += text_table(["pos", "greedy slots", "greedy ECE", "floor", "survival ECE", "floor", "sampling weight",
+                         "sampling ECE", "survival ECE"], table, right=range(9))
     return "\n".join(lines)
 
 
@@ -150,6 +160,9 @@ def metrics(f: Fitted) -> dict[str, float]:
         for k, (e, w) in enumerate(f.ece[mode], start=1):  # type: ignore[index]
             if w > 0:
                 out[f"ece_{mode}_pos{k}"] = e
+        for k, (e, w, _) in enumerate((f.survival or {}).get(mode, []), start=1):
+            if w > 0:
+                out[f"ece_survival_{mode}_pos{k}"] = e
     return out
 
 

@@ -92,8 +92,12 @@ def test_calibration_lines_judge_only_positions_a_perfect_head_could_pass():
     lines, metrics = ba.calibration_lines(steps, "6 prompts")
     assert lines[0].endswith("ECE per position on 6 prompts:")
     assert lines[1].startswith("  position 1: ECE 0.100 over 400 slots") and lines[1].endswith("misses the goal (<= 0.05)")
-    assert lines[2].startswith("  position 2: ECE 0.000 over 400 slots") and lines[2].endswith("meets the goal (<= 0.05)")
-    assert len(lines) == 3 and metrics == {"ece_n7_pos1": pytest.approx(0.1), "ece_n7_pos2": 0.0}
+    assert lines[3].startswith("  position 2: ECE 0.000 over 400 slots") and lines[3].endswith("meets the goal (<= 0.05)")
+    # The survival to 2 compounds position 1's error: 0.45 said, 0.5 all accepted, over every step.
+    assert lines[4].startswith("  survival to 2: ECE 0.050 over 400 steps") and "said 0.450, all accepted 0.500" in lines[4]
+    assert len(lines) == 5 and metrics == {"ece_n7_pos1": pytest.approx(0.1), "ece_n7_pos2": 0.0,
+                                           "ece_survival_n7_pos1": pytest.approx(0.1),
+                                           "ece_survival_n7_pos2": pytest.approx(0.05)}
     # 40 slots at 0.5: a perfectly calibrated head reads about 0.06 there, over the goal, so no verdict.
     few = [([0.5], [1])] * 20 + [([0.5], [0])] * 20
     line = ba.calibration_lines(few, "2 prompts")[0][1]
@@ -165,6 +169,13 @@ def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor()
     assert metrics["ece_greedy_pos2"] == 0.08 and "ece_greedy_pos4" not in metrics
     assert ba.judged_lines(None) == ([], {})
     assert ba.judged_lines(Fitted(fitted.calibration, 1, None, [], "calibration rows")) == ([], {})
+    nan = float("nan")
+    survival = {"greedy": [(0.02, 5000.0, 0.01), (0.07, 4800.0, 0.01), (nan, 0.0, nan)], "sampling": []}
+    lines, metrics = ba.judged_lines(Fitted(fitted.calibration, 3074, ece, fitted.greedy_floor, "calibration rows",
+                                            survival))
+    assert lines[4].startswith("  survival to 1 (") and lines[4].endswith("meets the goal (<= 0.05)")
+    assert "ECE 0.070 over 4800 blocks" in lines[5] and lines[5].endswith("misses the goal (<= 0.05)")
+    assert len(lines) == 7 and metrics["ece_survival_greedy_pos2"] == 0.07 and "ece_survival_greedy_pos3" not in metrics
 
 
 def test_every_manifest_prompt_is_evaluated_unless_a_setting_says_otherwise(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -117,3 +118,31 @@ def test_perfect_head_eces_are_the_floors_draws_sorted():
     eces = perfect_head_eces([0.3] * 60)
     assert len(eces) == 200 and eces == sorted(eces) and eces[0] < eces[-1]
     assert abs(sum(eces) / len(eces) - ece_floor([0.3] * 60)) < 1e-12
+
+
+def test_survival_is_the_product_against_all_accepted():
+    # Two slots, each said 0.9 and each accepted half the time, independently: every slot is
+    # 0.4 overconfident, and the survival of both (0.81 said, 0.25 accepted) is off by 0.56.
+    steps = [([0.9, 0.9], [a, b]) for a in (0, 1) for b in (0, 1)] * 25
+    report = calibration_report({"b": steps}, bins=10)
+    s1, s2 = report["survival"]
+    assert s1["count"] == s2["count"] == 100  # every step drafted both: no conditioning on reach
+    assert s1["ece"] == pytest.approx(0.4)
+    assert s2["mean_conf"] == pytest.approx(0.81) and s2["accuracy"] == pytest.approx(0.25)
+    assert s2["ece"] == pytest.approx(0.56)
+    assert report["positions"][1]["ece"] == pytest.approx(0.4)  # the slot ECE misses the compounding
+    assert "survival ECE" in format_report(report)
+
+
+def test_a_head_calibrated_per_slot_has_a_calibrated_survival():
+    # Each slot accepted with the chance it states, independently: the survival is calibrated
+    # too, so its ECE stays near its floor while an overconfident head's does not.
+    rng = random.Random(5)
+    steps = []
+    for _ in range(1500):
+        confs = [rng.choice([0.2, 0.5, 0.8, 0.95]) for _ in range(4)]
+        steps.append((confs, [int(rng.random() < c) for c in confs]))
+    survival = calibration_report({"b": steps})["survival"]
+    assert all(s["ece"] < s["ece_floor"] + 0.02 for s in survival)
+    over = [([min(1.0, c + 0.15) for c in confs], m) for confs, m in steps]
+    assert all(s["ece"] > 0.05 for s in calibration_report({"b": over})["survival"][1:])

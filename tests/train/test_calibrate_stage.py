@@ -73,8 +73,15 @@ def test_the_stage_fits_on_the_held_out_rows_and_writes_the_map_into_the_export(
     # Cross-fitted ECE per position: real numbers in [0, 1] for every position decoding reached.
     eces = {k: v for k, v in metrics.items() if k.startswith("ece_")}
     assert "ece_sampling_pos1" in eces and all(0.0 <= v <= 1.0 for v in eces.values())
+    # The survival to 1 is slot 1 itself, over the same blocks with the same weights: the block
+    # ids held_out_slots records put each slot in its block.
+    # (to float32: the slot ECE is summed in it)
+    assert metrics["ece_survival_greedy_pos1"] == pytest.approx(metrics["ece_greedy_pos1"], abs=1e-6)
+    assert metrics["ece_survival_sampling_pos1"] == pytest.approx(metrics["ece_sampling_pos1"], abs=1e-6)
+    assert "ece_survival_greedy_pos2" in metrics
     out = capsys.readouterr().out
     assert "fitted on 6 held-out rows" in out and "cross-fitted" in out and str(export / FILE) in out
+    assert "survival ECE" in out
 
 
 def test_a_second_run_fits_the_raw_head_again_not_the_stored_map(target_dir, tmp_path):
