@@ -158,6 +158,11 @@ def check_cron(cron: str | None) -> str:
 
     if not cron:
         raise UserError("schedule.cron is not set: pass --cron '0 3 * * 0' or set schedule.cron in the config")
+    # One line of five fields: a newline would end the crontab entry and start another.
+    bad = sorted({ch for ch in cron if not (ch.isascii() and (ch.isalnum() or ch in "*/,- "))})
+    if bad:
+        raise UserError(f"schedule.cron = {cron!r}: characters {''.join(bad)!r} have no place in a cron "
+                        "expression; use five space-separated fields on one line, e.g. '0 3 * * 0'")
     try:
         parse_cron(cron)
     except ValueError as err:

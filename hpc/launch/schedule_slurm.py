@@ -99,7 +99,24 @@ def write_scrontab(table: str) -> None:
         raise UserError(f"scrontab refused the table: {slurm_why(res)}; check the schedule's config and cron")
 
 
+def _one_line(what: str, value: str, option: bool = False) -> None:
+    """Refuse what would break out of its line in the crontab: a newline ends the entry and the
+    next line is another (cron runs it); cron turns `%` in a command into a newline; an option's
+    space starts another option."""
+    bad = {"\n", "\r", "%"} if not option else {"\n", "\r", " ", "\t"}
+    found = sorted(ch for ch in bad if ch in value)
+    if found:
+        raise UserError(f"schedule: {what} = {value!r} holds {', '.join(map(repr, found))}, which would break its "
+                        "scrontab line; rename it, or run the schedule from a path without them")
+
+
 def scrontab_block(e: Entry) -> list[str]:
+    for what, value in (("the current directory", e.cwd), ("the config path", e.config),
+                        ("the Python interpreter", e.python), *((f"override {o!r}", o) for o in e.overrides)):
+        _one_line(what, value)
+    for what, value in (("schedule name", e.name), ("cluster.partition", e.partition),
+                        ("cluster.account", e.account or ""), ("cluster.log_dir", e.log_dir)):
+        _one_line(what, value, option=True)
     opts = [f"-p {e.partition}", *([f"-A {e.account}"] if e.account else []), f"-t {TICK_TIME}",
             f"-o {e.log_file()}"]
     return [begin_marker(e.name), *(f"#SCRON {o}" for o in opts), f"{e.cron} {e.tick_command()}",

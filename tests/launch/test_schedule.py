@@ -253,6 +253,26 @@ def test_bad_cron_flag_is_one_line(tmp_path):
     assert len(res.stderr.splitlines()) == 1
 
 
+
+@pytest.mark.parametrize("cron", ["0 3 * *\n0", "0 3 * * 0\n* * * * * touch /tmp/x", "0 3 * * 0 % x", "0 3 * * 0;"])
+def test_a_cron_that_would_add_a_crontab_line_is_refused(cron):
+    with pytest.raises(UserError, match="schedule.cron = .*have no place in a cron expression"):
+        schedule.check_cron(cron)
+
+
+@pytest.mark.parametrize("field_name,value", [
+    ("cwd", "/home/u/a\n* * * * * touch /tmp/pwned #"), ("cwd", "/home/u/50%"), ("config", "/c\r.yaml"),
+    ("overrides", ["train.steps=1\n* * * * * id"]), ("partition", "gpu -o /tmp/x"), ("log_dir", "runs/x\ny"),
+])
+def test_a_value_that_would_break_its_scrontab_line_is_refused(field_name, value):
+    from hpc.launch.schedule_slurm import Entry, scrontab_block
+
+    fine = Entry("t", "0 3 * * 0", "/cfg.yaml", cwd="/home/u/project dir")  # a plain space is quoted, not refused
+    assert len(scrontab_block(fine)) == 6
+    with pytest.raises(UserError, match="would break its scrontab line"):
+        scrontab_block(Entry(**{**fine.__dict__, field_name: value}))
+
+
 # ---- retrain-tick: new data or not -----------------------------------------------------------------
 
 
