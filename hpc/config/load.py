@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import math
 import re
 from enum import Enum
 from pathlib import Path
@@ -370,6 +371,15 @@ def check_sweep(cfg: DictConfig) -> list[str]:
     """Sweep keys must be config keys and every variant must itself be a valid config."""
     problems = []
     sweep = cast(dict[str, Any], OmegaConf.to_container(cfg.sweep, resolve=True) or {})  # schema: dict[str, list]
+    count = math.prod(len(v) for v in sweep.values() if isinstance(v, list))
+    cap = cfg.submit.max_variants
+    if isinstance(cap, int) and cap < 1:
+        problems.append(f"submit.max_variants = {cap}: must be at least 1 (the base config is one variant)")
+    elif sweep and isinstance(cap, int) and count > cap:
+        # Counted, not expanded: the product is what would be validated and queued one by one.
+        sizes = " x ".join(str(len(v)) for v in sweep.values() if isinstance(v, list))
+        problems.append(f"sweep: {sizes} = {count} variants, over submit.max_variants = {cap}; sweep fewer values, "
+                        f"or raise submit.max_variants if {count} trainings are meant")
     probe = copy.deepcopy(cfg) if sweep else None  # one for every value: a fresh schema each costs more
     for key, values in sweep.items():
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__" or key.startswith("sweep"):

@@ -294,6 +294,13 @@ class ScheduleConfig:
 
 
 @dataclass
+class SubmitConfig:
+    # A sweep expands into one array task per combination: 40 x 40 x 40 values would validate
+    # for minutes and queue 64,000 trainings. Above this many, validate refuses the sweep.
+    max_variants: int = 256
+
+
+@dataclass
 class PlanConfig:
     """Knobs of `dspark plan`, the capacity planner: facts about the target and the hardware
     that the rest of the config does not hold. Estimates; measure and set the Optional ones."""
@@ -326,6 +333,7 @@ class DSparkConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
     # One training array task per combination, e.g. {"train.lr": [3e-4, 1e-4]}.
     sweep: dict[str, list[Any]] = field(default_factory=dict)
 

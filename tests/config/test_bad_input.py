@@ -123,6 +123,30 @@ def test_a_good_sweep_over_training_keys_passes():
     assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}
 
 
+def test_a_sweep_over_the_cap_is_one_line_counted_not_expanded(monkeypatch):
+    import hpc.config as config
+
+    def expanded(*_args, **_kwargs):
+        raise AssertionError("a sweep over the cap was expanded variant by variant")
+
+    monkeypatch.setattr(config, "_variant_problems", expanded)
+    values = "[" + ", ".join(str(i) for i in range(1, 9)) + "]"
+    sweep = f"sweep={{train.lr: {values}, train.warmup_steps: {values}, train.max_anchors: {values}}}"
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, [sweep], check_tracking=False)
+    assert err.value.problems == ["sweep: 8 x 8 x 8 = 512 variants, over submit.max_variants = 256; sweep fewer "
+                                  "values, or raise submit.max_variants if 512 trainings are meant"]
+    monkeypatch.undo()
+    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=4"],
+                  check_tracking=False)
+    assert cfg.submit.max_variants == 4
+    with pytest.raises(ConfigError, match="4 variants, over submit.max_variants = 3"):
+        resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=3"],
+                check_tracking=False)
+    with pytest.raises(ConfigError, match="submit.max_variants = 0: must be at least 1"):
+        resolve(KIMI, ["submit.max_variants=0"], check_tracking=False)
+
+
 def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monkeypatch):
     """The default sqlite:///runs/mlflow.db in a fresh checkout: runs/ does not exist yet, but
     the pipeline writes runs/train there anyway, so it is not a typo."""
