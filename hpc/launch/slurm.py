@@ -190,6 +190,27 @@ def check_requests(reqs: Sequence[JobRequest]) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
+def max_array_size() -> int | None:
+    """Slurm's MaxArraySize (array task ids run 0..MaxArraySize-1); None where scontrol cannot say."""
+    try:
+        res = run_slurm(["scontrol", "show", "config"], check=False)
+    except UserError:  # no scontrol, or no answer: sinfo's own check names that
+        return None
+    found = re.search(r"^MaxArraySize\s*=\s*(\d+)\s*$", res.stdout, re.M) if res.returncode == 0 else None
+    return int(found.group(1)) if found else None
+
+
+def array_problems(tasks: int) -> list[str]:
+    """A training array of `tasks` sweep variants that this cluster's MaxArraySize refuses."""
+    if tasks <= 1:
+        return []
+    cap = max_array_size()
+    if cap is None or tasks <= cap:
+        return []
+    return [f"sweep: {tasks} variants, but this cluster's MaxArraySize is {cap} (task ids 0..{cap - 1}); "
+            f"sweep at most {cap} combinations, or submit the sweep as several pipelines"]
+
+
 def _check_one(req: JobRequest, parts: dict[str, Partition]) -> list[str]:
     problems = []
     try:

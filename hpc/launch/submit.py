@@ -198,11 +198,11 @@ def _discard(cfg: DSparkConfig, p: Pipeline) -> None:
 
 def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dict[str, str] | None = None) -> int:
     """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
-    from hpc.launch.slurm import cancel, check_requests, requests_for
+    from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
 
     cfg, p = plan_pipeline(config, overrides)
     try:
-        problems = check_requests(requests_for(cfg))
+        problems = check_requests(requests_for(cfg)) + array_problems(len(p.variant_files))
         if problems:
             raise UserError("nothing submitted:\n" + "\n".join(problems))
         if dry:

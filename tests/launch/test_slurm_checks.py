@@ -328,3 +328,25 @@ def test_requests_without_regeneration() -> None:
         ("train", 5, 2), ("eval", 1, 2), ("report", 1, 0)]
     assert {(r.partition, r.time, r.account, r.cpus_per_task) for r in reqs} == {
         ("debug", "01:00:00", "proj", 1)}
+
+
+def test_a_sweep_past_max_array_size_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.launch.slurm import array_problems
+
+    config = (0, "Configuration data as of 2026-12-03T22:00:00\nMaxArraySize            = 8\nMaxJobCount = 10000\n", "")
+    calls = _fake_slurm(monkeypatch, scontrol=config)
+    assert array_problems(8) == []  # task ids 0..7
+    assert array_problems(9) == ["sweep: 9 variants, but this cluster's MaxArraySize is 8 (task ids 0..7); sweep at "
+                                 "most 8 combinations, or submit the sweep as several pipelines"]
+    assert calls[0] == ["scontrol", "show", "config"]
+    assert array_problems(1) == [] and len(calls) == 2  # one task is no array: not asked
+    _fake_slurm(monkeypatch)  # no scontrol: sinfo's own check says Slurm is missing
+    assert array_problems(9) == []
+    _fake_slurm(monkeypatch, scontrol=(1, "", "slurm_load_ctl_conf error"))
+    assert array_problems(9) == []
+
+
+def test_the_dev_clusters_max_array_size_is_read(slurm_cluster: SlurmCluster) -> None:
+    from hpc.launch.slurm import max_array_size
+
+    assert isinstance(max_array_size(), int)
