@@ -124,8 +124,14 @@ def is_export(path: Path) -> bool:
     from hpc.model.calibrate import FILE as CALIBRATION
 
     try:
-        names = {p.name for p in path.iterdir()}
-        return names - {CALIBRATION} == EXPORT_FILES and \
+        if path.is_symlink():
+            return False
+        entries = list(path.iterdir())
+        # Plain files only: a link or a directory under an export's name is not one we wrote,
+        # and replacing the export must not reach through it.
+        if not all(p.is_file() and not p.is_symlink() for p in entries):
+            return False
+        return {p.name for p in entries} - {CALIBRATION} == EXPORT_FILES and \
             "speculators_model_type" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False

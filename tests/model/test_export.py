@@ -217,3 +217,22 @@ def test_the_out_directory_may_follow_a_flag(tmp_path):
     assert main(["export", str(ckpt), "--n", "3", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"][
         "proposal_methods"][0]["speculative_tokens"] == 3
+
+
+def test_only_plain_files_make_an_export(tmp_path):
+    from hpc.model.export import is_export
+
+    out = export_draft(tiny_model(), tmp_path / "export", verifier="/models/toy",
+                       verifier_arch=["Qwen3ForCausalLM"], n=4)
+    assert is_export(out)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    assert not is_export(link)  # replacing it would replace what it points at
+    weights = next(p for p in out.iterdir() if p.suffix == ".safetensors")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    weights.rename(elsewhere)
+    weights.symlink_to(elsewhere)
+    assert not is_export(out)
+    weights.unlink()
+    weights.mkdir()
+    assert not is_export(out)
