@@ -33,6 +33,12 @@ class _Loader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            # Every key of the schema is a name: `1:`, `true:`, `null:` or `[a, b]:` is a slip
+            # (and an unhashable one would crash the check below).
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is not a name; keys are names "
+                    "such as lr (quote it if it is meant as one)", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"`{key}` is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "

@@ -175,6 +175,9 @@ FILES = {
     "section twice": (b"train:\n  lr: 1.0e-4\neval:\n  rows: 2\ntrain:\n  steps: 5\n", "`train` is given twice"),
     "key twice": (b"train:\n  lr: 1.0e-4\n  lr: 3.0e-4\n", "`lr` is given twice (lines 2 and 3)"),
     "a list, not a mapping": (b"- a\n- b\n", "top level must be a mapping"),
+    "a number as a key": (b"train:\n  1: 5\n", "line 2 is not valid YAML (key 1 is not a name"),
+    "a list as a key": (b"? [a, b]\n: 3\n", "key ['a', 'b'] is not a name"),
+    "a boolean as a key": (b"train:\n  lr: 1.0e-4\n  on: 3\n", "key True is not a name"),
 }
 
 
