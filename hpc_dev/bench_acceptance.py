@@ -243,13 +243,15 @@ def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
                    f"meets the goal (<= {ECE_GOAL})" if ece <= ECE_GOAL else f"misses the goal (<= {ECE_GOAL})")
         lines.append(f"  position {k}: ECE {ece:.3f} over {w:.0f} slots (a perfectly calibrated head would read "
                      f"{floor:.3f}): {verdict}")
+    raw = (fitted.raw_survival or {}).get("greedy", [])
     for k, (ece, w, floor) in enumerate((fitted.survival or {}).get("greedy", []), start=1):
         if w <= 0:
             continue
         verdict = (f"too few blocks to judge against {ECE_GOAL}" if floor >= ECE_GOAL else
                    f"meets the goal (<= {ECE_GOAL})" if ece <= ECE_GOAL else f"misses the goal (<= {ECE_GOAL})")
+        served = f"; the raw head vLLM serves reads {raw[k - 1][0]:.3f}" if k <= len(raw) and raw[k - 1][1] > 0 else ""
         lines.append(f"  survival to {k} (the product vLLM's adaptive verification reads): ECE {ece:.3f} over "
-                     f"{w:.0f} blocks (a perfectly calibrated one would read {floor:.3f}): {verdict}")
+                     f"{w:.0f} blocks (a perfectly calibrated one would read {floor:.3f}{served}): {verdict}")
     return [*lines, ""], metrics(fitted)
 
 

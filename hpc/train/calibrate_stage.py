@@ -47,6 +47,8 @@ class Fitted:
     # per mode, (ECE, effective block count, floor) of the survival at each k (hpc.model.survival),
     # cross-fitted as `ece` is: what vLLM's adaptive verification reads; None with a single row
     survival: dict[str, list[tuple[float, float, float]]] | None = None
+    # the same for the raw head, no map applied: what vLLM serves today (it never reads the side file)
+    raw_survival: dict[str, list[tuple[float, float, float]]] | None = None
 
 
 def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device,
@@ -123,7 +125,8 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
         # Fewer draws on many slots (Kimi's held-out rows): the floor is small and steady there.
         floors.append(weighted_ece_floor(torch.sigmoid(greedy.logit[at]), slots.reach["greedy"][at],
                                          draws=max(10, min(200, 1_000_000 // max(1, int(at.sum()))))))
-    return Fitted(cal, len(ids), ece, floors, where, survival)
+    raw = {m: survival_ece(slots, m) for m in MODES}
+    return Fitted(cal, len(ids), ece, floors, where, survival, raw)
 
 
 def format_fitted(f: Fitted) -> str:
@@ -140,17 +143,20 @@ def format_fitted(f: Fitted) -> str:
                      "of the rows better than a Platt map)")
     lines.append("ECE per position, cross-fitted (each half of the rows scored by the map fitted on the other); "
                  "'floor' is what a perfectly calibrated head reads at that count; 'survival' is the product of "
-                 "slots 1..k's confidences against 'slots 1..k all accepted', which vLLM's adaptive verification reads")
+                 "slots 1..k's confidences against 'slots 1..k all accepted', which vLLM's adaptive verification reads; "
+                 "'raw' is the head without the map, as vLLM serves it")
     table = []
     cell = lambda e, w: "-" if w <= 0 else f"{e:.3f}"  # noqa: E731
     nothing = (float("nan"), 0.0, float("nan"))
     for k, ((eg, wg), (es, ws)) in enumerate(zip(f.ece["greedy"], f.ece["sampling"]), start=1):
         sg, bg, fg = f.survival["greedy"][k - 1] if f.survival else nothing
         ss, bs, _ = f.survival["sampling"][k - 1] if f.survival else nothing
+        rg, rbg, _ = f.raw_survival["greedy"][k - 1] if f.raw_survival else nothing
+        rs, rbs, _ = f.raw_survival["sampling"][k - 1] if f.raw_survival else nothing
         table.append([str(k), f"{wg:.0f}", cell(eg, wg), f"{f.greedy_floor[k - 1]:.3f}" if wg > 0 else "-",
-                      cell(sg, bg), cell(fg, bg), f"{ws:.1f}", cell(es, ws), cell(ss, bs)])
-    lines += text_table(["pos", "greedy slots", "greedy ECE", "floor", "survival ECE", "floor", "sampling weight",
-                         "sampling ECE", "survival ECE"], table, right=range(9))
+                      cell(sg, bg), cell(fg, bg), cell(rg, rbg), f"{ws:.1f}", cell(es, ws), cell(ss, bs), cell(rs, rbs)])
+    lines += text_table(["pos", "greedy slots", "greedy ECE", "floor", "survival ECE", "floor", "raw", "sampling weight",
+                         "sampling ECE", "survival ECE", "raw"], table, right=range(11))
     return "\n".join(lines)
 
 
@@ -163,6 +169,9 @@ def metrics(f: Fitted) -> dict[str, float]:
         for k, (e, w, _) in enumerate((f.survival or {}).get(mode, []), start=1):
             if w > 0:
                 out[f"ece_survival_{mode}_pos{k}"] = e
+        for k, (e, w, _) in enumerate((f.raw_survival or {}).get(mode, []), start=1):
+            if w > 0:
+                out[f"ece_survival_raw_{mode}_pos{k}"] = e
     return out
 
 

@@ -171,9 +171,11 @@ def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor()
     assert ba.judged_lines(Fitted(fitted.calibration, 1, None, [], "calibration rows")) == ([], {})
     nan = float("nan")
     survival = {"greedy": [(0.02, 5000.0, 0.01), (0.07, 4800.0, 0.01), (nan, 0.0, nan)], "sampling": []}
+    raw = {"greedy": [(0.11, 5000.0, nan), (0.2, 4800.0, nan), (nan, 0.0, nan)], "sampling": []}
     lines, metrics = ba.judged_lines(Fitted(fitted.calibration, 3074, ece, fitted.greedy_floor, "calibration rows",
-                                            survival))
+                                            survival, raw))
     assert lines[4].startswith("  survival to 1 (") and lines[4].endswith("meets the goal (<= 0.05)")
+    assert "the raw head vLLM serves reads 0.110" in lines[4]
     assert "ECE 0.070 over 4800 blocks" in lines[5] and lines[5].endswith("misses the goal (<= 0.05)")
     assert len(lines) == 7 and metrics["ece_survival_greedy_pos2"] == 0.07 and "ece_survival_greedy_pos3" not in metrics
 

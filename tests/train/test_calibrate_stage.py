@@ -79,6 +79,8 @@ def test_the_stage_fits_on_the_held_out_rows_and_writes_the_map_into_the_export(
     assert metrics["ece_survival_greedy_pos1"] == pytest.approx(metrics["ece_greedy_pos1"], abs=1e-6)
     assert metrics["ece_survival_sampling_pos1"] == pytest.approx(metrics["ece_sampling_pos1"], abs=1e-6)
     assert "ece_survival_greedy_pos2" in metrics
+    # The raw head's survival (vLLM serves the head without the side file's maps) is reported too.
+    assert all(0.0 <= metrics[f"ece_survival_raw_{m}_pos1"] <= 1.0 for m in ("greedy", "sampling"))
     out = capsys.readouterr().out
     assert "fitted on 6 held-out rows" in out and "cross-fitted" in out and str(export / FILE) in out
     assert "survival ECE" in out
