@@ -105,8 +105,11 @@ def train_variant(config: str, overrides: list[str], name: str, out: Path, steps
                             on_calibrated=lambda f: setattr(t, "fitted", f))
     t.seconds = time.monotonic() - t0
     model = cfg.verifier.model
-    export_draft(load_draft(ckpt), t.export, verifier=cfg.verifier.name or model,
-                 verifier_arch=target_architectures(model), n=max(NS))
+    draft = load_draft(ckpt)
+    # The export serves the head with its fold, as the calibrate stage writes it.
+    draft.confidence_fold = t.fitted.fold.fold if t.fitted is not None and t.fitted.fold is not None else None
+    export_draft(draft, t.export, verifier=cfg.verifier.name or model, verifier_arch=target_architectures(model),
+                 n=max(NS))
     return t
 
 
@@ -244,14 +247,23 @@ def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
         lines.append(f"  position {k}: ECE {ece:.3f} over {w:.0f} slots (a perfectly calibrated head would read "
                      f"{floor:.3f}): {verdict}")
     raw = (fitted.raw_survival or {}).get("greedy", [])
-    for k, (ece, w, floor) in enumerate((fitted.survival or {}).get("greedy", []), start=1):
+    side = (fitted.survival or {}).get("greedy", [])
+    fold = fitted.fold.fold if fitted.fold is not None else None
+    # The goal is judged on the head vLLM serves: the export's, with its fold (or raw, when none).
+    served = fitted.fold.survival if fitted.fold is not None and fold is not None and fold.mode == "greedy" else raw
+    if fitted.fold is not None:
+        lines.append(f"  served head: {fitted.fold.why}")
+    for k, (ece, w, floor) in enumerate(served or [], start=1):
         if w <= 0:
             continue
+        if floor != floor and k <= len(side):  # the raw table carries no floors: the calibrated one's
+            floor = side[k - 1][2]
         verdict = (f"too few blocks to judge against {ECE_GOAL}" if floor >= ECE_GOAL else
                    f"meets the goal (<= {ECE_GOAL})" if ece <= ECE_GOAL else f"misses the goal (<= {ECE_GOAL})")
-        served = f"; the raw head vLLM serves reads {raw[k - 1][0]:.3f}" if k <= len(raw) and raw[k - 1][1] > 0 else ""
-        lines.append(f"  survival to {k} (the product vLLM's adaptive verification reads): ECE {ece:.3f} over "
-                     f"{w:.0f} blocks (a perfectly calibrated one would read {floor:.3f}{served}): {verdict}")
+        others = "; ".join(f"{name} {t[k - 1][0]:.3f}" for name, t in (("side-file maps", side), ("raw head", raw))
+                           if k <= len(t) and t[k - 1][1] > 0)
+        lines.append(f"  survival to {k} (the product vLLM's adaptive verification reads), served head: ECE {ece:.3f} "
+                     f"over {w:.0f} blocks (a perfectly calibrated one would read {floor:.3f}; {others}): {verdict}")
     return [*lines, ""], metrics(fitted)
 
 

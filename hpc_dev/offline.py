@@ -76,7 +76,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
 
         # Fitted on the weights the export serves, as the calibrate stage fits on the export.
         fitted = fit_held_out(as_served(model), head, verifier.capture, cal_rows, quiet=True, where=where,
-                              ns=cfg.eval.num_speculative_tokens)
+                              ns=cfg.eval.num_speculative_tokens, fold=cfg.eval.fold.value)
         fitted.calibration.save(ckpt)
         print(format_fitted(fitted), flush=True)
         if on_calibrated is not None:

@@ -39,6 +39,22 @@ class ConfidenceTarget(str, Enum):
     sampling = "sampling"
 
 
+class ConfidenceFold(str, Enum):
+    # The decoding mode whose survival the calibrate stage fits the one affine map to that it
+    # folds into the exported head: vLLM serves that head for every request, greedy or sampled.
+    greedy = "greedy"
+    sampling = "sampling"
+    none = "none"  # serve the raw head
+
+
+class ServedConfidence(str, Enum):
+    # What the reference engine decodes with. served: the exported head alone (the fold in its
+    # weights), as vLLM computes it. side_file: the per-position maps of confidence_calibration.json,
+    # which vLLM does not read.
+    served = "served"
+    side_file = "side_file"
+
+
 class EvalTiming(str, Enum):
     # paired: every benchmark alternates baseline and draft requests on the same prompts, on the
     # same engine build and node, and reports the speedup's spread. cached: one baseline per
@@ -267,6 +283,8 @@ class EvalConfig:
     # Calibration report: the share of a verify step one more drafted token costs; it turns
     # "expected accepted tokens" into a choice of n and confidence threshold.
     draft_token_cost: float = 0.03
+    fold: ConfidenceFold = ConfidenceFold.greedy
+    confidence: ServedConfidence = ServedConfidence.served
     output_dir: str = "runs/eval"
 
 

@@ -17,6 +17,7 @@ from hpc.config.schema import BENCHMARKS
 from hpc.errors import UserError
 from hpc.evaluate.harness import NOISE_SLACK, implausible
 from hpc.track.keys import (
+    CONFIDENCE,
     DRAFT,
     ENGINE,
     MEAN,
@@ -51,6 +52,7 @@ class EvalRecord:
     method: str = ""
     engine: str = ""
     temperature: float = 0.0
+    confidence: str = ""  # how its confidences were read (eval.confidence); "" on vLLM or without a head
 
 
 @dataclass
@@ -264,7 +266,7 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
             draft = draft_column(tags.get(DRAFT, OUR_DRAFT), tags.get(METHOD, ""))
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
                                   dict(run.data.metrics), tags.get(METHOD, ""),
-                                  tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0)))
+                                  tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0), tags.get(CONFIDENCE, "")))
     return out
 
 
@@ -310,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
 
 def card_markdown(table: Table, evals: list[EvalRecord]) -> str:
     """The table as people read it: markdown, what its marks mean, and which engine made which column."""
-    return to_markdown(table) + legend(table) + tau_verdict(evals) + engine_note(evals)
+    return to_markdown(table) + legend(table) + tau_verdict(evals) + engine_note(evals) + confidence_note(evals)
 
 
 def _mean_tau(rec: EvalRecord) -> float | None:
@@ -366,6 +368,22 @@ def engine_note(evals: list[EvalRecord]) -> str:
     parts = [f"{engine}: {', '.join(sorted(cols))}" for engine, cols in sorted(by_engine.items())]
     return "\n\nengines: " + "; ".join(parts) + " (reference = exact spec decoding in a torch loop, for drafts " \
         "this vLLM build cannot decode: not a serving engine, its tok/s show step savings, not serving throughput)"
+
+
+CONFIDENCE_READS = {
+    "served": "the exported head alone, its fold in the weights, as vLLM computes it",
+    "side_file": "confidence_calibration.json's per-position maps, which vLLM does not read",
+}
+
+
+def confidence_note(evals: list[EvalRecord]) -> str:
+    """How the reference engine read each column's confidence head (its calibration figures)."""
+    by: dict[str, set[str]] = {}
+    for e in evals:
+        if e.confidence:
+            by.setdefault(e.confidence, set()).add(f"{_draft_title(e.draft)} n={e.n}")
+    parts = [f"{mode} ({CONFIDENCE_READS.get(mode, mode)}): {', '.join(sorted(cols))}" for mode, cols in sorted(by.items())]
+    return "\n\nconfidence: " + "; ".join(parts) if parts else ""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

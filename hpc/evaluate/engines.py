@@ -109,8 +109,12 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, target, draft=None, n: int = 0, eos_token_id: int | None = None, temperature: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, confidence: str = "served"):
         self.target, self.draft, self.n, self.eos = target, draft, n, eos_token_id
+        # How the draft's confidences are read (eval.confidence); "" for a draft with no head.
+        self.confidence = "" if draft is None or draft.confidence_head is None else confidence
+        if self.confidence == "served" and draft is not None:
+            draft.confidence_calibration = None  # vLLM reads no side file: neither does "served"
         self.temperature, self.seed, self.requests = temperature, seed, 0
         self._total = Counters(accepted_per_pos=[0] * n)
         self.steps: list[tuple[list[float], list[int]]] = []  # (confidences, accepted) per verify step

@@ -52,6 +52,8 @@ class BenchResult:
     temperature: float = 0.0
     # (confidences, matches) per verify step: the reference engine's input to the calibration report.
     calibration_steps: list = field(default_factory=list)
+    # How those confidences were read (eval.confidence: served | side_file); "" without a head.
+    confidence: str = ""
 
     @classmethod
     def from_json(cls, d: dict) -> BenchResult:
@@ -82,7 +84,8 @@ def timing_of(paired: bool) -> str:
     return "paired" if paired else "cached"
 
 
-def finished(out_dir: Path, bench, engine: str | None = None, timing: str | None = None) -> BenchResult | None:
+def finished(out_dir: Path, bench, engine: str | None = None, timing: str | None = None,
+             confidence: str | None = None) -> BenchResult | None:
     """The result already measured for `bench` in `out_dir`, if it was measured on these prompts,
     on this `engine` and with this `timing`: a run directory is named for the draft, so an
     evaluation on another engine (vLLM after the reference loop) or timing would read the last
@@ -95,7 +98,8 @@ def finished(out_dir: Path, bench, engine: str | None = None, timing: str | None
     except json.JSONDecodeError:
         return None  # a torn file cannot exist (atomic writes), but a hand-edited one can: rerun
     if data.get("sha256") != bench.sha256 or (engine is not None and data.get("engine") != engine) \
-            or (timing is not None and data.get("timing", "cached") != timing):
+            or (timing is not None and data.get("timing", "cached") != timing) \
+            or (confidence is not None and data.get("confidence", "") != confidence):
         return None
     return BenchResult.from_json(data)
 
@@ -128,7 +132,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
     results = []
     todo = []
     for b in benches:
-        done = finished(out_dir, b, engine.name, timing_of(baseline is not None))
+        done = finished(out_dir, b, engine.name, timing_of(baseline is not None), getattr(engine, "confidence", ""))
         if done is not None:
             if not quiet:
                 print(f"{label} n={n}: {b.name} already done ({out_dir / (b.name + '.json')}), not re-run")
@@ -164,7 +168,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                               verify_steps=delta.verify_steps, drafted_tokens=delta.drafted_tokens,
                               accepted_tokens=delta.accepted_tokens, accept_len=delta.accept_len if n else None,
                               per_position=delta.per_position(n) if n else [], temperature=temperature,
-                              calibration_steps=first_pass)
+                              calibration_steps=first_pass, confidence=getattr(engine, "confidence", ""))
             if ratios:
                 res.speedup, res.speedup_lo, res.speedup_hi = ratio_spread(ratios)
                 res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), timing_of(True)

@@ -67,7 +67,7 @@ def eval_records(runs: Iterable[list[BenchResult]]) -> list[EvalRecord]:
             continue
         r = results[0]
         out.append(EvalRecord("", draft_column(r.label, r.method), r.n, run_metrics(results), r.method, r.engine,
-                              r.temperature))
+                              r.temperature, r.confidence))
     return out
 
 
@@ -144,6 +144,8 @@ def _digest_view(r: BenchResult) -> dict:
         d[old] = d.pop(new)
     if d["drafted_tokens"] is None:
         del d["drafted_tokens"]
+    if not d["confidence"]:  # nor the confidence reading, which files without a head never had
+        del d["confidence"]
     return d
 
 

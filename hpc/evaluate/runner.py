@@ -30,6 +30,7 @@ from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, w
 from hpc.evaluate.record import card_text, find_baseline, load_results, upload_all
 from hpc.track.keys import (
     BASELINE_KEY,
+    CONFIDENCE,
     DRAFT,
     DRAFT_SHA256,
     ENGINE,
@@ -141,7 +142,8 @@ class EngineFactory:
 
                 assert job.draft.model is not None  # the reference engine decodes our exports: directories
                 draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
-            return ReferenceEngine(self.target(), draft, job.n, eos, job.temperature, seed)
+            return ReferenceEngine(self.target(), draft, job.n, eos, job.temperature, seed,
+                                   confidence=_value(self.cfg.eval.confidence))
         from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
         v = self.cfg.verifier
@@ -173,6 +175,18 @@ def check_draft_fits_target(path: Path, cfg: DSparkConfig) -> None:
                         f"{cfg.verifier.model}; evaluate it against its own target")
 
 
+def check_side_file(path: Path, cfg: DSparkConfig) -> None:
+    """eval.confidence=side_file reads the per-position maps beside a DSpark export: without
+    them the reference engine would read the served head and call it the side file's."""
+    from hpc.model.calibrate import FILE
+
+    d = json.loads((path / "config.json").read_text())
+    if (_value(cfg.eval.confidence) == "side_file" and d.get("enable_confidence_head")
+            and not (path / FILE).is_file()):
+        raise UserError(f"eval.confidence=side_file, but {path} has no {FILE} (the calibrate stage writes it); "
+                        "run `dspark stage calibrate CONFIG`, or set eval.confidence=served")
+
+
 def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
     """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
     drafts = [our_draft(draft_path)] if draft_path else []
@@ -183,6 +197,7 @@ def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list
         if d.ours:
             assert d.model is not None  # our exports are directories
             check_draft_fits_target(Path(d.model), cfg)
+            check_side_file(Path(d.model), cfg)
     if not drafts:
         raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")
     for d in drafts:
@@ -285,6 +300,8 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                             SPEC_N: str(job.n), ENGINE: job.engine, ENGINE_VERSION: version,
                             HARDWARE: hardware, VLLM_VERSION: vllm_version,
                             TEMPERATURE: f"{job.temperature:g}", TIMING: _value(cfg.eval.timing)}
+                if res and res[0].confidence:
+                    job_tags[CONFIDENCE] = res[0].confidence
                 artifacts = [(draft.model, "draft")] if draft.ours else []
                 _write_meta(run_dir, cfg.tracking, job, STAGE_EVAL, parent_run_id, job_tags, res, artifacts)
                 _plots(run_dir, res, job, cfg.eval)
@@ -373,5 +390,7 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig
         calibration_png(report, run_dir / "calibration.png")
         event = (f"sampled acceptance at temperature {job.temperature:g}" if job.temperature > 0
                  else "greedy match")
-        print(f"calibration of the confidence head, {label} n={job.n}, scored against the {event}:\n"
+        reads = {"served": "the served head, as vLLM computes it", "side_file": "the side file's per-position maps"}
+        how = reads.get(res[0].confidence, res[0].confidence)
+        print(f"calibration of the confidence head ({how}), {label} n={job.n}, scored against the {event}:\n"
               f"{format_report(report)}")

@@ -49,6 +49,9 @@ class Calibration:
     # Per mode and position, an isotonic map's knots (`hpc.model.isotonic`) that replace that
     # position's Platt map: kept where it predicted the other half of the rows better.
     isotonic: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
+    # sha256 of the exported confidence head these maps sit beside (`hpc.model.export.head_sha256`):
+    # the maps read that head's raw logit, so beside another head they would be wrong, silently.
+    head_sha256: str | None = None
 
     def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor:
         """`position` counts drafted slots from 1; beyond the fitted ones the last map holds."""
@@ -68,7 +71,9 @@ class Calibration:
         path = Path(export_dir) / FILE
         isotonic = {m: {str(k): [list(xs), list(ps)] for k, (xs, ps) in per.items()} for m, per in self.isotonic.items()}
         write_text(path, json.dumps({"maps": self.maps, "fitted_on": self.fitted_on, "pooled_at": self.pooled_at,
-                                     "isotonic": isotonic}, indent=1) + "\n")
+                                     "isotonic": isotonic, "head_sha256": self.head_sha256,
+                                     "logit": "the raw head's: undo config.json's confidence_fold first"},
+                                    indent=1) + "\n")
         return path
 
     @classmethod
@@ -85,7 +90,9 @@ class Calibration:
             from hpc.errors import UserError
 
             raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration") from None
-        return cls(maps, int(d.get("fitted_on", 0)), {m: list(v) for m, v in d.get("pooled_at", {}).items()}, isotonic)
+        sha = d.get("head_sha256")  # older files have none
+        return cls(maps, int(d.get("fitted_on", 0)), {m: list(v) for m, v in d.get("pooled_at", {}).items()}, isotonic,
+                   sha if isinstance(sha, str) else None)
 
 
 def _knots(xs, ps) -> tuple[list[float], list[float]]:

@@ -31,6 +31,7 @@ NOT_MODEL_KEYS: frozenset[str] = frozenset()
 
 if TYPE_CHECKING:
     from hpc.model.calibrate import Calibration  # it imports this module
+    from hpc.model.survival import Fold
 
 
 @dataclass
@@ -134,6 +135,10 @@ class DSparkDraft(nn.Module):
         # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
         self.confidence_calibration: Calibration | None = None
+        # hpc.model.survival.Fold: the affine map the export folds into the head's weights, which
+        # is what vLLM serves. The weights here stay the raw head's (training, calibration and warm
+        # starts read those); `hpc.model.export` folds on the way out and unfolds on the way in.
+        self.confidence_fold: Fold | None = None
 
     # -- 1. context ---------------------------------------------------------------------------
     def project_context(self, aux_TnH: torch.Tensor) -> torch.Tensor:
@@ -265,8 +270,11 @@ class DSparkDraft(nn.Module):
             tok_d = pick(self.logits(h_QH[k:k + 1], emb))
             conf = self.confidence_logit(h_QH[k:k + 1], emb)
             if conf is not None:
+                # The side file's maps read the raw logit; without them decoding reads what vLLM serves.
                 if self.confidence_calibration is not None:
                     conf = self.confidence_calibration.apply(conf.float(), mode, k - first + 1)
+                elif self.confidence_fold is not None:
+                    conf = self.confidence_fold.logit(conf.float())
                 confs.append(torch.sigmoid(conf.float()))
             prev = self.draft_to_target(tok_d)
             out.append(prev)

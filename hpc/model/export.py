@@ -9,6 +9,7 @@ an export.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,11 +21,17 @@ from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
 from hpc.fsio import replace_dir
+from hpc.model.calibrate import FILE as CALIBRATION
+from hpc.model.calibrate import Calibration
 from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.survival import Fold
 from hpc.model.vocab import check_d2t
 
 WEIGHTS = "model.safetensors"
-KEEP_DTYPE = {"d2t": torch.int64, "t2d": torch.bool}
+HEAD = ("confidence_head.proj.weight", "confidence_head.proj.bias")
+# vLLM holds the confidence head in fp32 (qwen3_dspark.py), and a folded a*W rounded to bf16
+# would no longer be the map that was fitted.
+KEEP_DTYPE = {"d2t": torch.int64, "t2d": torch.bool, HEAD[0]: torch.float32, HEAD[1]: torch.float32}
 
 
 def layer_config(a: DSparkArgs) -> dict:
@@ -103,6 +110,28 @@ def export_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
+def fold_head(tensors: dict[str, torch.Tensor], fold: Fold | None, inverse: bool = False) -> dict[str, torch.Tensor]:
+    """`tensors` with the confidence head's weight W and bias c replaced by a W and a c + b (the
+    map sigmoid(a z + b) on its logit z, folded), or, `inverse`, with that undone."""
+    if fold is None or HEAD[0] not in tensors:
+        return tensors
+    w, c = tensors[HEAD[0]].double(), tensors[HEAD[1]].double()
+    w, c = (w / fold.a, (c - fold.b) / fold.a) if inverse else (w * fold.a, c * fold.a + fold.b)
+    return {**tensors, HEAD[0]: w.to(tensors[HEAD[0]].dtype), HEAD[1]: c.to(tensors[HEAD[1]].dtype)}
+
+
+def head_sha256(tensors: dict[str, torch.Tensor]) -> str | None:
+    """A hash of the confidence head as exported: binds a side file's maps to the head they read."""
+    if HEAD[0] not in tensors:
+        return None
+    digest = hashlib.sha256()
+    for name in HEAD:
+        t = tensors[name].detach().to(torch.float32).contiguous().cpu()
+        digest.update(f"{name}:{tuple(t.shape)};".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def as_served(model: DSparkDraft) -> DSparkDraft:
     """A copy of `model` with the weights its export holds (rounded to bf16): what the eval and
     vLLM run, so what a calibration must be fitted on. The fp32 training weights move a
@@ -121,8 +150,6 @@ EXPORT_FILES = {"config.json", WEIGHTS}
 def is_export(path: Path) -> bool:
     """A directory holding exactly a draft export, which `dspark export` may replace: its
     calibration (written by the calibrate stage) is part of it."""
-    from hpc.model.calibrate import FILE as CALIBRATION
-
     try:
         if path.is_symlink():
             return False
@@ -179,12 +206,45 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
         raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
     check_d2t(model.d2t, a.target_vocab_size)
     cfg = speculators_config(a, verifier, verifier_arch or [], a.max_n if n is None else n)
+    tensors = fold_head(export_tensors(model), model.confidence_fold)
+    if model.confidence_fold is not None and model.confidence_head is not None:
+        # What vLLM serves is sigmoid of this head: say what was folded into it, and from what.
+        cfg["confidence_fold"] = model.confidence_fold.record()
     with atomic_dir(out) as tmp:
-        save_file(export_tensors(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if model.confidence_calibration is not None:
+            model.confidence_calibration.head_sha256 = head_sha256(tensors)
             model.confidence_calibration.save(tmp)
     return out
+
+
+def refold_export(path: str | Path, fold: Fold | None, calibration: Calibration | None) -> Path:
+    """Rewrite the export at `path`, atomically, with `fold` folded into its served head (None:
+    the raw head) and `calibration` as its side file. The tensors are rewritten as stored, not
+    through a model: at Kimi's size an fp32 copy of the draft would take 13 GB of host memory."""
+    path = Path(path)
+    cfg = read_export_config(path)
+    tensors = load_file(str(path / WEIGHTS))
+    if HEAD[0] not in tensors:
+        raise UserError(f"{path}: the draft has no confidence head, so there is nothing to fold or calibrate")
+    try:
+        before = Fold.from_record(cfg["confidence_fold"]) if cfg.get("confidence_fold") is not None else None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserError(f"{path / 'config.json'}: confidence_fold is damaged ({err}); re-export the draft") from None
+    # From the raw head (whatever an earlier fold left in the file), in fp32 as vLLM holds it.
+    tensors = {**tensors, **{name: tensors[name].float() for name in HEAD}}
+    tensors = fold_head(fold_head(tensors, before, inverse=True), fold)
+    cfg.pop("confidence_fold", None)
+    if fold is not None:
+        cfg["confidence_fold"] = fold.record()
+    with atomic_dir(path) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if calibration is not None:
+            calibration.head_sha256 = head_sha256(tensors)
+            calibration.save(tmp)
+    return path
 
 
 def read_export_config(path: Path) -> dict:
@@ -206,8 +266,9 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     """An export (or a checkpoint in the same layout) back into a model, shapes checked by name."""
     path = Path(path)
     weights = path / WEIGHTS
+    cfg = read_export_config(path)
     try:
-        model = DSparkDraft(args_from_export_config(read_export_config(path)))
+        model = DSparkDraft(args_from_export_config(cfg))
     except KeyError as err:
         raise UserError(f"{path / 'config.json'}: missing key {err}; the file is damaged, re-export the draft") from None
     try:
@@ -223,10 +284,20 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     if problems:
         raise UserError(f"{path} does not match its config.json: " + "; ".join(problems[:5]))
     check_d2t(tensors["d2t"].long(), model.args.target_vocab_size)
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
-    from hpc.model.calibrate import Calibration
-
-    model.confidence_calibration = Calibration.load(path)
+    calibration = Calibration.load(path)
+    if calibration is not None and calibration.head_sha256 not in (None, head_sha256(tensors)):
+        raise UserError(f"{path / CALIBRATION}: its maps were fitted for another confidence head than this "
+                        f"export's {WEIGHTS} (head_sha256 differs); re-run the calibration (dspark stage "
+                        "calibrate CONFIG) or delete the file")
+    fold = None
+    if cfg.get("confidence_fold") is not None and model.confidence_head is not None:
+        try:
+            fold = Fold.from_record(cfg["confidence_fold"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{path / 'config.json'}: confidence_fold is damaged ({err}); re-export the draft") from None
+    # In memory the head is the raw one training made: vLLM's is rebuilt from it on export.
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in fold_head(tensors, fold, inverse=True).items()})
+    model.confidence_calibration, model.confidence_fold = calibration, fold
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 or device != "cpu" else model
 
 

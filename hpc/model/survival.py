@@ -6,33 +6,76 @@ probability that slots 1..k are all accepted. Each slot's map is fitted to the c
 is accepted once every earlier one was; the survival is calibrated only if those errors do not
 compound, so it is measured on its own: per k, over the held-out blocks that drafted k slots,
 each weighed by how often decoding drafts a block at its anchor.
+
+vLLM reads no side file: it serves sigmoid(W x + c) for every slot. The one map it can carry is
+an affine one on the head's logit, sigmoid(a z + b), which folds exactly into the weights
+(W' = a W, c' = a c + b). `fit_fold` fits that map to the survival, as the DSpark paper's
+sequential temperature scaling does per position: a per-position map cannot be folded.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass, field
 
-from hpc.model.calibrate import HeldOutSlots, weighted_ece, weighted_ece_floor
+import torch
+import torch.nn.functional as F
+
+from hpc.model.calibrate import MIN_WEIGHT, HeldOutSlots, concat_slots, weighted_ece, weighted_ece_floor
+
+
+@dataclass(frozen=True)
+class Fold:
+    """sigmoid(a z + b) on the head's raw logit z, folded into the exported head's weights."""
+
+    a: float
+    b: float
+    mode: str  # the decoding mode whose survival it was fitted to (greedy | sampling)
+    fitted_on: dict = field(default_factory=dict, compare=False)  # what it was fitted from, for config.json
+
+    def logit(self, z: torch.Tensor) -> torch.Tensor:
+        return self.a * z + self.b
+
+    def unfold(self, z: torch.Tensor) -> torch.Tensor:
+        return (z - self.b) / self.a
+
+    def record(self) -> dict:
+        return {"mode": self.mode, "a": self.a, "b": self.b, "fitted_on": dict(self.fitted_on)}
+
+    @classmethod
+    def from_record(cls, d: dict) -> Fold:
+        a, b = float(d["a"]), float(d["b"])
+        if not (math.isfinite(a) and math.isfinite(b) and a > 0) or d.get("mode") not in ("greedy", "sampling"):
+            raise ValueError(f"confidence_fold {d}: needs a finite a > 0, a finite b and a mode greedy|sampling")
+        return cls(a, b, str(d["mode"]), dict(d.get("fitted_on", {})))
 
 
 def survival_table(slots: HeldOutSlots, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] per held-out block: the survival at k (product of slots 1..k's confidences), its
     event (1..k all accepted: 0/1 for greedy, the product of the 1 - TV for sampling), and its
     weight (the chance decoding drafts that block; 0 where the block did not draft slots 1..k)."""
+    z_NK, drafted_NK, event_NK, weight_NK = survival_grid(slots, mode)
+    conf_NK = torch.where(drafted_NK > 0, torch.sigmoid(z_NK), torch.ones_like(z_NK))
+    return conf_NK.cumprod(1), event_NK, weight_NK
+
+
+def survival_grid(slots: HeldOutSlots, mode: str) -> tuple[torch.Tensor, ...]:
+    """[N, K] per held-out block, float64 on the CPU: each slot's logit (0 where not drafted),
+    whether it was drafted, the survival's event and weight (as `survival_table` gives them)."""
     if slots.block is None:
         raise ValueError("these slots carry no block ids (held_out_slots records them)")
     b, k = slots.block.long().cpu(), slots.position.long().cpu() - 1
     n, width = int(b.max()) + 1, int(k.max()) + 1
-    conf = torch.ones(n, width, dtype=torch.float64)
+    z = torch.zeros(n, width, dtype=torch.float64)
     event = torch.ones(n, width, dtype=torch.float64)
     drafted = torch.zeros(n, width, dtype=torch.float64)
-    conf[b, k] = torch.sigmoid(slots.logit.double()).cpu()
+    z[b, k] = slots.logit.double().cpu()
     event[b, k] = (slots.greedy if mode == "greedy" else slots.sampling).double().cpu()
     drafted[b, k] = 1.0
     visit = torch.zeros(n, dtype=torch.float64)
     first = k == 0
     visit[b[first]] = slots.reach[mode].double().cpu()[first]
-    return conf.cumprod(1), event.cumprod(1), visit[:, None] * drafted.cumprod(1)
+    return z, drafted, event.cumprod(1), visit[:, None] * drafted.cumprod(1)
 
 
 def survival_ece(slots: HeldOutSlots, mode: str, floors: bool = False) -> list[tuple[float, float, float]]:
@@ -52,3 +95,77 @@ def survival_ece(slots: HeldOutSlots, mode: str, floors: bool = False) -> list[t
                  if floors else float("nan"))
         out.append((weighted_ece(surv_NK[at, k], event_NK[at, k], w[at]), total, floor))
     return out
+
+
+def _survival_log_loss(ab: torch.Tensor, z_NK, drafted_NK, event_NK, weight_NK) -> torch.Tensor:
+    """The log loss of the survival under sigmoid(a z + b), summed over k with each k's blocks
+    weighing 1 in all: every position counts alike, as the goal judges each alike."""
+    log_surv = torch.cumsum(F.logsigmoid(ab[0] * z_NK + ab[1]) * drafted_NK, 1).clamp(max=-1e-12)
+    log_miss = torch.log(-torch.expm1(log_surv))
+    per_k = weight_NK / weight_NK.sum(0).clamp(min=1e-12)
+    return -(per_k * (event_NK * log_surv + (1 - event_NK) * log_miss)).sum()
+
+
+def fit_fold_map(slots: HeldOutSlots, mode: str) -> tuple[float, float]:
+    """(a, b) minimising the survival's log loss at every k: a proper score, where the ECE it
+    is judged by is binned and flat almost everywhere."""
+    grid = survival_grid(slots, mode)
+    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([ab], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = _survival_log_loss(ab, *grid)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    a, b = (float(x) for x in ab.detach())
+    return a, b
+
+
+def folded(slots: HeldOutSlots, a: float, b: float) -> HeldOutSlots:
+    return HeldOutSlots(a * slots.logit + b, slots.greedy, slots.sampling, slots.position, slots.reach, slots.block)
+
+
+def mean_survival_ece(survival: list[tuple[float, float, float]]) -> float:
+    """The mean over the k that any block drafted of the survival's ECE."""
+    eces = [e for e, w, _ in survival if w > 0]
+    return sum(eces) / len(eces) if eces else float("nan")
+
+
+@dataclass
+class FoldFit:
+    fold: Fold | None  # None: nothing folded (`why` says so)
+    why: str
+    # per k, cross-fitted as the calibrate stage's other figures: the served head's survival
+    # (each half folded by the map fitted on the other), None with a single half
+    survival: list[tuple[float, float, float]] | None
+
+
+def fit_fold(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlots] | None, mode: str,
+             fitted_on: dict | None = None) -> FoldFit:
+    """The affine map to fold into the served head, fitted on `slots`, or none: with too few
+    blocks to fit two numbers, when the fit is not increasing in the raw logit, or when,
+    cross-fitted on the two `halves`, it reads a worse mean survival ECE than the raw head."""
+    _, _, _, weight_NK = survival_grid(slots, mode)
+    blocks = float(weight_NK[:, 0].sum())
+    if blocks < MIN_WEIGHT:
+        return FoldFit(None, f"{blocks:.0f} {mode} blocks drafted (effective), under the {MIN_WEIGHT:.0f} a "
+                             "two-number fit needs; the served head stays raw (give more calibration rows)", None)
+    a, b = fit_fold_map(slots, mode)
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0):
+        return FoldFit(None, f"the fitted map ({a:.3g}, {b:.3g}) does not increase with the head's logit, so the "
+                             "head ranks slots backwards; the served head stays raw (retrain the head)", None)
+    crossed = None
+    if halves is not None:
+        (a0, b0), (a1, b1) = fit_fold_map(halves[0], mode), fit_fold_map(halves[1], mode)
+        crossed = survival_ece(concat_slots([folded(halves[0], a1, b1), folded(halves[1], a0, b0)]), mode,
+                               floors=mode == "greedy")
+        raw = mean_survival_ece(survival_ece(concat_slots(list(halves)), mode))
+        if mean_survival_ece(crossed) > raw:
+            return FoldFit(None, f"the fold, cross-fitted, read a mean survival ECE of {mean_survival_ece(crossed):.3f} "
+                                 f"against the raw head's {raw:.3f}; the served head stays raw", None)
+    fold = Fold(a, b, mode, {**(fitted_on or {}), "blocks": round(blocks, 1)})
+    return FoldFit(fold, f"folded sigmoid({a:.4f} z {'+' if b >= 0 else '-'} {abs(b):.4f}) into the served head "
+                         f"(fitted to the {mode} survival on {blocks:.0f} blocks)", crossed)

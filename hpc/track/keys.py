@@ -33,6 +33,7 @@ VLLM_VERSION = "dspark.vllm_version"
 HARDWARE = "dspark.hardware"
 TEMPERATURE = "dspark.temperature"
 TIMING = "dspark.timing"
+CONFIDENCE = "dspark.confidence"  # how the reference engine read the confidence head (eval.confidence)
 BASELINE_KEY = "dspark.baseline_key"  # what a cached baseline was measured on
 MANIFESTS = "dspark.manifests"  # JSON {benchmark: prompts sha256}; also on registered versions
 

@@ -20,6 +20,7 @@ exact on data regenerated at temperature 0 (`data.regen_temperature`), which is 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.model.calibrate import MODES, Calibration, HeldOutSlots, concat_slots, cross_fitted, ece_by_position, held_out_slots
 from hpc.model.loss import PackedRow
-from hpc.model.survival import survival_ece
+from hpc.model.survival import FoldFit, fit_fold, survival_ece
 from hpc.tables import text_table
 
 CaptureFn = Callable[[int, list[int], list[int]], object]
@@ -47,8 +48,12 @@ class Fitted:
     # per mode, (ECE, effective block count, floor) of the survival at each k (hpc.model.survival),
     # cross-fitted as `ece` is: what vLLM's adaptive verification reads; None with a single row
     survival: dict[str, list[tuple[float, float, float]]] | None = None
-    # the same for the raw head, no map applied: what vLLM serves today (it never reads the side file)
+    # the same for the raw head, no map applied (vLLM never reads the side file)
     raw_survival: dict[str, list[tuple[float, float, float]]] | None = None
+    # the affine map folded into the exported head, which is what vLLM serves (its `survival`:
+    # that head's, cross-fitted), or why none was (hpc.model.survival.fit_fold)
+    fold: FoldFit | None = None
+    fold_seconds: float = 0.0
 
 
 def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device,
@@ -87,9 +92,10 @@ def decodable(model, ns: Sequence[int]) -> list[int]:
 
 def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.device | str = "cpu",
                  autocast: torch.dtype | None = None, quiet: bool = False, where: str = "held-out rows",
-                 ns: Sequence[int] = ()) -> Fitted:
+                 ns: Sequence[int] = (), fold: str = "greedy") -> Fitted:
     """Capture `rows`, fit on all of them, report ECE cross-fitted on their two halves. With `ns`
-    (eval.num_speculative_tokens), slots weigh as decoding at those n reads them."""
+    (eval.num_speculative_tokens), slots weigh as decoding at those n reads them. `fold` (a mode,
+    or "none") names the survival the map folded into the served head is fitted to."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from hpc.model.calibrate import calibrated, fit_calibration, weighted_ece_floor
@@ -126,7 +132,9 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
         floors.append(weighted_ece_floor(torch.sigmoid(greedy.logit[at]), slots.reach["greedy"][at],
                                          draws=max(10, min(200, 1_000_000 // max(1, int(at.sum()))))))
     raw = {m: survival_ece(slots, m) for m in MODES}
-    return Fitted(cal, len(ids), ece, floors, where, survival, raw)
+    t0 = time.perf_counter()
+    folding = None if fold == "none" else fit_fold(slots, pair, fold, {"rows": len(ids), "where": where})
+    return Fitted(cal, len(ids), ece, floors, where, survival, raw, folding, time.perf_counter() - t0)
 
 
 def format_fitted(f: Fitted) -> str:
@@ -144,7 +152,7 @@ def format_fitted(f: Fitted) -> str:
     lines.append("ECE per position, cross-fitted (each half of the rows scored by the map fitted on the other); "
                  "'floor' is what a perfectly calibrated head reads at that count; 'survival' is the product of "
                  "slots 1..k's confidences against 'slots 1..k all accepted', which vLLM's adaptive verification reads; "
-                 "'raw' is the head without the map, as vLLM serves it")
+                 "'raw' is the head with no map (the served head, folded, follows the table)")
     table = []
     cell = lambda e, w: "-" if w <= 0 else f"{e:.3f}"  # noqa: E731
     nothing = (float("nan"), 0.0, float("nan"))
@@ -157,7 +165,21 @@ def format_fitted(f: Fitted) -> str:
                       cell(sg, bg), cell(fg, bg), cell(rg, rbg), f"{ws:.1f}", cell(es, ws), cell(ss, bs), cell(rs, rbs)])
     lines += text_table(["pos", "greedy slots", "greedy ECE", "floor", "survival ECE", "floor", "raw", "sampling weight",
                          "sampling ECE", "survival ECE", "raw"], table, right=range(11))
-    return "\n".join(lines)
+    return "\n".join([*lines, *_fold_lines(f)])
+
+
+def _fold_lines(f: Fitted) -> list[str]:
+    """What the export serves: the folded map, and its head's survival ECE beside the raw head's."""
+    if f.fold is None:
+        return ["served head: raw (eval.fold=none)"]
+    lines = [f"served head: {f.fold.why} ({f.fold_seconds:.2f} s)"]
+    fold = f.fold.fold
+    if fold is None or f.fold.survival is None:
+        return lines
+    raw = (f.raw_survival or {}).get(fold.mode, [])
+    cells = [f"{k}: {e:.3f} (raw {raw[k - 1][0]:.3f}, floor {fl:.3f})" for k, (e, w, fl) in enumerate(f.fold.survival, 1)
+             if w > 0 and k <= len(raw)]
+    return [*lines, f"served head's {fold.mode} survival ECE per k, cross-fitted: " + "; ".join(cells)]
 
 
 def metrics(f: Fitted) -> dict[str, float]:
@@ -172,6 +194,14 @@ def metrics(f: Fitted) -> dict[str, float]:
         for k, (e, w, _) in enumerate((f.raw_survival or {}).get(mode, []), start=1):
             if w > 0:
                 out[f"ece_survival_raw_{mode}_pos{k}"] = e
+    fold = f.fold.fold if f.fold else None
+    if f.fold is not None:
+        out["fold_seconds"] = f.fold_seconds
+    if fold is not None:
+        out.update({"fold_a": fold.a, "fold_b": fold.b})
+        for k, (e, w, _) in enumerate(f.fold.survival or [], start=1):  # type: ignore[union-attr]
+            if w > 0:
+                out[f"ece_survival_served_{fold.mode}_pos{k}"] = e
     return out
 
 
@@ -208,7 +238,8 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     """Fit the calibration of train.output_dir/export on the calibration rows and store it there.
     Returns the metrics to log; {} when there is nothing to calibrate (said in one line)."""
     from hpc.dist.planes import rank_device
-    from hpc.model.export import is_export, load_draft
+    from hpc.model.calibrate import FILE as CALIBRATION
+    from hpc.model.export import is_export, load_draft, refold_export
     from hpc.model.teacher import target_head
     from hpc.train.driver import make_capture
     from hpc.train.online import autocast_dtype
@@ -238,11 +269,13 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     capture, server = make_capture(cfg, str(device), out)
     try:
         fitted = fit_held_out(draft, head, capture, held, device, amp, quiet=quiet, where=where,
-                              ns=cfg.eval.num_speculative_tokens)
+                              ns=cfg.eval.num_speculative_tokens, fold=cfg.eval.fold.value)
     finally:
         if server is not None:
             server.close()
-    path = fitted.calibration.save(export)
+    # One atomic rewrite: the served head (the fold in its weights), config.json's record of it,
+    # and the side file bound to that head by its hash.
+    refold_export(export, fitted.fold.fold if fitted.fold else None, fitted.calibration)
     print(format_fitted(fitted), flush=True)
-    print(f"calibrate: wrote {path}", flush=True)
+    print(f"calibrate: wrote {export} (served head, config.json, {CALIBRATION})", flush=True)
     return metrics(fitted)

@@ -154,6 +154,7 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
 
 def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor():
     from hpc.model.calibrate import Calibration
+    from hpc.model.survival import Fold, FoldFit
     from hpc.train.calibrate_stage import Fitted
 
     ece = {"greedy": [(0.02, 5000.0), (0.08, 900.0), (0.03, 20.0), (0.0, 0.0)],
@@ -172,12 +173,21 @@ def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor()
     nan = float("nan")
     survival = {"greedy": [(0.02, 5000.0, 0.01), (0.07, 4800.0, 0.01), (nan, 0.0, nan)], "sampling": []}
     raw = {"greedy": [(0.11, 5000.0, nan), (0.2, 4800.0, nan), (nan, 0.0, nan)], "sampling": []}
+    # No fold: the head vLLM serves is the raw one, and the goal is judged on it.
     lines, metrics = ba.judged_lines(Fitted(fitted.calibration, 3074, ece, fitted.greedy_floor, "calibration rows",
                                             survival, raw))
-    assert lines[4].startswith("  survival to 1 (") and lines[4].endswith("meets the goal (<= 0.05)")
-    assert "the raw head vLLM serves reads 0.110" in lines[4]
-    assert "ECE 0.070 over 4800 blocks" in lines[5] and lines[5].endswith("misses the goal (<= 0.05)")
+    assert lines[4].startswith("  survival to 1 (") and lines[4].endswith("misses the goal (<= 0.05)")
+    assert "served head: ECE 0.110 over 5000 blocks" in lines[4] and "side-file maps 0.020; raw head 0.110" in lines[4]
     assert len(lines) == 7 and metrics["ece_survival_greedy_pos2"] == 0.07 and "ece_survival_greedy_pos3" not in metrics
+    # Folded: the served head's survival (cross-fitted) is judged, the other two read beside it.
+    served = [(0.03, 5000.0, 0.01), (0.06, 4800.0, 0.01), (nan, 0.0, nan)]
+    fold = FoldFit(Fold(0.8, -0.3, "greedy"), "folded sigmoid(0.8000 z - 0.3000) into the served head", served)
+    lines, metrics = ba.judged_lines(Fitted(fitted.calibration, 3074, ece, fitted.greedy_floor, "calibration rows",
+                                            survival, raw, fold))
+    assert lines[4] == "  served head: folded sigmoid(0.8000 z - 0.3000) into the served head"
+    assert "served head: ECE 0.030" in lines[5] and lines[5].endswith("meets the goal (<= 0.05)")
+    assert "ECE 0.060 over 4800 blocks" in lines[6] and lines[6].endswith("misses the goal (<= 0.05)")
+    assert metrics["fold_a"] == 0.8 and metrics["ece_survival_served_greedy_pos1"] == 0.03
 
 
 def test_every_manifest_prompt_is_evaluated_unless_a_setting_says_otherwise(tmp_path):

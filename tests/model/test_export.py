@@ -40,7 +40,11 @@ def test_dspark_export_round_trips_bit_exact(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert not any(k.startswith("model.") for k in tensors)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+    # vLLM holds the confidence head in fp32: so does the export (a folded head must not round).
+    assert {k: t.dtype for k, t in tensors.items() if k.startswith("confidence_head.")} == {
+        "confidence_head.proj.weight": torch.float32, "confidence_head.proj.bias": torch.float32}
+    assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d") and not k.startswith("confidence_head.")} \
+        == {torch.bfloat16}
 
     # Shared: other users' jobs serve and evaluate it (safetensors alone writes 0600).
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": 0o644,
@@ -48,7 +52,7 @@ def test_dspark_export_round_trips_bit_exact(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o755
     back = load_draft(out)
     for name, ref in model.state_dict().items():
-        want = ref if name in ("d2t", "t2d") else ref.to(torch.bfloat16).float()
+        want = ref if name in ("d2t", "t2d") or name.startswith("confidence_head.") else ref.to(torch.bfloat16).float()
         assert torch.equal(back.state_dict()[name], want), name
     # Re-exporting the import is byte-identical: nothing is lost on the way back.
     again = export_draft(back, tmp_path / "again", verifier="/models/toy", verifier_arch=["Qwen3ForCausalLM"], n=4)

@@ -82,17 +82,35 @@ def test_the_stage_fits_on_the_held_out_rows_and_writes_the_map_into_the_export(
     # The raw head's survival (vLLM serves the head without the side file's maps) is reported too.
     assert all(0.0 <= metrics[f"ece_survival_raw_{m}_pos1"] <= 1.0 for m in ("greedy", "sampling"))
     out = capsys.readouterr().out
-    assert "fitted on 6 held-out rows" in out and "cross-fitted" in out and str(export / FILE) in out
+    assert "fitted on 6 held-out rows" in out and "cross-fitted" in out and f"wrote {export} (served head" in out
     assert "survival ECE" in out
+    # The served head: one map folded into the exported weights (recorded in config.json, with the
+    # rows it came from), or a line saying why the head stays raw.
+    fold = json.loads((export / "config.json").read_text()).get("confidence_fold")
+    assert "served head: " in out, out
+    if fold is None:
+        assert "stays raw" in out and "fold_a" not in metrics
+    else:
+        assert fold["mode"] == "greedy" and fold["fitted_on"]["rows"] == 6 and fold["fitted_on"]["where"] == "held-out rows"
+        assert (fold["a"], fold["b"]) == (metrics["fold_a"], metrics["fold_b"])
+        assert "ece_survival_served_greedy_pos1" in metrics
+        assert load_draft(export).confidence_fold is not None
 
 
 def test_a_second_run_fits_the_raw_head_again_not_the_stored_map(target_dir, tmp_path):
     cfg = _run_dir(tmp_path, target_dir)
     export = tmp_path / "train" / "export"
     calibrate_export(cfg, quiet=True)
-    first = (export / FILE).read_text()
+    first, fold = Calibration.load(export), json.loads((export / "config.json").read_text())["confidence_fold"]
     calibrate_export(cfg, quiet=True)
-    assert (export / FILE).read_text() == first
+    # The export's head holds the first fold; the second fit undoes it (to within fp32 rounding)
+    # rather than fitting a map on top of it, which would read a ~ 1, b ~ 0.
+    again = json.loads((export / "config.json").read_text())["confidence_fold"]
+    assert again["a"] == pytest.approx(fold["a"], rel=1e-4) and again["b"] == pytest.approx(fold["b"], rel=1e-4)
+    second = Calibration.load(export)
+    assert first is not None and second is not None
+    for mode, maps in first.maps.items():
+        assert [x for ab in second.maps[mode] for x in ab] == pytest.approx([x for ab in maps for x in ab], rel=1e-4)
     # A calibrated export is still an export: a re-export (a resumed training's) may replace it.
     export_draft(_draft(target_dir), export)
     assert not (export / FILE).exists()
