@@ -12,8 +12,17 @@ from hpc.config.schema import DSparkConfig
 
 MASK = "***"
 # Generous on purpose: a name masked for nothing costs a log line's value, a secret missed leaks it.
-SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|auth|cookie|(^|_)pat$",
+SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|auth|cookie|(^|_)pat$|access|"
+                         r"sig$|signature|(^|_)sas(_|$)|connection|conn_?str|dsn|private|session|bearer|jwt",
                          re.IGNORECASE)
+# A value that is a secret whatever its name: a connection string's key=value pairs (Azure's
+# ...;AccountKey=...), a token with a vendor prefix, or a long random-looking word.
+SECRET_VALUE = re.compile(
+    r"(^|[;&?,\s])(account_?key|shared_?access_?key|password|pwd|secret|token|sig|signature|api_?key)=[^;&\s]"
+    r"|\b(hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{16,}|github_pat_\w{16,}|sk-[\w-]{16,}|xox[abprs]-[\w-]{10,}"
+    r"|AKIA[0-9A-Z]{16}|eyJ[\w-]{10,}\.[\w-]{10,})"
+    r"|^(?=[^/\s]*[0-9])(?=[^/\s]*[A-Za-z])[A-Za-z0-9+/_=-]{32,}$",
+    re.IGNORECASE)
 # A URI anywhere in a text: exception messages (MLflow's, urllib's) quote the request URL.
 _URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 _CREDS = re.compile(r"//([^/@:]*)(:[^/]*)?@")  # the authority's user[:password]@, up to its last @
@@ -21,6 +30,12 @@ _CREDS = re.compile(r"//([^/@:]*)(:[^/]*)?@")  # the authority's user[:password]
 
 def is_secret_name(name: str) -> bool:
     return bool(SECRET_NAME.search(name))
+
+
+def looks_secret(value: str) -> bool:
+    """A value to mask whatever key holds it (masking by name alone logged an Azure connection
+    string's AccountKey and a `--hf-tok` abbreviation's token)."""
+    return bool(SECRET_VALUE.search(str(value)))
 
 
 def redact_uri(uri: str) -> str:
@@ -36,8 +51,8 @@ def redact_uri(uri: str) -> str:
         netloc = f"{user}:{MASK}@{host}" if ":" in creds else f"{MASK}@{host}"
     query = parts.query
     if query:
-        query = urlencode([(k, MASK if is_secret_name(k) else v) for k, v in parse_qsl(query, keep_blank_values=True)],
-                          safe="*")
+        query = urlencode([(k, MASK if is_secret_name(k) or looks_secret(v) else v)
+                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
     if (netloc, query) == (parts.netloc, parts.query):
         return uri  # unchanged: urlunsplit would drop the empty authority of sqlite:///path
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
@@ -47,7 +62,8 @@ def shown(key: str, value):
     """`value` as an error line about `key` may show it: secret env values masked, URIs redacted.
     Under `verifier.env` anything but a string at a plainly named key is masked: an error about
     the mapping itself (verifier.env = 'x' for verifier.env.HF_TOKEN.x=...) has lost the name."""
-    if key.startswith("verifier.env") and (key == "verifier.env" or is_secret_name(key) or not isinstance(value, str)):
+    if key.startswith("verifier.env") and (key == "verifier.env" or is_secret_name(key) or not isinstance(value, str)
+                                           or looks_secret(value)):
         return MASK
     # An extra_args word that is not a bare flag may be a secret flag's value (`--hf-token X`).
     if key.startswith("verifier.extra_args") and not (isinstance(value, str) and value.startswith("-")
@@ -76,6 +92,23 @@ def scrub(text: str) -> str:
 
 # vLLM's flags that take a secret ("token" alone would also match --max-num-batched-tokens).
 SECRET_FLAGS = ("--hf-token", "--api-key", "--ssl-keyfile-password")
+# Real vLLM flags that are prefixes of the flags above or of those we own: argparse takes an exact
+# match over an abbreviation, so these name themselves.
+EXACT_FLAGS = frozenset({"--ssl-keyfile"})
+
+
+def names_flag(arg: str, flags) -> str | None:
+    """The flag of `flags` that the word `arg` names: exactly, in either spelling, or as any
+    prefix of it, which vLLM's argument parser takes as that flag (`--hos` for `--host`, where
+    unambiguous; an ambiguous one fails there, so refusing it costs nothing)."""
+    flag = flag_name(arg)
+    if not flag.startswith("--") or len(flag) < 3:
+        return None
+    if flag in flags:
+        return flag
+    if flag in EXACT_FLAGS:
+        return None
+    return next((f for f in flags if f.startswith(flag)), None)
 
 
 def scrubbed_traceback() -> str:
@@ -97,9 +130,9 @@ def redact_args(args: list[str]) -> list[str]:
     and any credentials in a URI among them."""
     out, hide_next = [], False
     for arg in map(str, args):
-        secret = flag_name(arg) in SECRET_FLAGS
-        if hide_next and not arg.startswith("-"):
-            out.append(MASK)
+        secret = names_flag(arg, SECRET_FLAGS) is not None
+        if (hide_next and not arg.startswith("-")) or looks_secret(arg.partition("=")[2] or arg):
+            out.append(MASK if "=" not in arg or not arg.startswith("-") else f"{arg.partition('=')[0]}={MASK}")
         elif secret and "=" in arg:
             out.append(f"{arg.partition('=')[0]}={MASK}")
         else:
@@ -111,7 +144,8 @@ def redact_args(args: list[str]) -> list[str]:
 def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
-    out.verifier.env = {k: (MASK if is_secret_name(k) else scrub(str(v))) for k, v in out.verifier.env.items()}
+    out.verifier.env = {k: (MASK if is_secret_name(k) or looks_secret(str(v)) else scrub(str(v)))
+                        for k, v in out.verifier.env.items()}
     out.verifier.extra_args = redact_args(list(out.verifier.extra_args))
     out.tracking.uri = redact_uri(out.tracking.uri)
     return out

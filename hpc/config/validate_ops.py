@@ -135,11 +135,14 @@ OWNED_FLAGS = {"--host": "set verifier.host instead", "--port": "set verifier.po
 
 
 def check_extra_args(c: Checker, extra_args: list[str]) -> None:
-    from hpc.config.secrets import flag_name
+    from hpc.config.secrets import flag_name, names_flag
 
     for arg in extra_args:
-        if (flag := flag_name(str(arg))) in OWNED_FLAGS:
-            c.fail("verifier.extra_args", flag, OWNED_FLAGS[flag])
+        if (owned := names_flag(str(arg), OWNED_FLAGS)) is not None:
+            said = flag_name(str(arg))
+            why = OWNED_FLAGS[owned] if said == owned else \
+                f"vLLM's parser reads it as {owned} (an abbreviation); {OWNED_FLAGS[owned]}"
+            c.fail("verifier.extra_args", said, why)
 
 
 def warn_advisories(cfg: DSparkConfig) -> None:

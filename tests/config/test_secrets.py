@@ -157,3 +157,51 @@ def test_an_extra_args_value_in_an_error_line_is_masked():
         resolve(KIMI, ['verifier.extra_args=[--hf-token, "hf_S16\t"]'], check_tracking=False)
     assert "hf_S16" not in str(err.value) and "verifier.extra_args[1] = '***'" in str(err.value)
 
+
+
+@pytest.mark.parametrize("flag, owned", [("--hos", "--host"), ("--ho", "--host"), ("--po", "--port"),
+                                         ("--hf-tok", "--hf-token"), ("--hf_to=x", "--hf-token"),
+                                         ("--api", "--api-key"), ("--ssl-keyfile-pass", "--ssl-keyfile-password")])
+def test_an_abbreviated_owned_flag_is_refused_as_the_flag_it_abbreviates(flag, owned):
+    """vLLM's argument parser takes any unambiguous prefix of a long flag: `--hos 0.0.0.0` is
+    `--host 0.0.0.0`, which undid the 127.0.0.1 bind."""
+    with pytest.raises(ConfigError) as err:
+        resolve(KIMI, [f"verifier.extra_args=[{flag}, v]"], check_tracking=False)
+    line = next(x for x in str(err.value).splitlines() if x.startswith("verifier.extra_args"))
+    assert f"reads it as {owned} (an abbreviation)" in line
+
+
+def test_real_flags_that_merely_share_a_prefix_pass():
+    from hpc.config.secrets import SECRET_FLAGS, names_flag
+
+    # --ssl-keyfile is vLLM's own flag (an exact match wins over an abbreviation); the others
+    # are not prefixes of anything we own.
+    for arg in ("--ssl-keyfile", "--max-num-seqs", "--hf-config-path", "--enforce-eager", "-h", "--"):
+        assert names_flag(arg, SECRET_FLAGS) is None, arg
+    assert names_flag("--hf-tok=abc", SECRET_FLAGS) == "--hf-token"
+
+
+def test_secrets_are_masked_by_value_not_only_by_name():
+    """Each of these reached MLflow's params verbatim: an abbreviated token flag, an Azure
+    connection string under a plain name, and a tracking URI's `?access=` query."""
+    from hpc.config import load_config, to_object
+    from hpc.config.secrets import redact_args, redact_uri
+
+    conn = "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=c2VjcmV0S0VZ==;EndpointSuffix=core"
+    cfg = to_object(load_config(str(KIMI), ["verifier.extra_args=[--hf-tok, hf_abcdefghijklmnopqrstu, --max-num-seqs, '64']",
+                                       f"verifier.env.AZURE_STORAGE_CONNECTION_STRING='{conn}'",
+                                       "verifier.env.MY_VAR=ghp_abcdefghijklmnopqrstuvwx",
+                                       "verifier.env.VLLM_LOGGING_LEVEL=INFO",
+                                       "tracking.uri='https://mlflow.example/?access=XYZ123&workspace=a'"]))
+    out = redacted(cfg)
+    assert out.verifier.extra_args == ["--hf-tok", MASK, "--max-num-seqs", "64"]
+    assert out.verifier.env["AZURE_STORAGE_CONNECTION_STRING"] == MASK
+    assert out.verifier.env["MY_VAR"] == MASK and out.verifier.env["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert out.tracking.uri == f"https://mlflow.example/?access={MASK}&workspace=a"
+    # A token-shaped word in extra_args is masked even after a flag we do not know takes secrets.
+    assert redact_args(["--some-flag", "sk-abcdefghijklmnopqrstuvwx", "--x=hf_abcdefghijklmnopqrstu"]) == \
+        ["--some-flag", MASK, f"--x={MASK}"]
+    # Plain values stay readable: paths, numbers, model ids, a short query value.
+    for plain in ("/shared/venvs/vllm/bin/python", "8192", "moonshotai/Kimi-K2.6", "0,1,2,3"):
+        assert redact_args([plain]) == [plain]
+    assert redact_uri("http://h:5000/?x=1") == "http://h:5000/?x=1"
