@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -67,9 +68,15 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
 
 def _answer_for(path: Path, ours: dict, since: float) -> dict | None:
     """`path`'s JSON when it answers for what `ours` names (a target, data settings) and was
-    written after `since`; None when absent, older, or another's."""
+    written after `since` by this job's user; None when absent, older, or another's.
+
+    The directory may be group-writable (a team's log_dir) and an mtime is whatever its writer
+    sets, so only a plain file this user owns, which nobody else may write, counts: a co-user's
+    planted `.target-<jobid>` made node 1 load their directory with trust_remote_code."""
     try:
-        if path.stat().st_mtime < since:
+        st = path.lstat()
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022
+                or st.st_mtime < since):
             return None
         data = json.loads(path.read_text())
     except (OSError, ValueError):

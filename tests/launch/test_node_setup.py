@@ -146,3 +146,25 @@ def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
     node_setup.prepare_once(job.cfg, _env(0, restart=1))
     reader.join(10)
     assert not reader.is_alive() and len(job.calls) == 1
+
+
+@pytest.mark.parametrize("plant", ["foreign owner", "group-writable", "symlink"])
+def test_a_marker_this_user_did_not_write_is_not_trusted(tmp_path, plant):
+    """cluster.log_dir can be a team's group-writable directory, and an mtime is whatever its
+    writer sets: a co-user's planted `.target-<jobid>` made node 1 load their directory as the
+    target, with trust_remote_code."""
+    ours = {"model": "moonshotai/Kimi-K2.6", "revision": None}
+    marker = tmp_path / ".target-42"
+    planted = tmp_path / "theirs"
+    planted.write_text(json.dumps({**ours, "path": "/home/mallory/evil"}))
+    os.chmod(planted, 0o644)
+    assert node_setup._answer_for(planted, ours, 0.0) is not None  # as written, it would answer
+    if plant == "foreign owner":
+        planted.rename(marker)
+        os.chown(marker, 12345, 12345)  # the tests run as root: any other uid is a co-user
+    elif plant == "group-writable":
+        planted.rename(marker)
+        os.chmod(marker, 0o664)
+    else:
+        marker.symlink_to(planted)
+    assert node_setup._answer_for(marker, ours, 0.0) is None
