@@ -134,3 +134,24 @@ def replace_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def unsafe_ancestor(path: str | Path) -> str | None:
+    """Why another user could swap `path` (or what it will hold) from under us, or None: a
+    directory on its way from / that is not root's or ours, or that others may write without
+    the sticky bit (they may rename what is in it, ours too). Only existing directories count."""
+    import stat
+
+    me = os.geteuid()
+    for d in [*reversed(Path(os.path.abspath(path)).parents), Path(os.path.abspath(path))]:
+        try:
+            st = os.stat(d)  # a link on the way is judged by where it points, as the kernel walks it
+        except FileNotFoundError:
+            break
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{d} is not a directory"
+        if st.st_uid not in (0, me):
+            return f"{d} belongs to uid {st.st_uid}, who can replace what is under it"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}) without the sticky bit"
+    return None

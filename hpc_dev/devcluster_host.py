@@ -177,7 +177,12 @@ STATE_DIR_MODE = 0o711  # munged insists that everyone may traverse to its socke
 
 
 def secure_state_dir(root: Path) -> None:
-    """`root` as a directory of ours, 0711 and not a link; refuse one someone else made."""
+    """`root` as a directory of ours, 0711 and not a link; refuse one someone else made, or one
+    under a directory another user could swap it from (root later deletes under it)."""
+    from hpc.fsio import unsafe_ancestor
+
+    if (why := unsafe_ancestor(root.parent)) is not None:
+        raise UserError(f"devcluster: {why}; pass --dir a directory under one of your own")
     root.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=0o700)

@@ -30,3 +30,19 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("writer died")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_unsafe_ancestor_names_the_directory_another_user_could_swap(tmp_path):
+    import os
+
+    from hpc.fsio import unsafe_ancestor
+
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    assert unsafe_ancestor(deep) is None and unsafe_ancestor(deep / "not-yet" / "x") is None
+    os.chmod(tmp_path / "a", 0o777)
+    assert "a is writable by other users (mode 777) without the sticky bit" in unsafe_ancestor(deep / "c")
+    os.chmod(tmp_path / "a", 0o1777)
+    assert unsafe_ancestor(deep) is None
+    os.chown(tmp_path / "a", 4242, 4242)
+    assert "belongs to uid 4242" in unsafe_ancestor(deep)

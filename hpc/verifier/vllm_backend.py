@@ -109,10 +109,15 @@ def private_capture_dir(base: str | Path, port: int) -> Path:
     """A fresh 0700 directory of ours under `base` (node-local RAM, shared by every user of the
     node): nobody else can read, swap or plant capture files in it, and removing it at the end
     touches no other job's captures."""
+    from hpc.fsio import unsafe_ancestor
+
     base = Path(base)
     if not base.is_dir():
         raise UserError(f"verifier.capture_dir = {str(base)!r}: no such directory on this node; "
                         "use /dev/shm or another node-local directory")
+    if (why := unsafe_ancestor(base)) is not None:
+        raise UserError(f"verifier.capture_dir = {str(base)!r}: {why}; use /dev/shm (root's, sticky) or a "
+                        "directory of your own")
     job = os.environ.get("SLURM_JOB_ID", "local")
     return Path(tempfile.mkdtemp(prefix=f"dspark-{os.getuid()}-{job}-port{port}-", dir=base))
 

@@ -232,6 +232,14 @@ def test_a_state_dir_someone_else_created_is_refused(tmp_path: Path) -> None:
     link.symlink_to(tmp_path)
     with pytest.raises(UserError, match="not a plain directory"):
         devcluster_host.secure_state_dir(link)
+    # Inside a 0777 directory another user owns, which root later deletes under: refused.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    os.chown(shared, 65534, 65534)
+    with pytest.raises(UserError, match=r"shared belongs to uid 65534.*pass --dir"):
+        devcluster_host.secure_state_dir(shared / "dc")
+    assert not (shared / "dc").exists()
 
 
 def test_files_are_written_without_following_planted_links(tmp_path: Path) -> None:

@@ -240,6 +240,20 @@ def test_each_capture_server_gets_its_own_private_directory(tmp_path):
     assert a.stat().st_mode & 0o777 == 0o700 and a.stat().st_uid == os.getuid()
     with pytest.raises(UserError, match="verifier.capture_dir"):
         private_capture_dir(tmp_path / "missing", 8000)
+    # A base others may write without the sticky bit: they could rename our 0700 directory away
+    # and put theirs in its place, and vLLM would write captures where they read.
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(UserError, match=r"verifier.capture_dir = .*open.*writable by other users .*without the sticky"):
+        private_capture_dir(open_dir, 8000)
+    os.chmod(open_dir, 0o1777)  # /dev/shm's mode: each user's entries are their own
+    assert private_capture_dir(open_dir, 8000).parent == open_dir
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(UserError, match="belongs to uid 65534"):
+        private_capture_dir(theirs, 8000)
 
 
 def test_a_capture_file_that_lands_after_the_wait_gave_up_is_deleted(tmp_path):
