@@ -36,7 +36,10 @@ def offline_mode(offline: bool | None) -> bool:
 
 
 def is_local(model: str) -> bool:
-    return Path(model).expanduser().is_dir()
+    """A directory, named as one: `org/name` is a hub id even where a directory of that name sits
+    in the current directory (a co-user's `moonshotai/Kimi-K2.6/` there would shadow it);
+    `./org/name` names the directory."""
+    return not looks_like_hub_id(model) and Path(model).expanduser().is_dir()
 
 
 def looks_like_hub_id(model: str) -> bool:

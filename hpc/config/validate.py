@@ -12,6 +12,7 @@ from pathlib import Path
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.schema import DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
+from hpc.config.target import is_local, looks_like_hub_id
 from hpc.config.validate_target import TargetShape, check_target, shape_once
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
@@ -51,8 +52,12 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
 
 def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
     v = cfg.verifier
-    c.path("verifier.model", v.model, "target model directory")
-    if v.model and looks_like_path(v.model) and Path(v.model).expanduser().is_dir():
+    if v.model and looks_like_hub_id(v.model) and Path(v.model).exists():
+        c.fail("verifier.model", v.model, f"names a hub id, and ./{v.model} exists here too; write ./{v.model} "
+               "(or an absolute path) for the directory, or remove it to use the hub id")
+    else:
+        c.path("verifier.model", v.model, "target model directory")
+    if v.model and looks_like_path(v.model) and is_local(v.model):
         if not (Path(v.model).expanduser() / "config.json").is_file():
             c.fail("verifier.model", v.model, "directory has no config.json; point it at an HF model directory")
     c.path("verifier.tokenizer", v.tokenizer, "tokenizer directory")

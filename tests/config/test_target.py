@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,18 @@ def test_a_node_0_failure_stops_the_other_nodes_at_once(hub_cache, tmp_path):
         localize_in_job(cfg, node(0))
     with pytest.raises(UserError, match="node 0 failed: verifier.model = 'acme/missing'"):
         localize_in_job(cfg, node(1))  # no hour-long wait for a marker that never comes
+
+
+def test_a_directory_named_like_a_hub_id_does_not_shadow_it(tmp_path, monkeypatch):
+    """`moonshotai/Kimi-K2.6/` in the current directory (a co-user's, in a shared one) was loaded
+    as the target, with trust_remote_code. A hub id stays a hub id; `./` names the directory."""
+    from hpc.config.target import is_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "moonshotai" / "Kimi-K2.6").mkdir(parents=True)
+    assert not is_local("moonshotai/Kimi-K2.6")
+    assert is_local("./moonshotai/Kimi-K2.6") and is_local(str(tmp_path / "moonshotai" / "Kimi-K2.6"))
+    with pytest.raises(ConfigError) as err:
+        resolve(str(Path(__file__).resolve().parents[2] / "configs/kimi-k2.6-dspark.yaml"), check_tracking=False)
+    line = next(x for x in str(err.value).splitlines() if x.startswith("verifier.model"))
+    assert "names a hub id, and ./moonshotai/Kimi-K2.6 exists here too; write ./moonshotai/Kimi-K2.6" in line
