@@ -152,3 +152,33 @@ def test_a_damaged_fold_record_is_one_line(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="confidence_fold is damaged"):
         load_draft(out)
+
+
+def test_the_searched_ece_is_the_reported_one():
+    """The ECE search bins as `survival_ece` reports, so the map it picks is judged by the figure printed."""
+    from hpc.model.survival import _survival_eces, survival_grid
+
+    slots = blocks(500, seed=3, visit=0.7)
+    got = _survival_eces(survival_grid(slots, "greedy"), 0.6, -0.4)
+    want = [e for e, _, _ in survival_ece(folded(slots, 0.6, -0.4), "greedy")]
+    assert got.tolist() == pytest.approx(want, abs=1e-6)  # folded() rounds the logits to fp32
+
+
+def test_the_fold_evens_out_its_worst_position():
+    """A head whose miscalibration differs by position (sharper at slot 1): one map cannot fit
+    every k, and the log loss alone leaves one k worst; the ECE search lowers the worst survival
+    ECE, on rows it was not fitted on too."""
+    from hpc.model.survival import _least_worst_ece, _log_loss_map, _survival_eces, survival_grid
+
+    def skewed(seed: int) -> HeldOutSlots:
+        s = blocks(4000, seed=seed)
+        first = s.position == 1
+        s.logit[first] = 1.75 * s.logit[first]  # slot 1 says more than the others
+        return s
+
+    grid = survival_grid(skewed(5), "greedy")
+    log_loss = _log_loss_map(grid)
+    searched = _least_worst_ece(grid, *log_loss)
+    assert float(_survival_eces(grid, *searched).max()) < float(_survival_eces(grid, *log_loss).max()) - 0.005
+    held_out = survival_grid(skewed(6), "greedy")
+    assert float(_survival_eces(held_out, *searched).max()) < float(_survival_eces(held_out, *log_loss).max())
