@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from hpc.errors import UserError
 from hpc.net import free_port
 from hpc.proc import SubprocessServer, http_ok, spawn
+from hpc.verifier import vllm_auth
 
 if TYPE_CHECKING:
     from hpc.config.schema import VerifierConfig
@@ -93,6 +94,7 @@ class VLLMServer(SubprocessServer):
     api_key: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     rpc_dir: Path | None = None  # holds vLLM's ZMQ sockets; removed when the server stops
+    plugin_dir: Path | None = None  # our middleware module on vLLM's PYTHONPATH; removed too
 
     @property
     def url(self) -> str:
@@ -119,8 +121,9 @@ class VLLMServer(SubprocessServer):
 
     def stop(self, grace: float | None = None) -> None:
         super().stop(grace)
-        if self.rpc_dir is not None:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        for d in (self.rpc_dir, self.plugin_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def start_vllm_server(
@@ -144,6 +147,9 @@ def start_vllm_server(
     a config, e.g. a GPU node, where ``--enforce-eager`` would cost throughput and cannot be undone.
     """
     port = port or free_port(host)
+    # vLLM guards only some routes with its key (vllm_auth says which not): ours guards them all.
+    plugin_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-plugins-"))
+    shutil.copy2(vllm_auth.__file__, plugin_dir / f"{vllm_auth.MODULE}.py")
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix="dspark-vllm-")) / "server.log"
     log_path = Path(log_path)
@@ -151,11 +157,13 @@ def start_vllm_server(
     cmd = [
         os.path.expanduser(str(python)), "-m", entrypoint, "--model", str(model),
         "--host", host, "--port", str(port), *(DEFAULT_ARGS if base_args is None else base_args), *extra_args,
+        "--middleware", f"{vllm_auth.MODULE}.KeyOnEveryRoute",
     ]
     # The caller's venv must not leak into vLLM's interpreter; PYTHONPATH stays (our own
     # plugins, e.g. a KV connector module, are imported from it).
     full_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     full_env.update({**DEFAULT_ENV, **(env or {})})
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), full_env.get("PYTHONPATH", "")) if p)
     api_key = api_key or secrets.token_urlsafe(32)
     full_env["VLLM_API_KEY"] = api_key
     # vLLM names a ZMQ socket file per engine in the temp dir and leaves it there when the
@@ -168,7 +176,7 @@ def start_vllm_server(
 
     proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)))
     server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key,
-                        rpc_dir=rpc_dir)
+                        rpc_dir=rpc_dir, plugin_dir=plugin_dir)
     if wait:
         server.wait_healthy(timeout)
     return server

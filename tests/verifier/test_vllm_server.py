@@ -74,6 +74,15 @@ def test_server_refuses_requests_without_its_key(vllm_server, toy_target):
     assert requests.post(f"{vllm_server.url}/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
     ok = requests.post(f"{vllm_server.url}/v1/completions", json=body, headers=vllm_server.headers, timeout=60)
     assert ok.status_code == 200
+    # vLLM's own key covers only /v1, /v2, /inference, /cohere; ours covers the rest: /invocations
+    # serves completions, /metrics is what evaluations read, /tokenize runs the tokenizer.
+    for method, path, payload in (("post", "/invocations", body), ("get", "/metrics", None),
+                                  ("post", "/tokenize", {"model": str(toy_target), "prompt": "hi"})):
+        call = getattr(requests, method)
+        assert call(f"{vllm_server.url}{path}", json=payload, timeout=30).status_code == 401, path
+        assert call(f"{vllm_server.url}{path}", json=payload, headers=vllm_server.headers, timeout=60).status_code \
+            == 200, path
+    assert requests.get(f"{vllm_server.url}/health", timeout=30).status_code == 200  # readiness stays open
     # The key reaches vLLM through its environment: argv is readable by every user in `ps`.
     assert vllm_server.api_key not in " ".join(map(str, vllm_server.proc.args))
     # Its engine's ZMQ sockets are in its own dir, which stop() removes, not loose in /tmp.
