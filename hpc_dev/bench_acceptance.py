@@ -154,10 +154,12 @@ def format_table(table: dict, benches: list[str]) -> str:
     return "\n".join(lines)
 
 
-def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) -> tuple[list, int]:
+def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS),
+                           confidence: str = "served") -> tuple[list, int]:
     """(verify steps, prompts): the draft decoding greedily at n, as the reference engine does in
-    the evaluation, over every prompt the benchmarks ship. The evaluation's few rows per benchmark
-    leave too few slots at any position to tell ECE from its noise floor against 0.05."""
+    the evaluation, over every prompt the benchmarks ship, its confidence read as `confidence`
+    (eval.confidence) says. The evaluation's few rows per benchmark leave too few slots at any
+    position to tell ECE from its noise floor against 0.05."""
     import copy
 
     import torch
@@ -173,7 +175,7 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) ->
     v = cfg.verifier
     target = AutoModelForCausalLM.from_pretrained(v.model, dtype=torch.float32, use_safetensors=True).eval()
     tok = AutoTokenizer.from_pretrained(v.tokenizer or v.model)
-    engine = ReferenceEngine(target, load_draft(export).eval(), n, tok.eos_token_id)
+    engine = ReferenceEngine(target, load_draft(export).eval(), n, tok.eos_token_id, confidence=confidence)
     prompts = 0
     for name in every.benchmarks:
         bench = load_benchmark(name, every)
@@ -184,13 +186,16 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS)) ->
 
 
 def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = max(NS),
-                      fitted_on: str = "held-out rows") -> tuple[list[str], dict[str, float]]:
-    """ECE per position of `label`'s confidences at n, scored where greedy decoding read them."""
+                      fitted_on: str = "held-out rows", reading: str = "side_file") -> tuple[list[str], dict[str, float]]:
+    """ECE per position of `label`'s confidences at n, scored where greedy decoding read them;
+    `reading` (eval.confidence) names how they were read, and prefixes the metrics of `served`."""
     from hpc.evaluate.calibration import position_report, reached, survival
 
     if not steps:
         return [], {}
-    lines = [f"{label} confidence at n={n} (greedy, calibrated on {fitted_on}), ECE per position on {where}:"]
+    how = {"served": "the served head, its fold fitted", "side_file": "the side file's maps, fitted"}[reading]
+    lines = [f"{label} confidence at n={n} (greedy; {how} on {fitted_on}), ECE per position on {where}:"]
+    prefix = "served_" if reading == "served" else ""
     metrics: dict[str, float] = {}
     for k in range(1, n + 1):
         rep = position_report(steps, k, 10)
@@ -203,7 +208,7 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
         lines.append(f"  position {k}: ECE {rep['ece']:.3f} over {rep['count']} slots (a perfectly calibrated "
                      f"head would read {floor:.3f} at this count; mean confidence {rep['mean_conf']:.3f}, "
                      f"accepted {rep['accuracy']:.3f}): {verdict}")
-        metrics[f"ece_n{n}_pos{k}"] = rep["ece"]
+        metrics[f"{prefix}ece_n{n}_pos{k}"] = rep["ece"]
         # The survival: the product of slots 1..k's confidences against "1..k all accepted", over
         # every step that drafted k (what vLLM's adaptive verification reads as a probability).
         pairs = survival(steps, k)
@@ -211,7 +216,7 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
         floor, verdict = _judged(surv["ece"], [c for c, _ in pairs], "steps")
         lines.append(f"  survival to {k}: ECE {surv['ece']:.3f} over {surv['count']} steps (perfectly calibrated: "
                      f"{floor:.3f}; said {surv['mean_conf']:.3f}, all accepted {surv['accuracy']:.3f}): {verdict}")
-        metrics[f"ece_survival_n{n}_pos{k}"] = surv["ece"]
+        metrics[f"{prefix}ece_survival_n{n}_pos{k}"] = surv["ece"]
     return lines, metrics
 
 
@@ -342,10 +347,12 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
     cal_lines, cal_metrics = judged_lines(by["DSpark"].fitted)
     if by["DSpark"].export.joinpath("confidence_calibration.json").is_file():
         print(f"[{time.monotonic() - t0:5.0f}s] scoring DSpark's confidence on every benchmark prompt", flush=True)
-        decoded, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export)
         fitted_on = "data.calibration_sources" if cfg.data.calibration_sources else "held-out training rows"
-        more_lines, more_metrics = calibration_lines(decoded, f"{prompts} benchmark prompts", fitted_on=fitted_on)
-        cal_lines, cal_metrics = [*cal_lines, *more_lines], {**cal_metrics, **more_metrics}
+        for reading in ("side_file", "served"):  # the per-position maps, then what vLLM computes
+            decoded, prompts = steps_on_every_fixture(eval_cfg, by["DSpark"].export, confidence=reading)
+            more_lines, more_metrics = calibration_lines(decoded, f"{prompts} benchmark prompts", fitted_on=fitted_on,
+                                                         reading=reading)
+            cal_lines, cal_metrics = [*cal_lines, *more_lines], {**cal_metrics, **more_metrics}
     print("\n".join(["", *cal_lines]) if cal_lines else "")
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():

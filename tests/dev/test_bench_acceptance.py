@@ -100,6 +100,9 @@ def test_calibration_lines_judge_only_positions_a_perfect_head_could_pass():
                                            "ece_survival_n7_pos2": pytest.approx(0.05)}
     # 40 slots at 0.5: a perfectly calibrated head reads about 0.06 there, over the goal, so no verdict.
     few = [([0.5], [1])] * 20 + [([0.5], [0])] * 20
+    served, served_metrics = ba.calibration_lines(steps, "6 prompts", reading="served")
+    assert "(greedy; the served head, its fold fitted on held-out rows)" in served[0]
+    assert set(served_metrics) == {f"served_{k}" for k in metrics}  # both readings log side by side
     line = ba.calibration_lines(few, "2 prompts")[0][1]
     assert "ECE 0.000 over 40 slots" in line and line.endswith("too few slots to judge against 0.05"), line
     assert ba.calibration_lines([], "no prompts") == ([], {})
@@ -145,8 +148,9 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
     # Scored on every prompt the two benchmarks evaluate (6 each, the manifests' count), not the eval's one.
     # --quick does not regenerate, so the calibration set of prompts is not used: rows are held out.
-    assert ("confidence at n=7 (greedy, calibrated on held-out training rows), ECE per position on 12 benchmark "
-            "prompts") in text
+    for how in ("the side file's maps", "the served head, its fold"):  # both readings, on the same prompts
+        assert (f"confidence at n=7 (greedy; {how} fitted on held-out training rows), ECE per position on 12 "
+                "benchmark prompts") in text
     assert "fitted on 64 held-out rows" in text  # 640 conversations, every 10th held out
     assert (out / "DSpark" / "export" / "confidence_calibration.json").is_file()
     assert not (out / "DFlash" / "export" / "confidence_calibration.json").exists()  # no head to calibrate
