@@ -176,10 +176,14 @@ def check_draft_fits_target(path: Path, cfg: DSparkConfig) -> None:
 
 
 def check_side_file(path: Path, cfg: DSparkConfig) -> None:
-    """eval.confidence=side_file reads the per-position maps beside a DSpark export: without
-    them the reference engine would read the served head and call it the side file's."""
+    """A side file that belongs to another head is one line here, before any engine starts; and
+    eval.confidence=side_file reads the per-position maps beside a DSpark export: without them
+    the reference engine would read the served head and call it the side file's."""
     from hpc.model.calibrate import FILE
+    from hpc.model.export import side_file_problem
 
+    if (problem := side_file_problem(path)) is not None:
+        raise UserError(problem)
     d = json.loads((path / "config.json").read_text())
     if (_value(cfg.eval.confidence) == "side_file" and d.get("enable_confidence_head")
             and not (path / FILE).is_file()):

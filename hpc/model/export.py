@@ -132,6 +132,26 @@ def head_sha256(tensors: dict[str, torch.Tensor]) -> str | None:
     return digest.hexdigest()
 
 
+def side_file_problem(path: str | Path) -> str | None:
+    """Why the side file beside the export at `path` does not belong to its head, or None: read
+    from two tensors of the safetensors, without loading the draft (a login-node check)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cal = Calibration.load(path)
+    if cal is None or cal.head_sha256 is None:
+        return None
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        if HEAD[0] not in f.keys():
+            return f"{path / CALIBRATION}: the draft has no confidence head for its maps to read; delete the file"
+        head = {name: f.get_tensor(name) for name in HEAD}
+    if head_sha256(head) != cal.head_sha256:
+        return (f"{path / CALIBRATION}: its maps were fitted for another confidence head than this export's "
+                f"{WEIGHTS} (head_sha256 differs); re-run the calibration (dspark stage calibrate CONFIG) or "
+                "delete the file")
+    return None
+
+
 def as_served(model: DSparkDraft) -> DSparkDraft:
     """A copy of `model` with the weights its export holds (rounded to bf16): what the eval and
     vLLM run, so what a calibration must be fitted on. The fp32 training weights move a
@@ -286,9 +306,7 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     check_d2t(tensors["d2t"].long(), model.args.target_vocab_size)
     calibration = Calibration.load(path)
     if calibration is not None and calibration.head_sha256 not in (None, head_sha256(tensors)):
-        raise UserError(f"{path / CALIBRATION}: its maps were fitted for another confidence head than this "
-                        f"export's {WEIGHTS} (head_sha256 differs); re-run the calibration (dspark stage "
-                        "calibrate CONFIG) or delete the file")
+        raise UserError(side_file_problem(path) or f"{path / CALIBRATION}: fitted for another confidence head")
     fold = None
     if cfg.get("confidence_fold") is not None and model.confidence_head is not None:
         try:

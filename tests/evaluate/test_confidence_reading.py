@@ -69,6 +69,12 @@ def test_side_file_without_one_is_one_line_before_any_engine_starts(tmp_path):
     refold_export(out, Fold(1.5, 0.2, "greedy"), Calibration({"greedy": [(1.0, 0.0)] * 3}, 10))
     check_side_file(out, cfg)
     assert load_draft(out).confidence_calibration is not None
+    # Its maps beside another head (a side file copied between exports): one line, either reading.
+    other = export_draft(tiny_model(seed=1), tmp_path / "other", n=3)
+    (other / "confidence_calibration.json").write_bytes((out / "confidence_calibration.json").read_bytes())
+    cfg.eval.confidence = ServedConfidence.served
+    with pytest.raises(UserError, match="fitted for another confidence head"):
+        check_side_file(other, cfg)
 
 
 def test_the_card_names_how_each_column_read_its_confidence():
