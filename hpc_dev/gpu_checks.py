@@ -59,12 +59,15 @@ def check_planes(dev: torch.device) -> Row:
 
     from hpc.dist import rules
     from hpc.dist.planes import init_planes
+    from hpc.dist.rendezvous import new_secret
     from hpc.dist.rules import Message, NCCLRuleError
 
     os.environ[rules.ENV] = "1"
     os.environ.pop(rules.LOG_ENV, None)  # the violation below is on purpose: keep it out of any test log
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    planes = init_planes(0, 1, [0], backend, dev, "127.0.0.1", _free_port(), timeout_s=120)
+    planes = init_planes(0, 1, [0], backend, dev, "127.0.0.1", _free_port(), new_secret(), timeout_s=120)
+    # NCCL forms its communicators below after the store stopped listening (hpc.dist.rendezvous):
+    # a new connection they needed would fail here, not on the first multi-node run.
     notes, ok = [], True
     try:
         flag = torch.tensor([3.0])

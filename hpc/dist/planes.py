@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hpc.dist import rules
+from hpc.dist.rendezvous import check_members, rendezvous_store
 from hpc.dist.rules import Plane
 
 
@@ -126,40 +126,40 @@ def open_pairs(planes: Planes) -> None:
     dist.barrier(group=planes.control)
 
 
-_LISTENING: list[socket.socket] = []  # the rendezvous socket lives as long as the process
-
-
-def rendezvous_store(rank: int, world_size: int, master_addr: str, port: int,
-                     timeout: datetime.timedelta) -> dist.TCPStore:
-    """The world's key-value store. Rank 0 hosts it on a socket bound to the master address
-    only: given a port alone, torch's store listens on every interface of the node."""
-    if rank != 0:
-        return dist.TCPStore(master_addr, port, world_size, False, timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((socket.gethostbyname(master_addr), port))
-    sock.listen(1024)
-    _LISTENING.append(sock)
-    return dist.TCPStore(master_addr, port, world_size, True, timeout, master_listen_fd=sock.fileno())
+def broadcast_text(text: str | None, group, src: int = 0) -> str | None:
+    """`text` from `src` to every rank of `group` (a gloo group), as tensors: torch's object
+    collectives unpickle what a peer sent, and a peer is not trusted with code execution."""
+    size = torch.tensor([-1 if text is None else len(text.encode())], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=src)
+    n = int(size.item())
+    if n < 0:
+        return None
+    data = torch.zeros(n, dtype=torch.uint8)
+    if text is not None and n:  # the source's bytes; the others receive into zeros
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    dist.broadcast(data, group=group, group_src=src)
+    return data.numpy().tobytes().decode()
 
 
 def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, device: torch.device,
-                master_addr: str, port: int, timeout_s: float = 600.0) -> Planes:
+                master_addr: str, port: int, secret: str, timeout_s: float = 600.0) -> Planes:
     """Rendezvous and create the four groups (collective over the whole world).
 
     `device` is the rank's compute device; the planes' data device follows the backend.
+    `secret` is the job's rendezvous secret (hpc.dist.rendezvous): every rank holds the same.
     """
     rules.install_from_env()
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = rendezvous_store(rank, world_size, master_addr, port, timeout)
+    store = rendezvous_store(rank, world_size, master_addr, port, timeout, secret)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    rules.register(control, Plane.CONTROL, "cpu")
+    check_members(secret, rank, world_size, control)  # before any other group trusts the world
     train_data = dist.new_group(trainers, timeout=timeout)
     train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)
     data = dist.distributed_c10d._get_default_group()
     moved = data_device(backend, device)
     rules.register(data, Plane.DATA, moved.type)
     rules.register(train_data, Plane.DATA, moved.type)
-    rules.register(control, Plane.CONTROL, "cpu")
     rules.register(train_control, Plane.CONTROL, "cpu")
     return Planes(rank, world_size, list(trainers), moved, data, control, train_data, train_control)

@@ -15,9 +15,12 @@ The rules (groups are registered with a plane and the device type their backend 
 3. a collective on a group with tensors of another device type (an NCCL group refuses CPU
    tensors: "No backend type associated with device type cpu");
 4. a receive from any source (NCCL has none);
-5. data-plane p2p in both directions between one pair (the stream's data flows one way).
+5. data-plane p2p in both directions between one pair (the stream's data flows one way);
+6. an object collective (`broadcast_object_list`, `all_gather_object`, ...): not an NCCL rule
+   but a trust one. They unpickle what a peer sent, so a peer could run code in every rank;
+   our ranks exchange tensors (text as bytes: `hpc.dist.planes.broadcast_text`).
 
-Calls on unregistered groups are checked for rule 4 only.
+Calls on unregistered groups are checked for rules 4 and 6 only.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class NCCLRuleError(RuntimeError):
 
 
 _P2P = ("send", "recv", "isend", "irecv")
+_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                       "send_object_list", "recv_object_list")
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
 
@@ -219,6 +224,13 @@ def _wrap_collective(name: str):
     return checked
 
 
+def _wrap_object_collective(name: str):
+    def refused(*args, **kwargs):
+        CHECKER.violate(f"rule 6: dist.{name} unpickles what a peer sent; exchange tensors "
+                        "(hpc.dist.planes.broadcast_text for text)")
+    return refused
+
+
 def install() -> None:
     """Wrap torch.distributed's p2p and collective calls (idempotent)."""
     if _originals:
@@ -230,6 +242,10 @@ def install() -> None:
         if hasattr(dist, name):
             _originals[name] = getattr(dist, name)
             setattr(dist, name, _wrap_collective(name))
+    for name in _OBJECT_COLLECTIVES:
+        if hasattr(dist, name):
+            _originals[name] = getattr(dist, name)
+            setattr(dist, name, _wrap_object_collective(name))
     _originals["batch_isend_irecv"] = dist.batch_isend_irecv
     dist.batch_isend_irecv = _wrap_batch()
 

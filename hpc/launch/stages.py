@@ -46,8 +46,10 @@ def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]
     return list(range(t * rpn, (t + 1) * rpn)), T, V
 
 
-def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tuple[str, int]:
-    """(address, port) of the torch rendezvous: chosen by the master node, read by the others."""
+def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tuple[str, int, str]:
+    """(address, port, secret) of the torch rendezvous: chosen by the master node, read by the
+    others from the owner-only job file (the secret authenticates the ranks: hpc.dist.rendezvous)."""
+    from hpc.dist.rendezvous import new_secret
     from hpc.launch.job_files import job_file, publish, wait_published
 
     path = job_file(cluster.log_dir, "rendezvous", env.job_id)
@@ -57,10 +59,10 @@ def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tupl
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(var, iface)
     if env.node_index == master_node:
-        publish(path, {"addr": mine, "port": free_port(mine)})
+        publish(path, {"addr": mine, "port": free_port(mine), "secret": new_secret()})
     info = wait_published(path, 600, f"node {master_node} (the rendezvous host)")
     assert info is not None  # None only when a `gone` marker is given
-    return str(info["addr"]), int(info["port"])
+    return str(info["addr"]), int(info["port"]), str(info["secret"])
 
 
 def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
@@ -76,14 +78,14 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
                         f"cluster.trainer_nodes = {V + Tn}")
     prepare_once(cfg, env)
     ranks, T, V = node_ranks(cfg, env.node_index)
-    master, port = _rendezvous(cfg.cluster, env, master_node=V if env.n_nodes > V else 0)
+    master, port, secret = _rendezvous(cfg.cluster, env, master_node=V if env.n_nodes > V else 0)
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     ctx = mp.get_context("spawn")
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
     # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
     locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, parent_run_id, local),
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, secret, parent_run_id, local),
                          name=f"rank{r}") for local, r in zip(locals_, ranks)]
     for p in procs:
         p.start()

@@ -88,13 +88,13 @@ def _stream(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype, step
     return elapsed, wait / elapsed
 
 
-def worker(rank: int, args: dict, port: int, out: str) -> None:
+def worker(rank: int, args: dict, port: int, secret: str, out: str) -> None:
     from hpc.dist.planes import init_planes, open_pairs, rank_device
 
     torch.set_num_threads(1)
     # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
     device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank, exclusive=True)
-    planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port)
+    planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port, secret)
     open_pairs(planes)
     dtype = getattr(torch, args["dtype"])
     T, A, H, n = args["tokens"], args["n_aux"], args["hidden"], args["samples"]
@@ -126,6 +126,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
+    from hpc.dist.rendezvous import new_secret
     from hpc.net import free_port
     from hpc.tables import text_table
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                                          "buffer", "step_ms", "addr")}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(worker, args=(cfg, free_port(), out), nprocs=2, start_method="spawn")
+        mp.start_processes(worker, args=(cfg, free_port(), new_secret(), out), nprocs=2, start_method="spawn")
         res = json.loads(Path(out).read_text())
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     nbytes = args.samples * (args.tokens * 2 * 8 + args.tokens * (args.n_aux + 1) * args.hidden * elem)

@@ -31,6 +31,7 @@ def train_local(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     import torch.multiprocessing as mp
 
     from hpc.config.validate import trainer_ranks
+    from hpc.dist.rendezvous import new_secret
     from hpc.net import free_port
     from hpc.train.driver import rank_process
     from hpc.train.prepare import prepare_data
@@ -50,9 +51,9 @@ def train_local(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
           + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
     T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, "127.0.0.1", port, parent_run_id, r), name=f"rank{r}")
-             for r in range(T + V)]
+    port, secret = free_port(), new_secret()
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, "127.0.0.1", port, secret, parent_run_id, r),
+                         name=f"rank{r}") for r in range(T + V)]
     for p in procs:
         p.start()
     for p in procs:

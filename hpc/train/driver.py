@@ -109,7 +109,7 @@ def write_progress(path: Path, step: int, total: int, m: dict) -> None:
 
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
-              parent_run_id: str | None = None) -> int:
+              secret: str, parent_run_id: str | None = None) -> int:
     from hpc.dist.planes import rank_device
     from hpc.model.dspark import DSparkArgs
     from hpc.train.online import World, build_draft, init_world, run_trainer
@@ -133,7 +133,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-    planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, timeout_s=group_timeout_s)
+    planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, secret, timeout_s=group_timeout_s)
     rows, vocab_file = load_prepared(out)
     rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:
@@ -287,11 +287,13 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int,
+def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int, secret: str,
                  parent_run_id: str | None = None, local_rank: int = 0) -> None:
     """The target of one rank's process (local `dspark train` or a node of a Slurm allocation).
 
-    `local_rank` is the rank's index among the processes of its node: its GPU.
+    `local_rank` is the rank's index among the processes of its node: its GPU. `secret` is the
+    job's rendezvous secret (hpc.dist.rendezvous): an argument, never in the environment that
+    vLLM and the other children inherit.
     """
     import sys
 
@@ -313,7 +315,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
               f"(traceback in {tb_file})", file=sys.stderr, flush=True)
     threading.excepthook = thread_died
     try:
-        code = rank_main(rank, cfg, T, V, addr, port, parent_run_id)
+        code = rank_main(rank, cfg, T, V, addr, port, secret, parent_run_id)
     except UserError as err:
         print(f"error: rank {rank}: {scrub(str(err))}", file=sys.stderr)
         code = 2

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc.config.schema import TrainConfig
+from hpc.dist.planes import broadcast_text
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
@@ -107,9 +108,8 @@ class Trainer:
         shared filesystem's client caches can show ranks different newest checkpoints."""
         found = latest_checkpoint(self.ckpt_dir) if self.rank == 0 else None
         if self.world > 1:
-            chosen = [str(found) if found is not None else None]
-            dist.broadcast_object_list(chosen, group=self.control_group, group_src=0)  # gloo, CPU
-            found = Path(chosen[0]) if chosen[0] is not None else None
+            chosen = broadcast_text(str(found) if found is not None else None, self.control_group)  # gloo, CPU
+            found = Path(chosen) if chosen is not None else None
         return found
 
     def checkpoint(self) -> Path:

@@ -56,11 +56,12 @@ class World:
         return list(range(self.n_trainers, self.size))
 
 
-def init_world(w: World, backend: str, device: torch.device, master_addr: str, port: int,
+def init_world(w: World, backend: str, device: torch.device, master_addr: str, port: int, secret: str,
                timeout_s: float = 600.0) -> Planes:
     """Every rank's groups, on both planes, and every streamer -> trainer pair opened (collective:
     every rank of the world calls it, before any DDP collective can run)."""
-    planes = init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, timeout_s)
+    planes = init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, secret,
+                         timeout_s)
     open_pairs(planes)
     return planes
 

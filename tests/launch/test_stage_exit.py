@@ -41,7 +41,7 @@ def node(tmp_path, monkeypatch):
     cfg.train.output_dir, cfg.cluster.log_dir = str(tmp_path / "train"), str(tmp_path / "logs")
     monkeypatch.setattr(SlurmEnv, "from_environ", classmethod(lambda cls: SlurmEnv(7, 1, 2, ["a", "b"], "7")))
     monkeypatch.setattr(stages, "prepare_once", lambda cfg, env: None)
-    monkeypatch.setattr(stages, "_rendezvous", lambda cfg, env, master_node: ("127.0.0.1", 1))
+    monkeypatch.setattr(stages, "_rendezvous", lambda cfg, env, master_node: ("127.0.0.1", 1, "s" * 64))
     monkeypatch.setattr(stages.time, "sleep", lambda s: None)
     ranks: list[FakeRank] = []
 

@@ -19,7 +19,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
     from tests.train.test_resume import make_parts, rows
 
     w = World(rank, n_trainers, n_streamers)
-    planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, timeout_s=120)
+    planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, "stream-test-" + "0" * 52, timeout_s=120)
     out = Path(out_dir)
     stream_cfg = StreamConfig(buffer_per_trainer=3, heartbeat_s=0.5, peer_timeout_s=peer_timeout_s)
     data = rows(n_rows)

@@ -8,13 +8,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+SECRET = "ddp-test-" + "0" * 56  # every rank of a test world holds the same
+
 
 def main(rank: int, world: int, port: int, target_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.dist.planes import init_planes
 
     # The trainers' groups as in an online world (DDP on the data plane, bookkeeping on gloo).
-    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port)
+    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET)
     try:
         from hpc.train.sources import local_micro_batches
         from tests.train.test_resume import make_trainer, rows
@@ -38,7 +40,7 @@ def empty_row_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from hpc.stream.sample import Capture, MicroBatch
     from tests.model.test_dspark import H, V
 
-    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port,
+    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET,
                          timeout_s=60)  # a regression fails in a minute instead of hanging the suite
     try:
         trainer = _tiny_trainer(planes, out_dir)
@@ -65,7 +67,7 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from hpc.dist.planes import init_planes
     from hpc.train import checkpoint, loop
 
-    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port,
+    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET,
                          timeout_s=60)
     try:
         trainer = _tiny_trainer(planes, out_dir)

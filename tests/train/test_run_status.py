@@ -73,7 +73,7 @@ def _trainer_raising(err: BaseException):
 def test_an_exception_on_rank_0_ends_its_run(rank0, monkeypatch, err, status):
     monkeypatch.setattr(hpc.train.online, "run_trainer", _trainer_raising(err))
     with pytest.raises(type(err)):
-        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1)
+        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
     assert [log.statuses for log in FakeLogger.made] == [[status]]
 
 
@@ -85,7 +85,7 @@ def test_an_error_after_the_run_was_closed_does_not_end_it_twice(rank0, monkeypa
         raise OSError("disk full while printing")
     monkeypatch.setattr(driver, "_finish", finish)
     with pytest.raises(OSError):
-        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1)
+        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
     assert [log.statuses for log in FakeLogger.made] == [["FINISHED"]]
 
 
