@@ -180,13 +180,15 @@ def install(config: str, overrides: list[str], cron: str | None = None, resubmit
         install_scrontab,
         schedule_jobs,
         submit_singleton,
+        write_overrides,
     )
 
     cfg = resolve(config, overrides, check_tracking=not resubmit)
     cron = check_cron(cron or cfg.schedule.cron)
     c = cfg.cluster
-    e = Entry(cfg.name, cron, str(Path(config).resolve()), list(overrides), c.partition, c.account,
-              str(Path.cwd()), sys.executable, str((Path(c.log_dir) / "schedule").resolve()))
+    log_dir = str((Path(c.log_dir) / "schedule").resolve())
+    e = Entry(cfg.name, cron, str(Path(config).resolve()), write_overrides(log_dir, cfg.name, list(overrides)),
+              c.partition, c.account, str(Path.cwd()), sys.executable, log_dir)
     if not resubmit:
         try:
             install_scrontab(e)
@@ -244,7 +246,17 @@ def _schedule_cmd(a) -> int:
         return remove(a.remove)
     if not a.config:
         raise UserError("dspark schedule: give a CONFIG to schedule, --list, or --remove NAME")
-    return install(a.config, list(a.overrides), a.cron, a.resubmit)
+    return install(a.config, _overrides(a), a.cron, a.resubmit)
+
+
+def _overrides(a) -> list[str]:
+    """A schedule's saved overrides (--overrides-file: how its own commands pass them), then argv's."""
+    from hpc.launch.schedule_slurm import read_overrides
+
+    return [*(read_overrides(a.overrides_file) if a.overrides_file else []), *a.overrides]
+
+
+_FILE_HELP = "read KEY=VALUE overrides from this owner-only JSON file (what a schedule's own commands use)"
 
 
 def register_schedule(sub) -> None:
@@ -255,6 +267,7 @@ def register_schedule(sub) -> None:
     p.add_argument("--list", action="store_true", help="show every installed schedule")
     p.add_argument("--remove", metavar="NAME", help="remove the schedule of the config named NAME")
     p.add_argument("--resubmit", action="store_true", help=argparse.SUPPRESS)  # the tick job's successor
+    p.add_argument("--overrides-file", help=_FILE_HELP)
     p.set_defaults(func=_schedule_cmd)
 
 
@@ -264,4 +277,5 @@ def register_tick(sub) -> None:
                        "since the last scheduled run (by fingerprint), else say so and submit nothing.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.set_defaults(func=lambda a: retrain_tick(a.config, list(a.overrides)))
+    p.add_argument("--overrides-file", help=_FILE_HELP)
+    p.set_defaults(func=lambda a: retrain_tick(a.config, _overrides(a)))

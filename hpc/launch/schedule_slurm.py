@@ -8,10 +8,11 @@ submits its successor; `--dependency=singleton` keeps it to one running job per 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
@@ -33,7 +34,9 @@ class Entry:
     name: str
     cron: str
     config: str  # absolute: the tick runs from cron, not from the user's shell
-    overrides: list[str] = field(default_factory=list)
+    # The overrides travel in this 0600 file (write_overrides), never on a command line: the
+    # scrontab line, sbatch --wrap and each tick's argv are readable by every user of the node.
+    overrides_file: str | None = None
     partition: str = "gpu"
     account: str | None = None
     cwd: str = "."
@@ -41,7 +44,8 @@ class Entry:
     log_dir: str = "runs/slurm/schedule"
 
     def dspark(self, command: str, *extra: str) -> str:
-        return shlex.join([self.python, "-m", "hpc", command, self.config, *self.overrides, *extra])
+        via = ["--overrides-file", self.overrides_file] if self.overrides_file else []
+        return shlex.join([self.python, "-m", "hpc", command, self.config, *via, *extra])
 
     def tick_command(self) -> str:
         return f"cd {shlex.quote(self.cwd)} && {self.dspark('retrain-tick')}"
@@ -57,6 +61,40 @@ class Entry:
 
     def log_file(self) -> str:
         return str(Path(self.log_dir) / f"{self.name}-%j.out")
+
+
+OVERRIDES_SUFFIX = ".overrides.json"
+
+
+def write_overrides(log_dir: str, name: str, overrides: list[str]) -> str | None:
+    """The schedule's overrides in an owner-only file beside its logs (None when there are none)."""
+    from hpc.fsio import unsafe_ancestor, write_text
+
+    path = Path(log_dir) / f"{name}{OVERRIDES_SUFFIX}"
+    if not overrides:
+        path.unlink(missing_ok=True)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if (why := unsafe_ancestor(path.parent)) is not None:
+        raise UserError(f"cluster.log_dir: {why}; the schedule's overrides (secrets among them) would sit where "
+                        "another user can swap them; use a log_dir of your own")
+    write_text(path, json.dumps({"overrides": list(overrides)}), mode=0o600)
+    return str(path)
+
+
+def read_overrides(path: str) -> list[str]:
+    """What write_overrides wrote; refused (one line) unless it is an owner-only file of ours."""
+    from hpc.launch.job_files import read_published
+
+    try:
+        payload = read_published(Path(path))
+    except FileNotFoundError:
+        raise UserError(f"--overrides-file {path}: no such file; re-install the schedule (dspark schedule CONFIG "
+                        "KEY=VALUE ...)") from None
+    overrides = payload.get("overrides") if isinstance(payload, dict) else None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"--overrides-file {path}: not a schedule's overrides file; re-install the schedule")
+    return overrides
 
 
 # ---- scrontab --------------------------------------------------------------------------------
@@ -112,7 +150,7 @@ def _one_line(what: str, value: str, option: bool = False) -> None:
 
 def scrontab_block(e: Entry) -> list[str]:
     for what, value in (("the current directory", e.cwd), ("the config path", e.config),
-                        ("the Python interpreter", e.python), *((f"override {o!r}", o) for o in e.overrides)):
+                        ("the Python interpreter", e.python), ("the overrides file", e.overrides_file or "")):
         _one_line(what, value)
     for what, value in (("schedule name", e.name), ("cluster.partition", e.partition),
                         ("cluster.account", e.account or ""), ("cluster.log_dir", e.log_dir)):

@@ -78,8 +78,20 @@ def fake_slurm(monkeypatch):
     return make
 
 
-def tick_line(tmp: Path, overrides: list[str]) -> str:
-    return f"0 3 * * 0 cd {ROOT} && {shlex.join([sys.executable, '-m', 'hpc', 'retrain-tick', CONFIG, *overrides])}"
+def tick_line(tmp: Path, name: str = "toy") -> str:
+    saved = str(tmp / "slurm" / "schedule" / f"{name}.overrides.json")
+    tick = [sys.executable, "-m", "hpc", "retrain-tick", CONFIG, "--overrides-file", saved]
+    return f"0 3 * * 0 cd {ROOT} && {shlex.join(tick)}"
+
+
+def saved_overrides(tmp: Path, name: str = "toy") -> list[str]:
+    """The schedule's overrides file: owner-only, and what the tick reads back."""
+    import json
+    import stat
+
+    path = tmp / "slurm" / "schedule" / f"{name}.overrides.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return json.loads(path.read_text())["overrides"]
 
 
 def test_scrontab_install_writes_the_block(fake_slurm, tmp_path, monkeypatch, capsys):
@@ -89,8 +101,9 @@ def test_scrontab_install_writes_the_block(fake_slurm, tmp_path, monkeypatch, ca
     assert schedule.install(CONFIG, ov, "0 3 * * 0") == 0
     assert fake.table == "\n".join([
         "# dspark-schedule toy begin", "#SCRON -p debug", "#SCRON -A acct", "#SCRON -t 00:30:00",
-        f"#SCRON -o {tmp_path}/slurm/schedule/toy-%j.out", tick_line(tmp_path, ov),
+        f"#SCRON -o {tmp_path}/slurm/schedule/toy-%j.out", tick_line(tmp_path),
         "# dspark-schedule toy end"]) + "\n"
+    assert saved_overrides(tmp_path) == ov
     assert "scrontab entry '0 3 * * 0'" in capsys.readouterr().out
 
 
@@ -105,7 +118,7 @@ def test_scrontab_reinstall_replaces_only_its_block(fake_slurm, tmp_path, monkey
     assert fake.table.splitlines() == [
         "MAILTO=me", "*/5 * * * * echo mine",
         "# dspark-schedule toy begin", "#SCRON -p debug", "#SCRON -t 00:30:00",
-        f"#SCRON -o {tmp_path}/slurm/schedule/toy-%j.out", tick_line(tmp_path, ov), "# dspark-schedule toy end",
+        f"#SCRON -o {tmp_path}/slurm/schedule/toy-%j.out", tick_line(tmp_path), "# dspark-schedule toy end",
         *other]
     assert schedule.list_schedules().splitlines() == [
         f"{'other':<24} scrontab  '0 1 * * *'", f"{'toy':<24} scrontab  '0 3 * * 0'"]
@@ -140,6 +153,33 @@ def test_disabled_scrontab_falls_back_to_a_singleton_job(fake_slurm, tmp_path, m
     out = capsys.readouterr().out
     assert "scrontab unavailable (scrontab: fatal: scrontab is disabled on this cluster)" in out
     assert "job 4242 runs `dspark retrain-tick`" in out
+
+
+@pytest.mark.parametrize("scrontab", ["enabled", "disabled"])
+def test_overrides_never_reach_a_command_line(fake_slurm, tmp_path, monkeypatch, scrontab):
+    """The scrontab line, sbatch --wrap and each tick's argv are readable by every user of the
+    node: a schedule's overrides (a token among them) travel in its owner-only file."""
+    import argparse
+    import secrets
+
+    monkeypatch.chdir(ROOT)
+    token = f"hf_{secrets.token_hex(16)}"
+    fake = fake_slurm(scrontab_error=None if scrontab == "enabled" else "scrontab is disabled on this cluster")
+    ov = [*toy_overrides(tmp_path, f"sqlite:///{tmp_path}/m.db", "toy"), f"verifier.env.HF_TOKEN={token}"]
+    assert schedule.install(CONFIG, ov, "0 3 * * 0") == 0
+    written = [fake.table or "", *(" ".join(c) for c in fake.calls)]
+    assert not any(token in w for w in written) and saved_overrides(tmp_path) == ov
+    # What the entry or the job runs gets them back, and argv's come after (they win).
+    parser = argparse.ArgumentParser()
+    schedule.register_tick(parser.add_subparsers())
+    saved = str(tmp_path / "slurm" / "schedule" / "toy.overrides.json")
+    assert saved in "".join(written)
+    a = parser.parse_args(["retrain-tick", CONFIG, "train.steps=3", "--overrides-file", saved])
+    assert schedule._overrides(a) == [*ov, "train.steps=3"]
+    # A file others may read (or one another user planted) is refused, in one line.
+    Path(saved).chmod(0o644)
+    with pytest.raises(UserError, match="is not an owner-only file of yours"):
+        schedule._overrides(a)
 
 
 @pytest.mark.parametrize("tick_rc, submit_rc, job_rc", [(0, 0, 0), (3, 0, 3), (0, 1, 1), (124, 0, 124)])
@@ -262,7 +302,7 @@ def test_a_cron_that_would_add_a_crontab_line_is_refused(cron):
 
 @pytest.mark.parametrize("field_name,value", [
     ("cwd", "/home/u/a\n* * * * * touch /tmp/pwned #"), ("cwd", "/home/u/50%"), ("config", "/c\r.yaml"),
-    ("overrides", ["train.steps=1\n* * * * * id"]), ("partition", "gpu -o /tmp/x"), ("log_dir", "runs/x\ny"),
+    ("overrides_file", "/o\n* * * * * id"), ("partition", "gpu -o /tmp/x"), ("log_dir", "runs/x\ny"),
 ])
 def test_a_value_that_would_break_its_scrontab_line_is_refused(field_name, value):
     from hpc.launch.schedule_slurm import Entry, scrontab_block
