@@ -69,6 +69,10 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
               "regeneration: using data's sources as they are (not on-policy); run `dspark regenerate CONFIG` "
               "first, or set data.regenerate=false to silence this", flush=True)
     for path, split, max_rows in sources:
+        if path == str(Path(data.output_dir) / "regenerated"):
+            from hpc.verifier.regen_shards import verify_shards
+
+            verify_shards(path)  # each shard as the verifier wrote it, and nothing beside them
         # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
         raw = list(read_rows(path, split, max_rows)) if remask is not None else None
         for r in tokenize_rows(tok, iter(raw) if raw is not None else read_rows(path, split, max_rows),
