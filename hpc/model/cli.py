@@ -40,9 +40,17 @@ def export(checkpoint: str, out: str, n: int | None) -> int:
     from hpc.model.export import check_export_target, export_draft, load_draft, read_export_config
 
     src = Path(checkpoint)
-    check_export_target(Path(out))
-    if Path(out).resolve() == src.resolve():
+    o, s, here = Path(out).resolve(), src.resolve(), Path.cwd().resolve()
+    # Before any check that reads OUT or any copy: OUT is replaced whole, through a temp copy beside it.
+    if o == s:
         raise UserError(f"OUT is the checkpoint itself ({src}); export into a new directory")
+    if s in o.parents or o in s.parents:
+        raise UserError(f"OUT {out} and the checkpoint {src} overlap (one holds the other); export into a "
+                        "directory outside the checkpoint")
+    if o == here or o in here.parents:
+        raise UserError(f"OUT {out} is the current directory or holds it, and OUT is replaced whole; cd out of it, "
+                        "or export into a new directory")
+    check_export_target(Path(out))
     config = read_export_config(src)
     model = load_draft(src)  # export_draft refuses an --n outside what the draft proposes
     verifier = config.get("speculators_config", {}).get("verifier", {})

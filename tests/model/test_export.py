@@ -240,3 +240,19 @@ def test_only_plain_files_make_an_export(tmp_path):
     weights.unlink()
     weights.mkdir()
     assert not is_export(out)
+
+
+def test_export_into_its_own_tree_is_one_line_before_any_copy(tmp_path, monkeypatch):
+    from hpc.model.cli import export
+
+    ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
+    out = export_draft(tiny_model(seed=1), tmp_path / "export")
+    before = {p: p.read_bytes() for p in [*ckpt.iterdir(), *out.iterdir()]}
+    monkeypatch.chdir(out)  # `dspark export CKPT .` from inside an earlier export
+    for target, says in ((".", "is the current directory or holds it"), (str(tmp_path), "overlap"),
+                         (str(ckpt / "sub"), "overlap"), (str(ckpt), "the checkpoint itself")):
+        with pytest.raises(UserError, match=says):
+            export(str(ckpt), target, None)
+    # Nothing copied, nothing replaced: no temp weights left in OUT or beside it.
+    assert {p: p.read_bytes() for p in [*ckpt.iterdir(), *out.iterdir()]} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export"]
