@@ -12,6 +12,7 @@ import csv
 import io
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hpc.config.schema import BENCHMARKS
 from hpc.errors import UserError
@@ -285,11 +286,33 @@ def _tracking(args: argparse.Namespace) -> tuple[str, str]:
     return uri, experiment or "dspark"
 
 
+def missing_store(uri: str) -> str | None:
+    """Why `uri` names no tracking store that exists, or None. A reader must not create one:
+    MLflow makes the directory and a fresh database for a mistyped sqlite path, and then says
+    only that the experiment does not exist. Servers (http) answer for themselves."""
+    from urllib.parse import urlparse
+
+    from hpc.config.secrets import redact_uri
+
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = Path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else parsed.path)
+        if not path.is_file():
+            return f"no tracking database at {path} ({redact_uri(uri)}); check --tracking-uri or tracking.uri"
+    elif parsed.scheme in ("", "file"):
+        path = Path(parsed.path if parsed.scheme == "file" else uri)
+        if not path.is_dir():
+            return f"no tracking store at {path}; check --tracking-uri or tracking.uri"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri, name = _tracking(args)
+    if (why := missing_store(uri)) is not None:
+        raise UserError(why)
     # A dead server should fail in seconds, not after MLflow's minutes of backoff.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")

@@ -188,6 +188,17 @@ def test_errors_are_one_line(mlflow_server, capsys):
     assert "--pipeline 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("uri", ["sqlite:///{tmp}/nodir/typo.db", "sqlite:///{tmp}/typo.db", "{tmp}/nostore",
+                                 "file://{tmp}/nostore"])
+def test_a_mistyped_store_is_one_line_and_nothing_is_created(uri, tmp_path, capsys):
+    """A reader opens an existing store only: MLflow would make the directory and a fresh
+    database, then say only that the experiment does not exist."""
+    assert main(["compare", "--tracking-uri", uri.format(tmp=tmp_path), "--experiment", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tracking" in err[0] and "--tracking-uri" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv", [["compare", "--experiment", "x"]])
 def test_no_tracking_uri_is_a_user_error(argv, capsys, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
