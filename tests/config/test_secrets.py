@@ -205,3 +205,48 @@ def test_secrets_are_masked_by_value_not_only_by_name():
     for plain in ("/shared/venvs/vllm/bin/python", "8192", "moonshotai/Kimi-K2.6", "0,1,2,3"):
         assert redact_args([plain]) == [plain]
     assert redact_uri("http://h:5000/?x=1") == "http://h:5000/?x=1"
+
+
+PARSER_PROBE = r"""
+import contextlib, io, json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+parser = make_arg_parser(FlexibleArgumentParser())
+owned = [f for f in json.loads(sys.argv[1]) if f in parser._option_string_actions]  # this vLLM's flags
+dests = {parser._option_string_actions[f].dest: f for f in owned}
+defaults = vars(parser.parse_args([]))
+value = {"--port": "4321"}
+out = []
+for flag in owned:
+    for end in range(3, len(flag) + 1):
+        for word in {flag[:end], "--" + flag[2:end].replace("-", "_")}:
+            for argv in ([word, value.get(flag, "1.2.3.4")], [word + "=" + value.get(flag, "1.2.3.4")]):
+                try:
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        ns = vars(parser.parse_args(argv))
+                except SystemExit:  # unknown, or ambiguous: vLLM refuses it itself
+                    continue
+                out.append([argv[0], [dests[d] for d in dests if ns[d] != defaults[d]]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_spelling_vllms_parser_takes_for_an_owned_flag_is_refused(vllm_python):
+    """Ask vLLM's own argument parser which words it reads as each flag we own (prefixes, `_`
+    for `-`, `=VALUE`), and refuse every one of them in verifier.extra_args."""
+    import json
+    import subprocess
+
+    from hpc.config.secrets import names_flag
+    from hpc.config.validate_ops import OWNED_FLAGS
+
+    res = subprocess.run([str(vllm_python), "-c", PARSER_PROBE, json.dumps(list(OWNED_FLAGS))],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    taken = json.loads(res.stdout.splitlines()[-1])
+    assert len(taken) > 4 * len(OWNED_FLAGS)  # abbreviations are on in this vLLM: the probe saw them
+    for word, flags in taken:
+        assert len(flags) == 1, (word, flags)
+        assert names_flag(word, OWNED_FLAGS) == flags[0], word

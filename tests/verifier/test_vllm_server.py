@@ -82,6 +82,11 @@ def test_server_refuses_requests_without_its_key(vllm_server, toy_target):
         assert call(f"{vllm_server.url}{path}", json=payload, timeout=30).status_code == 401, path
         assert call(f"{vllm_server.url}{path}", json=payload, headers=vllm_server.headers, timeout=60).status_code \
             == 200, path
+    # /pooling serves embedding models; for this one it answers an error, but only behind the key.
+    pooling = {"model": str(toy_target), "input": "hi"}
+    assert requests.post(f"{vllm_server.url}/pooling", json=pooling, timeout=30).status_code == 401
+    assert requests.post(f"{vllm_server.url}/pooling", json=pooling, headers=vllm_server.headers,
+                         timeout=60).status_code != 401
     assert requests.get(f"{vllm_server.url}/health", timeout=30).status_code == 200  # readiness stays open
     # The key reaches vLLM through its environment: argv is readable by every user in `ps`.
     assert vllm_server.api_key not in " ".join(map(str, vllm_server.proc.args))
