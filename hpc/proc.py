@@ -29,13 +29,26 @@ from hpc.errors import UserError
 
 
 def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-          cwd: str | Path | None = None, append: bool = False, shown: Sequence[str] | None = None) -> subprocess.Popen:
+          cwd: str | Path | None = None, append: bool = False, shown: Sequence[str] | None = None,
+          cleanup: Sequence[str | Path] = (), grace: float = 15.0) -> subprocess.Popen:
     """`cmd` in a new session (its own process group), its output and the command line in `log_path`
-    (as `shown`, when the caller masked secrets in it)."""
+    (as `shown`, when the caller masked secrets in it).
+
+    It runs under `hpc/proc_guard.py`, which takes the session down, removes `cleanup` and
+    sweeps /dev/shm if this process dies first (a SIGKILL runs no handler of ours), with `grace`
+    seconds between SIGTERM and SIGKILL, as `stop_group` gives."""
+    import json
+    import sys
+
+    from hpc import proc_guard
+
+    guard = [sys.executable, "-I", proc_guard.__file__, str(os.getpid()), str(grace),
+             json.dumps([str(p) for p in cleanup]),
+             "--", *map(str, cmd)]
     with log_path.open("a" if append else "w") as log:
         log.write("$ " + " ".join(map(str, cmd if shown is None else shown)) + "\n")
         log.flush()
-        return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        return subprocess.Popen(guard, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=None if env is None else dict(env), cwd=cwd, start_new_session=True)
 
 

