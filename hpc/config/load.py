@@ -133,6 +133,19 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
         if _is_struct_section(child) and isinstance(value, dict):
             _apply(cfg, value, full, origin, problems, written)
             continue
+        if isinstance(child, ListConfig) and isinstance(value, dict) and value and all(
+                str(k).isdigit() for k in value):
+            # `eval.compare.0.revision=SHA`: one key of one item (the dotlist made a dict of it),
+            # not a new list. The item keeps its other keys.
+            for idx, item in value.items():
+                if int(idx) >= len(child):
+                    problems.append(f"{full}.{idx}: {full} has {len(child)} item(s), so index {idx} is past its "
+                                    f"end; write the whole list ({full}=[...]) to add one ({origin})")
+                elif isinstance(item, dict) and _is_struct_section(child._get_node(int(idx))):
+                    _apply(cfg, item, f"{full}.{idx}", origin, problems, written)
+                else:
+                    _set_leaf(cfg, f"{full}.{idx}", item, child._get_node(int(idx)), origin, problems)
+            continue
         try:
             if isinstance(child, DictConfig) and isinstance(value, dict):
                 # A free-form dict (compilation_config, env, sweep) is replaced where the user wrote
@@ -147,6 +160,8 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
                     OmegaConf.update(cfg, written, value, merge=False)
                 else:
                     OmegaConf.update(cfg, full, value, merge=False)
+            elif any(part.isdigit() for part in full.split(".")):  # inside a list's item: set in place
+                OmegaConf.update(cfg, full, value, merge=True)
             else:
                 # merge_with (not update) so lists of dicts become typed DataSource/... entries.
                 cfg.merge_with(OmegaConf.create(_nest(full, value)))
@@ -154,6 +169,13 @@ def _apply(cfg: DictConfig, data: dict, path: str, origin: str, problems: list[s
             inner = _item_problems(full, value, child)
             inner = inner or [f"{full} = {_short(value, full)}: {_reason(err, child)}"]
             problems.extend(f"{line} ({origin})" for line in inner)
+
+
+def _set_leaf(cfg: DictConfig, full: str, value: Any, child: Any, origin: str, problems: list[str]) -> None:
+    try:
+        OmegaConf.update(cfg, full, value, merge=True)
+    except OmegaConfBaseException as err:
+        problems.append(f"{full} = {_short(value, full)}: {_reason(err, child)} ({origin})")
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

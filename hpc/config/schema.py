@@ -254,6 +254,7 @@ class ThirdPartyDraft:
     name: str = ""
     method: str = "eagle3"  # any vLLM speculative method
     model: str = ""
+    revision: str | None = None  # pin a hub id to a commit: vLLM loads (and may run) that draft's files
 
 
 # The published card's benchmarks, in its row order: the one list that validation, the eval

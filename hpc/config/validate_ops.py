@@ -161,6 +161,10 @@ def advisories(cfg: DSparkConfig) -> list[str]:
     if v.trust_remote_code and v.revision is None and not is_local(v.model):
         out.append(f"verifier.revision is unset with verifier.trust_remote_code=true: the code on {v.model}'s "
                    "main branch when the job starts runs on every node; pin a commit (verifier.revision=SHA)")
+    for i, d in enumerate(cfg.eval.compare):
+        if d.model and d.revision is None and not is_local(d.model):
+            out.append(f"eval.compare[{i}].revision is unset: {d.name} is loaded from {d.model}'s main branch as it "
+                       f"is when each evaluation starts; pin a commit (eval.compare[{i}].revision=SHA)")
     return out
 
 

@@ -27,11 +27,14 @@ class DraftSpec:
     # Slot 0 is the bonus token, so the block drafts one token fewer: DFlash's layout, and any
     # export with sample_from_anchor=false. None: by method.
     bonus_slot: bool | None = None
+    revision: str | None = None  # a hub draft's pinned commit (eval.compare[i].revision)
 
     def speculative_config(self, n: int, temperature: float = 0.0) -> dict:
         spec: dict = {"method": self.method, "num_speculative_tokens": n}
         if self.model:
             spec["model"] = self.model
+            if self.revision:
+                spec["revision"] = self.revision
             if temperature > 0:
                 # vLLM's default drafts greedily and treats the draft as one-hot in the rejection
                 # test (accept with p_target(d)); lossless speculative sampling, as the reference
@@ -48,7 +51,8 @@ class DraftSpec:
 
         path = Path(self.model) if self.model else None
         if path is None or not path.is_dir():
-            return hashlib.sha256(f"{self.method}:{self.model}".encode()).hexdigest()
+            pinned = f"@{self.revision}" if self.revision else ""  # unpinned: the identity it always had
+            return hashlib.sha256(f"{self.method}:{self.model}{pinned}".encode()).hexdigest()
         h = hashlib.sha256()
         for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")):
             h.update(f.name.encode() + b"\0")

@@ -196,7 +196,7 @@ def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list
     drafts = [our_draft(draft_path)] if draft_path else []
     for c in cfg.eval.compare:
         drafts.append(our_draft(c.model, c.name) if is_our_export(c.method, c.model)
-                      else DraftSpec(c.name, c.method, c.model or None))
+                      else DraftSpec(c.name, c.method, c.model or None, revision=c.revision))
     for d in drafts:
         if d.ours:
             assert d.model is not None  # our exports are directories

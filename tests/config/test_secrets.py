@@ -90,7 +90,7 @@ def test_a_vllm_server_log_names_the_command_without_its_secrets(tmp_path):
                                extra_args=["--hf-token", "hf_10", "--api-key=k11", "--x", "http://u:pw12@h/"])
     server.proc.wait()
     first = (tmp_path / "s.log").read_text().splitlines()[0]
-    assert first.endswith(f"--hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/")
+    assert f" --hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/ --middleware " in first
     assert not any(s in first for s in ("hf_10", "k11", "pw12"))
 
 
@@ -146,8 +146,11 @@ def test_unpinned_remote_code_is_a_login_node_warning(capsys):
 
     args = type("A", (), {"config": str(KIMI), "overrides": [], "offline": True, "print": False})()
     assert run(args) == 0
-    assert "warning: verifier.revision is unset with verifier.trust_remote_code=true" in capsys.readouterr().err
-    args.overrides = ["verifier.revision=" + "a" * 40]
+    err = capsys.readouterr().err
+    assert "warning: verifier.revision is unset with verifier.trust_remote_code=true" in err
+    # The recipe's EAGLE-3 rival is a hub draft too: vLLM loads whatever its main branch holds.
+    assert "warning: eval.compare[0].revision is unset: eagle3 is loaded from lightseekorg/" in err
+    args.overrides = ["verifier.revision=" + "a" * 40, "eval.compare.0.revision=" + "b" * 40]
     assert run(args) == 0
     assert "warning" not in capsys.readouterr().err
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -295,3 +296,19 @@ def test_yaml_11_octal_and_dotted_sweep_keys_read_as_written():
                          "sweep={draft.markov_rank: [4, 8]}", "sweep.train.lr=[1e-4, 3e-4]"], check_tracking=False)
     assert cfg.cluster.account == "0123" and cfg.verifier.env == {"B": "0777"} and cfg.train.steps == 3000
     assert cfg.sweep == {"draft.markov_rank": [4, 8], "train.lr": [1e-4, 3e-4]}
+
+
+def test_an_override_through_a_list_index_sets_that_item_in_place():
+    """`eval.compare.0.revision=SHA` pins the recipe's rival; the dotlist made {'0': {...}} of it,
+    which replaced the list with a dict ("must be a list")."""
+    cfg = load_config(KIMI, ["eval.compare.0.revision=" + "b" * 40, "data.sources.0.max_rows=5",
+                             "eval.num_speculative_tokens.1=5"])
+    [rival] = cfg.eval.compare
+    assert (rival.name, rival.model, rival.revision) == ("eagle3", "lightseekorg/kimi-k2.6-eagle3-mla", "b" * 40)
+    assert cfg.data.sources[0].max_rows == 5 and cfg.data.sources[0].path == "mlabonne/open-perfectblend"
+    assert list(cfg.eval.num_speculative_tokens) == [3, 5]
+    for override, says in (("eval.compare.1.revision=x", "eval.compare has 1 item(s), so index 1 is past its end"),
+                           ("eval.compare.0.bogus=1", "eval.compare.0.bogus: unknown key"),
+                           ("data.sources.0.max_rows=x", "data.sources.0.max_rows = 'x': must be an integer")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(KIMI, [override])
