@@ -155,8 +155,8 @@ def test_squeue_errors_are_one_line(slurm, reply, needle):
 
 
 def entry(tmp_path, account: str | None = "proj") -> ss.Entry:
-    return ss.Entry("nightly", "0 3 * * *", "/abs/cfg.yaml", ["train.lr=1e-4"], "gpu", account,
-                    str(tmp_path), "python3", str(tmp_path / "logs"))
+    return ss.Entry("nightly", "0 3 * * *", "/abs/cfg.yaml", str(tmp_path / "logs" / "nightly.overrides.json"),
+                    "gpu", account, str(tmp_path), "python3", str(tmp_path / "logs"))
 
 
 def test_submit_singleton_passes_the_schedule_and_returns_the_job_id(slurm, tmp_path):

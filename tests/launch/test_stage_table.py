@@ -83,7 +83,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
     cfg = SimpleNamespace(
         name="t", sweep={}, data=SimpleNamespace(regenerate=False, calibration_sources=[]),
-        eval=SimpleNamespace(num_speculative_tokens=[3]),
+        eval=SimpleNamespace(num_speculative_tokens=[3], compare=[]),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
