@@ -23,16 +23,25 @@ MARGIN = 0.2
 def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_server, tmp_path):
     """vLLM verifier + streamer + 2 DDP trainers; the exported draft then clearly beats an
     untrained one in the reference evaluator."""
+    import secrets as random_secrets
+
     data = write_toy_conversations(tmp_path / "train.jsonl", n=160, seed=1)
     out = tmp_path / "run"
+    # Three planted secrets, one per way a secret is known: by its key's name, by a connection
+    # string's shape under a plain name, by a vendor token's shape under a plain name.
+    planted = {"HF_TOKEN": f"hf_{random_secrets.token_hex(12)}", "STORAGE": random_secrets.token_hex(16),
+               "MY_VAR": f"ghp_{random_secrets.token_hex(18)}"}
+    conn = f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={planted['STORAGE']}==;EndpointSuffix=core"
     cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
            f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
            "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}",
            "tracking.experiment=train-cli",
-           "verifier.env={VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: hf_not_for_logs}", "--steps", str(STEPS)]
+           f"verifier.env={{VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: {planted['HF_TOKEN']}, "
+           f"AZURE_STORAGE_CONNECTION_STRING: '{conn}', MY_VAR: {planted['MY_VAR']}}}", "--steps", str(STEPS)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "160 rows kept" in res.stdout
+    printed = res.stdout + res.stderr
     state = json.loads((out / "checkpoints" / f"step_{STEPS:08d}" / "state.json").read_text())
     # configs/toy-cpu.yaml holds every 10th row out (ids 9, 19, ...): 144 of the 160 train.
     # 1600 samples = 11.1 epochs of 144. Finished epochs are forgotten; near a boundary the stream
@@ -73,7 +82,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     exp = client.get_experiment_by_name("train-cli")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.data.params["train.steps"] == str(STEPS) and run.data.params["draft.block_size"] == "8"
-    assert run.data.params["verifier.env.HF_TOKEN"] == "***" and "hf_not_for_logs" not in (out / "config.yaml").read_text()
+    assert all(run.data.params[f"verifier.env.{k}"] == "***" for k in ("HF_TOKEN", "MY_VAR",
+                                                                         "AZURE_STORAGE_CONNECTION_STRING"))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert steps == list(range(1, STEPS + 1))
     for key in ("samples_per_s", "data_wait_fraction", "accept_len", "lr", "system/cpu_percent"):
@@ -93,6 +103,14 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     cal = Calibration.load(out / "export")
     assert cal is not None and len(cal.maps["greedy"]) == 8 and cal.fitted_on > 0
     assert load_draft(out / "export").confidence_calibration is not None
+
+    # Every artefact of the run: its files (logs, configs, checkpoints, the export, vLLM's log),
+    # MLflow's store and artifacts (params and tags live in its database), and what it printed.
+    for path in [*tmp_path.rglob("*"), *Path(mlflow_server.root).rglob("*")]:
+        if path.is_file():
+            body = path.read_bytes()
+            assert not any(v.encode() in body for v in planted.values()), path
+    assert not any(v in printed + res.stdout + res.stderr for v in planted.values())
 
 
 def test_dspark_train_rejects_an_indivisible_batch(tmp_path):
