@@ -106,3 +106,72 @@ def test_the_check_catches_an_import_against_the_grain(tmp_path):
 def test_each_layer_package_exists(pkg):
     rel = Path(*pkg.split("."))
     assert (ROOT / rel).is_dir() or (ROOT / rel).with_suffix(".py").is_file(), pkg
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an import in `path` runs: `from pkg import mod` runs pkg and pkg.mod."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def import_cycles(top: str = "hpc") -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a loop (any import counts:
+    module level, inside a function, or under TYPE_CHECKING). Tarjan's strongly connected
+    components, each with more than one module."""
+    modules = dict((m, p) for p, m in _modules(top))
+    graph = {m: sorted({n for n in _imported_modules(p) if n in modules and n != m}) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return sorted(found)
+
+
+def test_no_module_imports_itself_round_a_loop():
+    assert import_cycles("hpc") == [] and import_cycles("hpc_dev") == []
+
+
+def test_the_cycle_check_finds_a_loop_through_a_function_level_import(tmp_path):
+    (tmp_path / "hpc" / "model").mkdir(parents=True)
+    (tmp_path / "hpc" / "model" / "a.py").write_text("from hpc.model.b import f\n")
+    (tmp_path / "hpc" / "model" / "b.py").write_text("def f():\n    from hpc.model.c import g\n")
+    (tmp_path / "hpc" / "model" / "c.py").write_text("from hpc.model import a\n")
+    (tmp_path / "hpc" / "model" / "d.py").write_text("from hpc.model.a import x\n")  # on the way in, not round
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = import_cycles("hpc")
+    finally:
+        ROOT = saved
+    assert found == [["hpc.model.a", "hpc.model.b", "hpc.model.c"]]

@@ -163,3 +163,30 @@ def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = Non
     if code not in (0, EXIT_REQUEUE):  # a failed training raised its one-line cause already
         raise UserError(f"stage {stage_name} failed with exit code {code}", exit_code=code)
     return code
+
+
+# What decides the text the regenerate stage writes: it runs once, for variant 0, so a sweep over
+# these would train every other variant on data made with variant 0's values. (Its servers'
+# sizing, verifier.gpu_memory_utilization and the like, changes no token.)
+REGENERATE_KEYS = ("data.sources", "data.calibration_sources", "data.seed", "data.regen", "data.output_dir",
+                   "data.regenerate", "verifier.model", "verifier.revision", "verifier.tokenizer", "verifier.dtype")
+
+
+def check_sweep_shape(cfg: DSparkConfig, variants: list[tuple[list[str], DSparkConfig]]) -> None:
+    """One clear line, before anything is written or submitted, when a sweep varies what the
+    tasks of one array share: the pipeline's jobs (eval.num_speculative_tokens, the calibrate
+    stage's switches), or what the single regenerate job generates. `variants`: (the variant's
+    overrides, its resolved config)."""
+    swept = sorted(cfg.sweep or {})
+    if cfg.data.regenerate:
+        for key in swept:
+            if key.startswith(REGENERATE_KEYS):
+                raise UserError(f"sweep.{key}: the regenerate stage runs once for every variant, with the first "
+                                f"variant's {key}; submit one pipeline per value (dspark submit CONFIG {key}=VALUE)")
+    base = [j.name for j in jobs(cfg)]
+    for extra, vcfg in variants:
+        names = [j.name for j in jobs(vcfg)]
+        if names != base:
+            raise UserError(f"sweep {' '.join(extra)}: changes the pipeline's jobs ({', '.join(base)} -> "
+                            f"{', '.join(names)}), which the tasks of one array share; submit one pipeline "
+                            "per value instead")

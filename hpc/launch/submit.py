@@ -93,7 +93,8 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     from omegaconf import OmegaConf
 
     from hpc.config import resolve, sweep_overrides, to_yaml
-    from hpc.launch.variants import check_sweep_shape, private_dir, variant_path
+    from hpc.launch.stage_table import check_sweep_shape
+    from hpc.launch.variants import private_dir, variant_path
 
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
     from hpc.config.validate_ops import warn_advisories

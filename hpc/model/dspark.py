@@ -16,7 +16,7 @@ Read top to bottom:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,16 @@ from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 # draft.* keys (hpc.config.schema.DraftConfig) that are not the model's, so from_config leaves them.
 NOT_MODEL_KEYS: frozenset[str] = frozenset()
 
-if TYPE_CHECKING:
-    from hpc.model.calibrate import Calibration  # it imports this module
-    from hpc.model.survival import Fold
+
+
+# What decoding asks of a confidence map. Protocols, not imports: the fitting modules
+# (hpc.model.calibrate, hpc.model.survival) import this one, and imports go one way.
+class PositionMaps(Protocol):
+    def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor: ...
+
+
+class AffineMap(Protocol):
+    def logit(self, z: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -134,11 +141,11 @@ class DSparkDraft(nn.Module):
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
         # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
-        self.confidence_calibration: Calibration | None = None
+        self.confidence_calibration: PositionMaps | None = None
         # hpc.model.survival.Fold: the affine map the export folds into the head's weights, which
         # is what vLLM serves. The weights here stay the raw head's (training, calibration and warm
         # starts read those); `hpc.model.export` folds on the way out and unfolds on the way in.
-        self.confidence_fold: Fold | None = None
+        self.confidence_fold: AffineMap | None = None
 
     # -- 1. context ---------------------------------------------------------------------------
     def project_context(self, aux_TnH: torch.Tensor) -> torch.Tensor:

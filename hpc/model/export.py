@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -226,16 +227,19 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
         raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
     check_d2t(model.d2t, a.target_vocab_size)
     cfg = speculators_config(a, verifier, verifier_arch or [], a.max_n if n is None else n)
-    tensors = fold_head(export_tensors(model), model.confidence_fold)
-    if model.confidence_fold is not None and model.confidence_head is not None:
+    # The model names them by what decoding asks of them; an export writes ours (their records).
+    fold, calibration = cast("Fold | None", model.confidence_fold), cast("Calibration | None",
+                                                                        model.confidence_calibration)
+    tensors = fold_head(export_tensors(model), fold)
+    if fold is not None and model.confidence_head is not None:
         # What vLLM serves is sigmoid of this head: say what was folded into it, and from what.
-        cfg["confidence_fold"] = model.confidence_fold.record()
+        cfg["confidence_fold"] = fold.record()
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if model.confidence_calibration is not None:
-            model.confidence_calibration.head_sha256 = head_sha256(tensors)
-            model.confidence_calibration.save(tmp)
+        if calibration is not None:
+            calibration.head_sha256 = head_sha256(tensors)
+            calibration.save(tmp)
     return out
 
 

@@ -9,24 +9,24 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hpc.config.schema import StreamConfig, TrainConfig
 from hpc.dist.planes import Planes, init_planes, open_pairs
 from hpc.errors import EXIT_REQUEUE
-from hpc.fsio import atomic_path
 from hpc.model.dspark import DSparkArgs, DSparkDraft
 from hpc.model.export import speculators_config
 from hpc.model.target_weights import load_target_tensors
 from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.train.loop import RequeueRequested, Trainer
+from hpc.train.prepare import prepared_hash
 from hpc.train.sources import epoch_sequence
 
 EXIT_PEER_DIED = 3  # a trainer whose streamer (or another trainer) is gone: checkpointed, resumable
@@ -66,24 +66,6 @@ def init_world(w: World, backend: str, device: torch.device, master_addr: str, p
     return planes
 
 
-def write_rows(path: str | Path, rows: Iterable) -> Path:
-    """Tokenised rows as JSONL (`{id, input_ids, loss_mask}`), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps({"id": r.sample_id, "input_ids": r.input_ids, "loss_mask": r.loss_mask}) + "\n")
-    return path
-
-
-def read_token_rows(path: str | Path) -> dict[int, tuple[list[int], list[int]]]:
-    rows = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
-        rows[int(r["id"])] = (r["input_ids"], r["loss_mask"])
-    return rows
-
-
 def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: int, epochs: int):
     """Streamer v takes every V-th id of each epoch's seeded order, minus the ledger's (epoch, id) pairs."""
     v = w.rank - w.n_trainers
@@ -114,14 +96,6 @@ def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm:
     return model, head
 
 
-def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
-    return path
-
-
 def autocast_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """bf16 (or fp16) autocast over fp32 master weights on GPU; CPU runs stay fp32."""
     if device.type != "cuda" or train_cfg.dtype == "float32":
@@ -140,8 +114,6 @@ def run_trainer(w: World, planes: Planes, train_cfg: TrainConfig, stream_cfg: St
                       autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)
     trainer.resume()
-    from hpc.train.prepare import prepared_hash
-
     trainer.state.data_hash = prepared_hash(out_dir)  # every checkpoint names the data it counts
     stopped = Path(out_dir) / STOPPED
     if w.rank == 0:

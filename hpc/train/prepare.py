@@ -14,17 +14,17 @@ the ones the checkpoint was trained on, the run stops with one line before any r
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from hpc.config.schema import DataConfig, DSparkConfig
 from hpc.errors import UserError
-from hpc.fsio import write_text
+from hpc.fsio import atomic_path, write_text
 from hpc.model.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
-from hpc.train.online import read_token_rows, save_vocab, write_rows
 from hpc.verifier.data import RowStats, TokenRow, read_rows, tokenize_rows
 
 
@@ -34,6 +34,32 @@ class Prepared:
     vocab_file: Path
     stats: RowStats
     filled: int  # draft-vocab slots filled with unseen ids (documented fill rule)
+
+
+def write_rows(path: str | Path, rows: Iterable) -> Path:
+    """Tokenised rows as JSONL (`{id, input_ids, loss_mask}`), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"id": r.sample_id, "input_ids": r.input_ids, "loss_mask": r.loss_mask}) + "\n")
+    return path
+
+
+def read_token_rows(path: str | Path) -> dict[int, tuple[list[int], list[int]]]:
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        rows[int(r["id"])] = (r["input_ids"], r["loss_mask"])
+    return rows
+
+
+def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
+    return path
 
 
 def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:

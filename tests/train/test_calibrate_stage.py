@@ -159,7 +159,7 @@ def test_a_bad_capture_costs_its_row_not_the_stage(target_dir, tmp_path, capsys)
 
 
 def json_rows(tmp_path) -> dict:
-    from hpc.train.online import read_token_rows
+    from hpc.train.prepare import read_token_rows
 
     return read_token_rows(tmp_path / "train" / "data" / "rows.jsonl")
 
