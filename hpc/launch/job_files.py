@@ -46,9 +46,14 @@ def visible(path: Path) -> bool:
         return False
 
 
+def owner_only(st: os.stat_result) -> bool:
+    """A plain file of this user that nobody else may read or write: what publish() creates."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def read_published(path: Path) -> dict:
     st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not owner_only(st):
         raise UserError(f"{path} is not an owner-only file of yours (mode {stat.filemode(st.st_mode)}, uid "
                         f"{st.st_uid}); refusing to trust it. Remove it and re-run the job")
     return json.loads(path.read_text())

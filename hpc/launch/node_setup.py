@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
 
     if is_local(cfg.verifier.model):
         return cfg
-    from hpc.fsio import write_text
+    from hpc.launch.job_files import publish
 
     marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")
@@ -45,12 +44,16 @@ def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
     since = time.time() - START_SLACK_S
     if env.node_index == 0:
         marker.parent.mkdir(parents=True, exist_ok=True)
+        # An earlier attempt's files go first: ours are then created exclusively (publish), so a
+        # file someone planted in between is an error, never an answer.
+        marker.unlink(missing_ok=True)
+        failed.unlink(missing_ok=True)
         try:
             cfg = localize(cfg)
         except UserError as err:  # the other nodes stop waiting and say why
-            write_text(failed, json.dumps({**ours, "error": str(err)}))
+            publish(failed, {**ours, "error": str(err)})
             raise
-        write_text(marker, json.dumps({**ours, "path": cfg.verifier.model}))
+        publish(marker, {**ours, "path": cfg.verifier.model})
         print(f"target {cfg.verifier.name} -> {cfg.verifier.model}", flush=True)
         return cfg
     # A first download of a 600 GB target takes a while: wait as long as vLLM may take to start.
@@ -71,12 +74,13 @@ def _answer_for(path: Path, ours: dict, since: float) -> dict | None:
     written after `since` by this job's user; None when absent, older, or another's.
 
     The directory may be group-writable (a team's log_dir) and an mtime is whatever its writer
-    sets, so only a plain file this user owns, which nobody else may write, counts: a co-user's
-    planted `.target-<jobid>` made node 1 load their directory with trust_remote_code."""
+    sets, so only an owner-only file of this user counts (what job_files.publish creates): a
+    co-user's planted `.target-<jobid>` made node 1 load their directory with trust_remote_code."""
+    from hpc.launch.job_files import owner_only
+
     try:
         st = path.lstat()
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022
-                or st.st_mtime < since):
+        if not owner_only(st) or st.st_mtime < since:
             return None
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -95,7 +99,7 @@ def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
 
 def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
-    from hpc.fsio import write_text
+    from hpc.launch.job_files import publish
     from hpc.train.prepare import data_settings, prepare_data
 
     marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
@@ -118,10 +122,10 @@ def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
         try:
             prep = prepare_data(cfg)
         except UserError as err:  # the other nodes stop waiting and say why
-            write_text(failed, json.dumps({**this_attempt, "error": str(err)}))
+            publish(failed, {**this_attempt, "error": str(err)})
             raise
         print(f"data: {prep.stats.summary()}", flush=True)
-        write_text(marker, json.dumps(ours))
+        publish(marker, ours)
         return
     deadline = time.monotonic() + PREPARE_TIMEOUT_S
     while _answer_for(marker, ours, since) is None:

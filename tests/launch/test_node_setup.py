@@ -80,6 +80,7 @@ def test_an_old_failure_does_not_stop_the_other_nodes_but_a_new_one_does(job):
 
     settings = json.loads(json.dumps(data_settings(job.cfg)))
     failed.write_text(json.dumps({"settings": settings, "attempt": 0, "error": "disk full"}))
+    failed.chmod(0o600)  # as publish() writes it
     _age(failed)
     said: list[str] = []
 
@@ -118,6 +119,7 @@ def test_a_requeue_after_a_first_attempt_cut_short_while_preparing_prepares(job,
 
     job.marker.parent.mkdir(parents=True)
     job.marker.write_text(json.dumps({"settings": json.loads(json.dumps(prepare.data_settings(job.cfg)))}))
+    job.marker.chmod(0o600)  # as publish() writes it
     _age(job.marker)
 
     def preempted(cfg):
@@ -139,6 +141,7 @@ def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
     failed.parent.mkdir(parents=True)
     failed.write_text(json.dumps({"settings": json.loads(json.dumps(data_settings(job.cfg))), "attempt": 0,
                                   "error": "disk full"}))  # a minute ago, attempt 1
+    failed.chmod(0o600)  # as publish() writes it
     reader = threading.Thread(target=node_setup.prepare_once, args=(job.cfg, _env(1, restart=1)), daemon=True)
     reader.start()
     reader.join(0.5)
@@ -148,7 +151,7 @@ def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
     assert not reader.is_alive() and len(job.calls) == 1
 
 
-@pytest.mark.parametrize("plant", ["foreign owner", "group-writable", "symlink"])
+@pytest.mark.parametrize("plant", ["foreign owner", "group-writable", "group-readable", "symlink"])
 def test_a_marker_this_user_did_not_write_is_not_trusted(tmp_path, plant):
     """cluster.log_dir can be a team's group-writable directory, and an mtime is whatever its
     writer sets: a co-user's planted `.target-<jobid>` made node 1 load their directory as the
@@ -157,14 +160,17 @@ def test_a_marker_this_user_did_not_write_is_not_trusted(tmp_path, plant):
     marker = tmp_path / ".target-42"
     planted = tmp_path / "theirs"
     planted.write_text(json.dumps({**ours, "path": "/home/mallory/evil"}))
-    os.chmod(planted, 0o644)
-    assert node_setup._answer_for(planted, ours, 0.0) is not None  # as written, it would answer
+    os.chmod(planted, 0o600)
+    assert node_setup._answer_for(planted, ours, 0.0) is not None  # as publish() writes it, it would answer
     if plant == "foreign owner":
         planted.rename(marker)
         os.chown(marker, 12345, 12345)  # the tests run as root: any other uid is a co-user
     elif plant == "group-writable":
         planted.rename(marker)
         os.chmod(marker, 0o664)
+    elif plant == "group-readable":  # not what publish() writes: someone else made it, or changed it
+        planted.rename(marker)
+        os.chmod(marker, 0o640)
     else:
         marker.symlink_to(planted)
     assert node_setup._answer_for(marker, ours, 0.0) is None

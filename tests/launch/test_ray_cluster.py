@@ -50,6 +50,13 @@ def test_job_files_are_created_once_owner_only_and_checked_on_read(tmp_path, mon
     planted.chmod(0o644)  # someone else could have read (or written) it
     with pytest.raises(UserError, match="not an owner-only file"):
         read_published(planted)
+    # A rendezvous file another user planted, owner-only on their side: not ours, not trusted.
+    theirs = job_file(tmp_path, "rendezvous", 4343)
+    theirs.write_text('{"addr": "6.6.6.6", "port": 1, "secret": "' + "0" * 64 + '"}')
+    theirs.chmod(0o600)
+    os.chown(theirs, 12345, 12345)  # the tests run as root: any other uid is a co-user
+    with pytest.raises(UserError, match="not an owner-only file of yours"):
+        read_published(theirs)
 
 
 def test_a_requeued_job_does_not_see_the_last_runs_done_marker(tmp_path, monkeypatch):
