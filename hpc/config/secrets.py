@@ -39,7 +39,8 @@ def looks_secret(value: str) -> bool:
 
 
 def redact_uri(uri: str) -> str:
-    """`https://user:pw@host/?token=x` -> `https://user:***@host/?token=***`."""
+    """`https://user:pw@host/?token=x&ws=a` -> `https://user:***@host/?token=***&ws=***`: a
+    query's values are masked whatever their names (`?access=`, `?sig=`, a vendor's own)."""
     try:
         parts = urlsplit(uri)
     except ValueError:  # malformed (a bad IPv6 host): its credentials are masked all the same
@@ -51,19 +52,17 @@ def redact_uri(uri: str) -> str:
         netloc = f"{user}:{MASK}@{host}" if ":" in creds else f"{MASK}@{host}"
     query = parts.query
     if query:
-        query = urlencode([(k, MASK if is_secret_name(k) or looks_secret(v) else v)
-                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
+        query = urlencode([(k, MASK) for k, _ in parse_qsl(query, keep_blank_values=True)], safe="*")
     if (netloc, query) == (parts.netloc, parts.query):
         return uri  # unchanged: urlunsplit would drop the empty authority of sqlite:///path
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def shown(key: str, value):
-    """`value` as an error line about `key` may show it: secret env values masked, URIs redacted.
-    Under `verifier.env` anything but a string at a plainly named key is masked: an error about
-    the mapping itself (verifier.env = 'x' for verifier.env.HF_TOKEN.x=...) has lost the name."""
-    if key.startswith("verifier.env") and (key == "verifier.env" or is_secret_name(key) or not isinstance(value, str)
-                                           or looks_secret(value)):
+    """`value` as an error line about `key` may show it: env values masked, URIs redacted.
+    Every value under `verifier.env` is masked: it is where secrets go (tokens, connection
+    strings, a proxy's password), under names nobody can list in advance."""
+    if key.startswith("verifier.env"):
         return MASK
     # An extra_args word that is not a bare flag may be a secret flag's value (`--hf-token X`).
     if key.startswith("verifier.extra_args") and not (isinstance(value, str) and value.startswith("-")
@@ -144,8 +143,7 @@ def redact_args(args: list[str]) -> list[str]:
 def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
-    out.verifier.env = {k: (MASK if is_secret_name(k) or looks_secret(str(v)) else scrub(str(v)))
-                        for k, v in out.verifier.env.items()}
+    out.verifier.env = {k: MASK for k in out.verifier.env}  # its names stay: they say what was set
     out.verifier.extra_args = redact_args(list(out.verifier.extra_args))
     out.tracking.uri = redact_uri(out.tracking.uri)
     return out
