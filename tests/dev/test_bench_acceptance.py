@@ -148,7 +148,7 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     assert "ratio_n7/DSpark_over_DFlash" in parent.data.metrics
     # Scored on every prompt the two benchmarks evaluate (6 each, the manifests' count), not the eval's one.
     # --quick does not regenerate, so the calibration set of prompts is not used: rows are held out.
-    for how in ("the side file's maps", "the served head, its fold"):  # both readings, on the same prompts
+    for how in ("the side file's maps,", "the served head, its fold"):  # both readings, on the same prompts
         assert (f"confidence at n=7 (greedy; {how} fitted on held-out training rows), ECE per position on 12 "
                 "benchmark prompts") in text
     assert "fitted on 64 held-out rows" in text  # 640 conversations, every 10th held out
