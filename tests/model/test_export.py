@@ -148,15 +148,21 @@ def test_export_never_replaces_a_directory_that_is_not_an_export(tmp_path):
     ckpt = export_draft(tiny_model(), tmp_path / "run" / "checkpoints" / "step_00000001")
     precious = tmp_path / "run" / "notes.txt"
     precious.write_text("keep me")
-    res = _export_cli(str(ckpt), str(tmp_path / "run"))  # the training run itself as OUT
+    res = _export_cli(str(ckpt), str(tmp_path / "run"))  # the training run itself as OUT: it holds the checkpoint
+    assert res.returncode == 2 and "overlap" in res.stderr and len(res.stderr.splitlines()) == 1
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me too")
+    res = _export_cli(str(ckpt), str(notes))  # a directory of something else
     assert res.returncode == 2 and "not a draft export" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert (notes / "todo.txt").read_text() == "keep me too"
     assert precious.read_text() == "keep me" and (ckpt / "model.safetensors").is_file()
     same = _export_cli(str(ckpt), str(ckpt))
     assert same.returncode == 2 and "Traceback" not in same.stderr
     # An earlier export is replaced whole, and no temp or aside directory is left behind.
     assert _export_cli(str(ckpt), str(tmp_path / "out")).returncode == 0
     assert _export_cli(str(ckpt), str(tmp_path / "out")).returncode == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "out", "run"]
 
 
 @pytest.mark.parametrize("n", ["0", "9", "-1"])
