@@ -96,7 +96,9 @@ class MlflowServer(SubprocessServer):
             "--artifacts-destination", str(self.root / "artifacts"),
             "--host", self.host, "--port", str(self.port), "--workers", "1",
         ]
-        env = {**os.environ, "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
+        # No job runner: MLflow's GenAI jobs are not ours, and the runner's store is a temp dir in
+        # /dev/shm that MLflow never removes (one per server start, left in node RAM).
+        env = {**os.environ, "MLFLOW_ENABLE_ASYNC_LOGGING": "false", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         if self.auth_password:
             cmd += ["--app-name", "basic-auth"]
             env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._auth_config()), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth_password,
