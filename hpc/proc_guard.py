@@ -76,6 +76,7 @@ def mapped_shm(root: str = SHM, pids: list[int] | None = None) -> set[str]:
 
 
 def pid_alive(pid: int) -> bool:
+    """As hpc.fsio._alive: repeated, not imported, because the guard runs by path and imports nothing of ours."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
