@@ -354,6 +354,14 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
                                                          reading=reading)
             cal_lines, cal_metrics = [*cal_lines, *more_lines], {**cal_metrics, **more_metrics}
     print("\n".join(["", *cal_lines]) if cal_lines else "")
+    if by["DSpark"].export.joinpath("config.json").is_file() and cfg.draft.enable_confidence_head:
+        from hpc.evaluate.adaptive_job import evaluate_adaptive
+
+        print(f"\n[{time.monotonic() - t0:5.0f}s] adaptive verification at R={list(eval_cfg.eval.adaptive_concurrency)}, "
+              "every benchmark prompt", flush=True)
+        ada_cfg = _resolve(args.config, [*overrides, f"eval.output_dir={out / 'eval'}", "eval.rows=null",
+                                         f"eval.num_speculative_tokens={list(NS)}"])
+        evaluate_adaptive(ada_cfg, str(by["DSpark"].export), parent, quiet=True)
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():
         client.log_metric(parent, key, value)

@@ -257,6 +257,17 @@ class ThirdPartyDraft:
     revision: str | None = None  # pin a hub id to a commit: vLLM loads (and may run) that draft's files
 
 
+@dataclass
+class CostCurves:
+    """Adaptive verification's step costs, as vLLM profiles them: [[size, ms], ...] with sizes
+    increasing. verify_ms: a verify step's time over the tokens it verifies (one per request plus
+    the admitted drafts); draft_ms: the drafter's time over the requests drafted. Empty: measured
+    on the engine the evaluation runs."""
+
+    verify_ms: list[list[float]] = field(default_factory=list)
+    draft_ms: list[list[float]] = field(default_factory=list)
+
+
 # The published card's benchmarks, in its row order: the one list that validation, the eval
 # harness (one manifest each, hpc/evaluate/manifests), compare and the reports read.
 BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
@@ -286,6 +297,11 @@ class EvalConfig:
     draft_token_cost: float = 0.03
     fold: ConfidenceFold = ConfidenceFold.greedy
     confidence: ServedConfidence = ServedConfidence.served
+    # A third evaluation job beside the fixed n's: vLLM's adaptive verification (the global top-k
+    # of survival under a cost-table budget), at each concurrency, against fixed n at the same costs.
+    adaptive: bool = False
+    adaptive_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    adaptive_cost: CostCurves = field(default_factory=CostCurves)
     output_dir: str = "runs/eval"
 
 

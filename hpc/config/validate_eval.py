@@ -40,6 +40,7 @@ def check_eval(c: Checker, cfg: DSparkConfig) -> None:
     if not 0 <= e.draft_token_cost < 1:
         c.fail("eval.draft_token_cost", e.draft_token_cost, "the share of a verify step one drafted token costs: "
                "use a value in [0, 1), e.g. 0.03")
+    _check_adaptive(c, cfg)
     names = [d.name for d in e.compare]
     for i, d in enumerate(e.compare):
         if not d.name:
@@ -49,3 +50,30 @@ def check_eval(c: Checker, cfg: DSparkConfig) -> None:
             c.fail(f"eval.compare[{i}].model", d.model, "needs the draft model path or hub id")
     if len(set(names)) != len(names):
         c.fail("eval.compare", names, "draft names must be unique")
+
+
+def _check_adaptive(c: Checker, cfg: DSparkConfig) -> None:
+    e = cfg.eval
+    if e.adaptive and not cfg.draft.enable_confidence_head:
+        c.fail("eval.adaptive", True, "adaptive verification ranks drafts by the confidence head, and "
+               "draft.enable_confidence_head is false; enable the head or set eval.adaptive=false")
+    if e.adaptive and not e.adaptive_concurrency:
+        c.fail("eval.adaptive_concurrency", [], "need at least one request count, e.g. [1, 8, 32]")
+    for r in e.adaptive_concurrency:
+        if r < 1:
+            c.fail("eval.adaptive_concurrency", r, "every concurrency must be >= 1 request")
+    given = {k: getattr(e.adaptive_cost, k) for k in ("verify_ms", "draft_ms")}
+    if any(given.values()) and not all(given.values()):
+        missing = next(k for k, v in given.items() if not v)
+        c.fail(f"eval.adaptive_cost.{missing}", [], "give both curves, or neither (then they are measured)")
+    for key, curve in given.items():
+        sizes = []
+        for point in curve:
+            if len(point) != 2 or point[0] < 1 or point[0] != int(point[0]) or not point[1] >= 0:
+                c.fail(f"eval.adaptive_cost.{key}", list(point), "each point is [size, ms]: an integer size >= 1 "
+                       "and a time >= 0, e.g. [64, 12.5]")
+                break
+            sizes.append(point[0])
+        else:
+            if sizes != sorted(set(sizes)):
+                c.fail(f"eval.adaptive_cost.{key}", sizes, "sizes must increase, each once")

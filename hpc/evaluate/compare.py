@@ -329,7 +329,13 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(p.info.run_name or p.info.run_id for p in pipelines)
         raise UserError(f"pipeline {names} has no eval runs (dspark.stage=eval); run `dspark evaluate` first")
     table = card_table(evals)
-    print(to_csv(table) if args.csv else card_markdown(table, evals))
+    if args.csv:
+        print(to_csv(table))
+        return 0
+    from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
+
+    adaptive = adaptive_markdown(fetch_adaptive(client, pipelines, pipeline_labels(pipelines)))
+    print(card_markdown(table, evals) + adaptive)
     return 0
 
 

@@ -72,11 +72,20 @@ class TargetRunner:
         # transformers 5 renamed past_key_values to cache; accept either build.
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._hook = None
         if self.n_layers in self.aux_layer_ids:
             # Aux id == n_layers is the last layer's output BEFORE the final norm; HF's
             # hidden_states[-1] is after it, so read the norm's input instead.
-            self.decoder.norm.register_forward_pre_hook(self._grab_final_input)
+            self._hook = self.decoder.norm.register_forward_pre_hook(self._grab_final_input)
         self.reset()
+
+    def close(self) -> None:
+        """Unhook from the shared target: a hook left on it would keep this runner, and its
+        KV cache, alive for as long as the target lives (one per request, before this)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.reset()  # the request's cache goes now, not with the runner
 
     def _grab_final_input(self, _module, args):
         self._final_input = args[0]
@@ -136,6 +145,101 @@ def _pick(logits_V: torch.Tensor, temperature: float, generator: torch.Generator
     return int(logits_V.argmax())
 
 
+@dataclass
+class Proposal:
+    drafts: torch.Tensor  # [n] target ids
+    confs: torch.Tensor | None  # [n] the confidences decoding reads, None without a head
+    p_kV: torch.Tensor | None  # [n, V] the draft's distributions when sampling
+
+
+class Decoding:
+    """One request's speculative decoding, a verify step at a time: the stepper both the
+    single-request loop and the batched one (hpc.evaluate.adaptive) drive. `verify` may be
+    given a prefix of the proposal: whatever an admission rule kept."""
+
+    def __init__(self, target, draft: DSparkDraft, prompt_ids: list[int], max_new_tokens: int, n: int,
+                 eos_token_id: int | None = None, temperature: float = 0.0,
+                 generator: torch.Generator | None = None,
+                 record: list[tuple[list[float], list[int]]] | None = None):
+        from hpc.errors import UserError
+
+        a = draft.args
+        width = n if a.sample_from_anchor else n + 1
+        if n < 1 or width > a.block_size:
+            raise UserError(f"n={n} needs {width} draft slots but the draft's block_size is {a.block_size}; "
+                            f"use n <= {a.max_n}")
+        self.draft, self.n, self.max_new, self.eos = draft, n, max_new_tokens, eos_token_id
+        self.temperature, self.generator, self.record = temperature, generator, record
+        self.runner = TargetRunner(target, a.aux_layer_ids)
+        self.stats = SpecStats(n=n)
+        self.device = next(draft.parameters()).device
+        logits_SV, aux_SnH = self.runner.forward_logits(torch.tensor(prompt_ids, device=self.device))
+        self.stats.target_forwards += 1
+        self.ctx_TH = draft.project_context(aux_SnH.to(draft.fc.weight.dtype))
+        self.out = [_pick(logits_SV[-1], temperature, generator)]
+        self.seq_len = len(prompt_ids)  # positions < seq_len are in the cache and the context
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_new or (self.eos is not None and self.out[-1] == self.eos)
+
+    @torch.no_grad()
+    def propose(self) -> Proposal:
+        anchor = self.out[-1]
+        self.stats.draft_steps += 1
+        if self.temperature > 0:
+            return Proposal(*self.draft.propose_sampled(self.ctx_TH, anchor, self.seq_len, self.n, self.temperature,
+                                                        self.generator))
+        return Proposal(*self.draft.propose(self.ctx_TH, anchor, self.seq_len, self.n), None)
+
+    @torch.no_grad()
+    def verify(self, prop: Proposal, k: int) -> int:
+        """Verify the first k drafts (0 <= k <= n) in one target forward: the drafts accepted.
+        k = 0 is a plain decoding step: the target's own token only."""
+        drafts, confs = prop.drafts[:k], prop.confs
+        anchor, max_new = self.out[-1], self.max_new
+        logits_KV, aux = self.runner.forward_logits(torch.cat([torch.tensor([anchor], device=self.device), drafts]))
+        self.stats.target_forwards += 1
+        if self.temperature > 0:
+            assert prop.p_kV is not None
+            q_KV = torch.softmax(logits_KV.float() / self.temperature, -1)
+            accepted, follow = verify_sampled(drafts, prop.p_kV[:k], q_KV, self.generator)
+        else:
+            target_next = logits_KV.argmax(-1)
+            accepted = int(torch.cumprod((drafts == target_next[:k]).int(), 0).sum())
+            follow = int(target_next[accepted])
+        if self.record is not None and confs is not None and k:
+            # A slot past the output's end (after a drafted EOS, or beyond max_new_tokens) has no
+            # token in any output: the target's guess there is off the text it was calibrated on,
+            # and on the toy it rejected ~one slot per prompt that no held-out row can hold.
+            drafted = drafts[:accepted].tolist()
+            live = min(k, max_new - len(self.out),
+                       drafted.index(self.eos) + 1 if self.eos in drafted else k)
+            hits = min(accepted, live)
+            self.record.append(([float(c) for c in confs[:live]], [1] * hits + [0] * (live - hits)))
+        s = self.stats
+        s.verify_steps += 1
+        s.drafted_tokens += k
+        s.accepted_tokens += accepted
+        for i in range(accepted):
+            s.accepted_per_pos[i] += 1
+        new = drafts[:accepted].tolist() + [follow]
+        # Verified positions: the anchor and the accepted drafts; the rest of the cache is stale.
+        self.runner.crop(self.seq_len + accepted + 1)
+        self.ctx_TH = torch.cat([self.ctx_TH, self.draft.project_context(aux[: accepted + 1].to(self.ctx_TH.dtype))])
+        self.seq_len += accepted + 1
+        if self.eos is not None and self.eos in new:
+            new = new[: new.index(self.eos) + 1]
+        self.out.extend(new)
+        return accepted
+
+    def finish(self) -> tuple[list[int], SpecStats]:
+        self.runner.close()  # the cache goes with it
+        out = self.out[:self.max_new]
+        self.stats.output_tokens = len(out)
+        return out, self.stats
+
+
 @torch.no_grad()
 def speculative_generate(
     target, draft: DSparkDraft, prompt_ids: list[int], max_new_tokens: int, n: int,
@@ -153,70 +257,15 @@ def speculative_generate(
     Accepted means "equals the target's greedy token" at temperature 0 and "survived the
     min(1, q/p) test" when sampling: the event each decoding mode actually runs on.
     """
-    from hpc.errors import UserError
-
-    a = draft.args
-    width = n if a.sample_from_anchor else n + 1
-    if n < 1 or width > a.block_size:
-        raise UserError(f"n={n} needs {width} draft slots but the draft's block_size is {a.block_size}; "
-                        f"use n <= {a.max_n}")
-    sampled = temperature > 0
-    runner = TargetRunner(target, a.aux_layer_ids)
-    stats = SpecStats(n=n)
-    device = next(draft.parameters()).device
-    prompt = torch.tensor(prompt_ids, device=device)
-    logits_SV, aux_SnH = runner.forward_logits(prompt)
-    stats.target_forwards += 1
-    ctx_TH = draft.project_context(aux_SnH.to(draft.fc.weight.dtype))
-    out = [_pick(logits_SV[-1], temperature, generator)]
-    seq_len = len(prompt_ids)  # positions < seq_len are in the cache and the context
-    while len(out) < max_new_tokens and (eos_token_id is None or out[-1] != eos_token_id):
-        anchor = out[-1]
-        if sampled:
-            drafts, confs, p_kV = draft.propose_sampled(ctx_TH, anchor, seq_len, n, temperature, generator)
-        else:
-            drafts, confs = draft.propose(ctx_TH, anchor, seq_len, n)
-        stats.draft_steps += 1
-        if conf_threshold is not None and confs is not None:
+    dec = Decoding(target, draft, prompt_ids, max_new_tokens, n, eos_token_id, temperature, generator, record)
+    while not dec.done:
+        prop = dec.propose()
+        k = n
+        if conf_threshold is not None and prop.confs is not None:
             # Adaptive n: stop drafting where the chance the whole prefix survives drops too low.
-            survive = torch.cumprod(confs, 0)
-            drafts = drafts[:max(int((survive >= conf_threshold).sum()), 1)]
-        k = drafts.numel()
-        verify_ids = torch.cat([torch.tensor([anchor], device=device), drafts])
-        logits_KV, aux = runner.forward_logits(verify_ids)
-        stats.target_forwards += 1
-        if sampled:
-            q_KV = torch.softmax(logits_KV.float() / temperature, -1)
-            accepted, follow = verify_sampled(drafts, p_kV[:k], q_KV, generator)
-        else:
-            target_next = logits_KV.argmax(-1)
-            accepted = int(torch.cumprod((drafts == target_next[:k]).int(), 0).sum())
-            follow = int(target_next[accepted])
-        if record is not None and confs is not None:
-            # A slot past the output's end (after a drafted EOS, or beyond max_new_tokens) has no
-            # token in any output: the target's guess there is off the text it was calibrated on,
-            # and on the toy it rejected ~one slot per prompt that no held-out row can hold.
-            drafted = drafts[:accepted].tolist()
-            live = min(k, max_new_tokens - len(out),
-                       drafted.index(eos_token_id) + 1 if eos_token_id in drafted else k)
-            hits = min(accepted, live)
-            record.append(([float(c) for c in confs[:live]], [1] * hits + [0] * (live - hits)))
-        stats.verify_steps += 1
-        stats.drafted_tokens += k
-        stats.accepted_tokens += accepted
-        for i in range(accepted):
-            stats.accepted_per_pos[i] += 1
-        new = drafts[:accepted].tolist() + [follow]
-        # Verified positions: the anchor and the accepted drafts; the rest of the cache is stale.
-        runner.crop(seq_len + accepted + 1)
-        ctx_TH = torch.cat([ctx_TH, draft.project_context(aux[: accepted + 1].to(ctx_TH.dtype))])
-        seq_len += accepted + 1
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[: new.index(eos_token_id) + 1]
-        out.extend(new)
-    out = out[:max_new_tokens]
-    stats.output_tokens = len(out)
-    return out, stats
+            k = max(int((torch.cumprod(prop.confs, 0) >= conf_threshold).sum()), 1)
+        dec.verify(prop, k)
+    return dec.finish()
 
 
 @torch.no_grad()
@@ -232,6 +281,7 @@ def plain_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_token
         if nxt == eos_token_id:
             break
         ids = torch.tensor([nxt], device=target.device)
+    runner.close()
     return out
 
 

@@ -63,6 +63,12 @@ def _eval(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bo
     return eval_stage(cfg, int(n), parent_run_id)
 
 
+def _adaptive(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
+    from hpc.launch.stages import adaptive_stage
+
+    return adaptive_stage(cfg, parent_run_id)
+
+
 def _report(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     from hpc.launch.stages import report_stage
 
@@ -86,8 +92,12 @@ STAGES: tuple[Stage, ...] = (
           and cfg.draft.enable_confidence_head),
     Stage("eval", _eval, after=(("aftercorr", "train"), ("aftercorr", "calibrate")), nodes=lambda c: c.eval_nodes,
           per_n=True),
+    # vLLM's adaptive verification against the fixed n's, beside them (eval.adaptive)
+    Stage("eval-adaptive", _adaptive, after=(("aftercorr", "train"), ("aftercorr", "calibrate")),
+          nodes=lambda c: c.eval_nodes, enabled=lambda cfg: cfg.eval.adaptive),
     # the report reads MLflow only, and runs whatever the evals did
-    Stage("report", _report, after=(("afterany", "eval"),), gpus=False, per_variant=False, localize=False),
+    Stage("report", _report, after=(("afterany", "eval"), ("afterany", "eval-adaptive")), gpus=False,
+          per_variant=False, localize=False),
 )
 NAMES = tuple(s.name for s in STAGES)
 

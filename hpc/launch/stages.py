@@ -183,6 +183,14 @@ def eval_stage(cfg: DSparkConfig, n: int, parent_run_id: str | None = None) -> i
     return 0
 
 
+def adaptive_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
+    """Adaptive verification for the training task's export, against fixed n at the same costs."""
+    from hpc.evaluate.adaptive_job import evaluate_adaptive
+
+    evaluate_adaptive(cfg, str(Path(cfg.train.output_dir) / "export"), parent_run_id)
+    return 0
+
+
 def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
     """The comparison table of this pipeline, printed and written into its parent run; then the
     parent run ends FINISHED when every stage succeeded, else FAILED (never left RUNNING)."""
@@ -197,7 +205,7 @@ def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
         why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         end_pipeline_run(client, parent_run_id, "FAILED", f"the report failed: {why}")
         raise
-    status, why = pipeline_outcome(client, parent_run_id, list(cfg.eval.num_speculative_tokens))
+    status, why = pipeline_outcome(client, parent_run_id, list(cfg.eval.num_speculative_tokens), cfg.eval.adaptive)
     end_pipeline_run(client, parent_run_id, status, why)
     print(f"pipeline run {parent_run_id}: {status} ({why})", flush=True)
     return 0
@@ -206,7 +214,8 @@ def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
 def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
     import tempfile
 
-    from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, to_csv
+    from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
+    from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
     from hpc.track.pipeline import STAGE, common_tags, create_child_run
 
     parent = client.get_run(parent_run_id)
@@ -214,7 +223,7 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
     if not evals:
         raise UserError(f"pipeline run {parent_run_id} has no eval runs to report (did the evals fail?)")
     table = card_table(evals)
-    md = card_markdown(table, evals)
+    md = card_markdown(table, evals) + adaptive_markdown(fetch_adaptive(client, [parent], pipeline_labels([parent])))
     print(md, flush=True)
     run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "report",
                               {STAGE: "report", **common_tags(cfg)})

@@ -21,6 +21,7 @@ STAGE_PIPELINE = "pipeline"  # the parent run
 STAGE_TRAIN = "train"
 STAGE_EVAL = "eval"  # one (draft, n) eval run
 STAGE_BASELINE = "baseline"  # one measured baseline, reused across evals
+STAGE_EVAL_ADAPTIVE = "eval_adaptive"  # adaptive verification against fixed n (hpc.evaluate.adaptive_job)
 
 # --- eval and baseline runs (hpc.evaluate.runner writes, compare/record/pipeline read) -------
 SPEC_N = "dspark.n"  # num_speculative_tokens

@@ -23,6 +23,7 @@ from hpc.track.keys import (
     SPEC_N,
     STAGE,
     STAGE_EVAL,
+    STAGE_EVAL_ADAPTIVE,
     STAGE_PIPELINE,
     STAGE_TRAIN,
 )
@@ -107,7 +108,7 @@ def _children(client, parent) -> list:
             return runs
 
 
-def pipeline_outcome(client, parent_run_id: str, ns: list[int]) -> tuple[str, str]:
+def pipeline_outcome(client, parent_run_id: str, ns: list[int], adaptive: bool = False) -> tuple[str, str]:
     """(FINISHED or FAILED, why) from the stages' runs. A run of a requeued (preempted) job ends
     KILLED and its successor carries on, so KILLED alone is no failure; but a stage run that
     FAILED or never ended (its job died with it), a training variant (config hash) that never
@@ -129,6 +130,10 @@ def pipeline_outcome(client, parent_run_id: str, ns: list[int]) -> tuple[str, st
                      if r.data.tags.get(STAGE) == STAGE_EVAL and r.data.tags.get(SPEC_N) == str(n)}
         if len(evaluated) < max(len(finished), 1):
             return "FAILED", f"{max(len(finished), 1) - len(evaluated)} variant(s) have no eval run at n={n}"
+    if adaptive:  # eval.adaptive chained a third evaluation: a variant without its run did not finish it
+        done = {r.data.tags.get(CONFIG_HASH) for r in runs if r.data.tags.get(STAGE) == STAGE_EVAL_ADAPTIVE}
+        if len(done) < max(len(finished), 1):
+            return "FAILED", f"{max(len(finished), 1) - len(done)} variant(s) have no adaptive-verification eval run"
     return "FINISHED", "every stage succeeded"
 
 

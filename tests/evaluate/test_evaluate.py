@@ -171,3 +171,43 @@ def test_dspark_greedy_and_sampled_side_by_side_with_paired_timing(toy_target, v
     assert main(["compare", "--tracking-uri", mlflow_server.uri, "--experiment", exp]) == 0
     header = [c.strip() for c in capsys.readouterr().out.splitlines()[0].strip("|").split("|")]
     assert header[3:5] == ["DSpark n=3", "DSpark n=3 T=0.7"]
+
+
+def test_adaptive_verification_runs_logs_and_reaches_the_card(toy_target, mlflow_server, drafts, tmp_path):
+    from hpc.evaluate.adaptive_job import evaluate_adaptive
+    from hpc.track.keys import STAGE, STAGE_EVAL_ADAPTIVE
+    from hpc.track.pipeline import create_child_run, create_pipeline_run
+
+    client, exp = MlflowClient(mlflow_server.uri), "eval-adaptive"
+    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
+                  [f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={exp}", f"verifier.model={toy_target}",
+                   "data.sources=[{path: toy/chat}]", "eval.rows=1", "eval.max_tokens=24", "eval.code_max_tokens=24",
+                   "eval.adaptive=true", "eval.adaptive_concurrency=[1, 4]", f"eval.output_dir={tmp_path / 'eval'}"],
+                  check_tracking=False)
+    parent = create_pipeline_run(client, cfg)
+    rows = {(r.mode, r.concurrency): r for r in evaluate_adaptive(cfg, str(drafts["dspark"]), parent, quiet=True)}
+    assert set(rows) == {(m, R) for m in ("n3", "n7", "adaptive") for R in (1, 4)}
+    for n in (3, 7):  # one decode per fixed n, batched two ways: the same tokens in fewer steps
+        one, four = rows[f"n{n}", 1], rows[f"n{n}", 4]
+        assert (one.accepted, one.verified, one.generated) == (four.accepted, four.verified, four.generated)
+        assert four.steps < one.steps and four.verified == n * sum(four.admitted_hist)
+    for R in (1, 4):
+        ada = rows["adaptive", R]
+        assert ada.verified <= 7 * sum(ada.admitted_hist) and ada.modelled_ms > 0
+    run = next(r for r in client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+               if r.data.tags.get(STAGE) == STAGE_EVAL_ADAPTIVE)
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.metrics["adaptive_R4_modelled_tok_s"] == pytest.approx(rows["adaptive", 4].tokens_per_s)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"adaptive.json", "adaptive.png"}
+    report = json.loads(next((tmp_path / "eval").glob("eval-adaptive-*/adaptive.json")).read_text())
+    assert report["cost"]["source"].startswith("measured on the reference engine") and len(report["rows"]) == 6
+
+    # The card: `dspark compare` prints the adaptive table under the pipeline's eval table.
+    ev = create_child_run(client, exp, parent, "eval-n3-DSpark", {STAGE: "eval", "dspark.n": "3",
+                                                                 "dspark.draft": "DSpark", "dspark.method": "dspark"})
+    client.log_metric(ev, "mean/accept_len", 1.5)
+    client.set_terminated(ev)
+    out = dspark("compare", "--tracking-uri", mlflow_server.uri, "--experiment", exp, "--pipeline", parent).stdout
+    assert "Adaptive verification" in out and "| 4 | adaptive |" in out
+    best = max(rows["n3", 4].tokens_per_s, rows["n7", 4].tokens_per_s)
+    assert f"R=4: adaptive {rows['adaptive', 4].tokens_per_s / best:.3f}x" in out

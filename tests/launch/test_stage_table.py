@@ -11,9 +11,10 @@ from hpc.launch import stage_table
 from hpc.launch.stage_table import NAMES, jobs, stage, stage_of
 
 
-def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True, calibration=()):
+def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True, calibration=(),
+         adaptive: bool = False):
     return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate, calibration_sources=list(calibration)),
-                           eval=SimpleNamespace(num_speculative_tokens=list(ns)),
+                           eval=SimpleNamespace(num_speculative_tokens=list(ns), adaptive=adaptive),
                            train=SimpleNamespace(hold_out_every=hold_out_every),
                            draft=SimpleNamespace(enable_confidence_head=confidence))
 
@@ -51,13 +52,23 @@ def test_calibration_sources_alone_bring_the_calibrate_stage():
     assert got["calibrate"] == (("aftercorr", "train"),)  # the regenerate stage answered its rows already
 
 
+def test_adaptive_chains_a_third_eval_beside_the_fixed_ns_and_the_report_waits_for_it():
+    got = {j.name: j.after for j in jobs(_cfg(regenerate=False, hold_out_every=50, adaptive=True))}
+    assert list(got) == ["train", "calibrate", "eval-n3", "eval-n7", "eval-adaptive", "report"]
+    assert got["eval-adaptive"] == got["eval-n7"] == (("aftercorr", "train"), ("aftercorr", "calibrate"))
+    assert ("afterany", "eval-adaptive") in got["report"] and ("afterany", "eval-n3") in got["report"]
+    assert stage_of("eval-adaptive") == "eval-adaptive" and stage("eval-adaptive").nodes(
+        SimpleNamespace(eval_nodes=1)) == 1
+
+
 def test_stage_of_maps_job_names_back():
     assert [stage_of(j.name) for j in jobs(_cfg(True))] == ["regenerate", "train", "eval", "eval", "report"]
     assert stage_of("something-else") == "something-else"
 
 
 def test_an_unknown_stage_names_the_known_ones():
-    with pytest.raises(UserError, match="unknown stage 'evaluate'; one of regenerate, train, calibrate, eval, report"):
+    known = "regenerate, train, calibrate, eval, eval-adaptive, report"
+    with pytest.raises(UserError, match=f"unknown stage 'evaluate'; one of {known}"):
         stage("evaluate")
 
 
@@ -83,7 +94,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
     cfg = SimpleNamespace(
         name="t", sweep={}, data=SimpleNamespace(regenerate=False, calibration_sources=[]),
-        eval=SimpleNamespace(num_speculative_tokens=[3], compare=[]),
+        eval=SimpleNamespace(num_speculative_tokens=[3], compare=[], adaptive=False),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),

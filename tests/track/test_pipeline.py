@@ -98,3 +98,15 @@ def test_a_parent_run_whose_params_fail_is_ended_not_left_running(tmp_path):
     client.log_batch = real
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert run.info.status == "FAILED" and "PW17" not in str(run.data.tags)
+
+
+def test_an_adaptive_pipeline_fails_without_its_adaptive_run(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = create_child_run(client, "pipe", None, "pipeline", {STAGE: "pipeline"})
+    for stage, st, variant, n in OUTCOMES["all finished"][0]:
+        _stage_run(client, parent, stage, st, variant, n)
+    assert pipeline_outcome(client, parent, [3, 7])[0] == "FINISHED"
+    got, why = pipeline_outcome(client, parent, [3, 7], adaptive=True)
+    assert got == "FAILED" and "no adaptive-verification eval run" in why
+    _stage_run(client, parent, "eval_adaptive", "FINISHED")
+    assert pipeline_outcome(client, parent, [3, 7], adaptive=True) == ("FINISHED", "every stage succeeded")

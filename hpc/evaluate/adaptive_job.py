@@ -1,0 +1,174 @@
+"""The adaptive-verification evaluation: the job chained beside eval-n3 and eval-n7.
+
+Over every benchmark's prompts, interleaved as a server would see them, at each
+eval.adaptive_concurrency R it reports accepted drafts per verified draft, tokens per batched
+verify step and the cost table's tokens per second, for vLLM's adaptive rule (up to the
+largest n) and for each fixed n, all priced by one cost table (eval.adaptive_cost, or
+measured here). It runs on the reference engine: our DSpark export decoded exactly, its
+confidence read as eval.confidence says (served: what vLLM computes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from hpc.config.schema import DSparkConfig
+from hpc.errors import UserError
+from hpc.evaluate.adaptive import BatchStats, CostTable, measure_cost, replay_fixed, run_batch
+from hpc.evaluate.harness import write_json_atomic
+from hpc.track.keys import DRAFT, DRAFT_SHA256, ENGINE, STAGE, STAGE_EVAL_ADAPTIVE
+
+RESULTS = "adaptive.json"
+
+
+def cost_table(cfg: DSparkConfig, measure) -> CostTable:
+    c = cfg.eval.adaptive_cost
+    if c.verify_ms and c.draft_ms:
+        as_points = lambda curve: tuple((int(x), float(y)) for x, y in curve)  # noqa: E731
+        return CostTable(as_points(c.verify_ms), as_points(c.draft_ms), "config (eval.adaptive_cost)")
+    return measure()
+
+
+def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | None = None,
+                      quiet: bool = False) -> list[BatchStats]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from hpc.config.target import localize
+    from hpc.evaluate.harness import chat_ids
+    from hpc.evaluate.reference import Decoding
+    from hpc.evaluate.runner import EngineFactory, _value, plan
+    from hpc.model.export import load_draft
+
+    ns = sorted(set(cfg.eval.num_speculative_tokens))
+    cfg = copy.deepcopy(cfg)
+    cfg.eval.compare = []  # the peers run in the fixed-n jobs; this one judges our draft's head
+    drafts, benches, _, _ = plan(cfg, draft_path, ns)  # the cheap checks first
+    spec = drafts[0]
+    cfg = localize(cfg)
+    out = Path(cfg.eval.output_dir) / f"eval-adaptive-{spec.fingerprint()[:8]}"
+    draft = load_draft(draft_path, device=cfg.eval.device).eval()
+    if draft.confidence_head is None:
+        raise UserError(f"--draft {draft_path}: has no confidence head, and adaptive verification ranks drafts by "
+                        "it; set eval.adaptive=false for this draft")
+    reading = _value(cfg.eval.confidence)
+    if reading == "served":
+        draft.confidence_calibration = None  # vLLM reads no side file
+    target = EngineFactory(cfg, out).target()
+    tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
+                                        trust_remote_code=cfg.verifier.trust_remote_code)
+    per_bench = [[(chat_ids(tok, text), b.max_tokens) for text in b.prompts] for b in benches]
+    prompts = [p for row in _interleave(per_bench) for p in row]
+    Rs, n_max = sorted(set(cfg.eval.adaptive_concurrency)), max(ns)
+    cost = cost_table(cfg, lambda: measure_cost(target, draft, prompts[0][0], max(Rs) * (n_max + 1), max(Rs)))
+    seed = cfg.eval.seed
+
+    def new_request(n: int):
+        def make(ids: list[int], max_tokens: int) -> Decoding:
+            return Decoding(target, draft, ids, max_tokens, n, tok.eos_token_id)
+        return make
+
+    torch.manual_seed(seed)
+    rows: list[BatchStats] = []
+    for n in ns:
+        traces: list[list[int]] = []
+        run_batch(new_request(n), prompts, 1, n, cost, adaptive=False, traces=traces)
+        rows += [replay_fixed(traces, R, n, cost) for R in Rs]
+        _say(quiet, f"adaptive eval: fixed n={n} decoded ({len(prompts)} prompts)")
+    for R in Rs:
+        rows.append(run_batch(new_request(n_max), prompts, R, n_max, cost, adaptive=True))
+        _say(quiet, f"adaptive eval: adaptive (n <= {n_max}) at R={R} decoded")
+    report = {"draft": spec.label, "draft_sha256": spec.fingerprint(), "confidence": reading, "n_max": n_max,
+              "prompts": len(prompts), "benchmarks": [b.name for b in benches], "cost": cost.record(),
+              "rows": [r.row() for r in rows]}
+    write_json_atomic(out / RESULTS, report)
+    png = adaptive_png(rows, out / "adaptive.png", f"{spec.label}: adaptive against fixed n")
+    print(format_rows(rows, cost.source), flush=True)
+    print(verdict(rows, cost, max(Rs), n_max), flush=True)
+    if parent_run_id:
+        _log(cfg, parent_run_id, spec, rows, report, [out / RESULTS, png])
+    return rows
+
+
+def _interleave(per_bench: list[list]) -> list[list]:
+    """Round robin over the benchmarks: a mixed stream, not one benchmark's tail at a time."""
+    width = max((len(b) for b in per_bench), default=0)
+    return [[b[i] for b in per_bench if i < len(b)] for i in range(width)]
+
+
+def _say(quiet: bool, line: str) -> None:
+    if not quiet:
+        print(line, flush=True)
+
+
+def format_rows(rows: list[BatchStats], source: str) -> str:
+    head = f"{'mode':<10}{'R':>4}{'acc/verified':>14}{'tokens/step':>13}{'tok/s (costed)':>16}"
+    lines = [f"adaptive verification against fixed n, priced by the cost table ({source}):", head]
+    for r in sorted(rows, key=lambda r: (r.concurrency, r.mode)):
+        lines.append(f"{r.mode:<10}{r.concurrency:>4}{r.accepted_per_verified:>14.3f}{r.generated_per_step:>13.2f}"
+                     f"{r.tokens_per_s:>16.1f}")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[BatchStats], cost: CostTable, R: int, n_max: int) -> str:
+    """Adaptive against the best fixed n at R, and the figures that say why it gains or not:
+    how many slots it verified, how often those were accepted, and what one more verified
+    token costs under this cost table."""
+    ada = next((r for r in rows if r.concurrency == R and r.mode == "adaptive"), None)
+    fixed = [r for r in rows if r.concurrency == R and r.mode != "adaptive"]
+    if ada is None or not fixed:
+        return ""
+    best = max(fixed, key=lambda r: r.tokens_per_s)
+    ratio = ada.tokens_per_s / best.tokens_per_s if best.tokens_per_s else float("nan")
+    request_steps = sum(ada.admitted_hist)
+    share = ada.verified / (request_steps * n_max) if request_steps else 0.0
+    marginal = (cost.verify(R * (n_max + 1)) - cost.verify(R)) / (R * n_max) / cost.step_ms(R, 0)
+    word = "beats" if ratio > 1 else "does not beat"
+    return (f"at R={R} adaptive {word} the best fixed n ({best.mode}): {ratio:.3f}x its tokens/s. It verified "
+            f"{share:.0%} of the slots n={n_max} would, {ada.accepted_per_verified:.3f} of them accepted against "
+            f"{best.accepted_per_verified:.3f} for {best.mode}; one more verified token costs {marginal:.1%} of a "
+            f"plain step under this cost table ({cost.source})")
+
+
+def adaptive_png(rows: list[BatchStats], path: Path, title: str) -> Path:
+    from hpc.track.plots import _figure, _save
+
+    plt = _figure()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for mode in sorted({r.mode for r in rows}):
+        mine = sorted((r for r in rows if r.mode == mode), key=lambda r: r.concurrency)
+        xs = [r.concurrency for r in mine]
+        axes[0].plot(xs, [r.tokens_per_s for r in mine], marker="o", label=mode)
+        axes[1].plot(xs, [r.accepted_per_verified for r in mine], marker="o", label=mode)
+    for ax, ylabel in zip(axes, ("tokens/s under the cost table", "accepted per verified draft")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests R")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _log(cfg: DSparkConfig, parent_run_id: str, spec, rows: list[BatchStats], report: dict,
+         artifacts: list[Path]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from hpc.track.pipeline import common_tags, create_child_run
+
+    client = MlflowClient(cfg.tracking.uri)
+    run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "eval-adaptive",
+                              {**common_tags(cfg), STAGE: STAGE_EVAL_ADAPTIVE, DRAFT: spec.label,
+                               DRAFT_SHA256: spec.fingerprint(), ENGINE: "reference"})
+    for r in rows:
+        for key, value in r.metrics().items():
+            client.log_metric(run_id, key, value)
+    client.log_param(run_id, "cost_source", report["cost"]["source"][:250])
+    client.log_param(run_id, "cost_table", json.dumps(report["cost"]["verify_ms"])[:250])
+    for path in artifacts:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id)
