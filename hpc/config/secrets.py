@@ -11,10 +11,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from hpc.config.schema import DSparkConfig
 
 MASK = "***"
-# Generous on purpose: a name masked for nothing costs a log line's value, a secret missed leaks it.
-SECRET_NAME = re.compile(r"token|secret|pass|pwd|key$|key_|api_?key|credential|auth|cookie|(^|_)pat$|access|"
-                         r"sig$|signature|(^|_)sas(_|$)|connection|conn_?str|dsn|private|session|bearer|jwt",
-                         re.IGNORECASE)
 # A value that is a secret whatever its name: a connection string's key=value pairs (Azure's
 # ...;AccountKey=...), a token with a vendor prefix, or a long random-looking word.
 SECRET_VALUE = re.compile(
@@ -26,10 +22,6 @@ SECRET_VALUE = re.compile(
 # A URI anywhere in a text: exception messages (MLflow's, urllib's) quote the request URL.
 _URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 _CREDS = re.compile(r"//([^/@:]*)(:[^/]*)?@")  # the authority's user[:password]@, up to its last @
-
-
-def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
 
 
 def looks_secret(value: str) -> bool:
