@@ -90,15 +90,17 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     from mlflow.tracking import MlflowClient
 
     res = dspark("submit", "configs/toy-cpu.yaml",
-                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri))
+                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri),
+                 "eval.adaptive=true", "eval.adaptive_concurrency=[1, 4]")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     state_file = next((tmp_path / "slurm" / "pipelines").glob("*/pipeline.json"))
     state = json.loads(state_file.read_text())
-    assert set(state["jobs"]) == {"regenerate", "train", "calibrate", "eval-n3", "eval-n7", "report"}
+    assert set(state["jobs"]) == {"regenerate", "train", "calibrate", "eval-n3", "eval-n7", "eval-adaptive", "report"}
     states = wait_terminal(list(state["jobs"].values()), timeout_s=1500)
     logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in (tmp_path / "slurm").rglob("*_log.*"))
     assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{logs[-6000:]}"
-    assert len(states) == 1 + 2 + 2 + 2 + 2 + 1  # regenerate, 2 train tasks, 2 calibrate, 2 x 2 eval tasks, report
+    # regenerate, 2 train tasks, 2 calibrate, 2 x 2 eval tasks, 2 adaptive eval tasks, report
+    assert len(states) == 1 + 2 + 2 + 2 + 2 + 2 + 1
 
     client = MlflowClient(mlflow_server.uri)
     parent = client.get_run(state["parent_run_id"])
@@ -107,7 +109,8 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     stages = sorted(r.data.tags.get("dspark.stage") for r in children)
     # Paired timing (the default): each eval runs its no-speculation baseline beside the draft,
     # so there is no baseline run of its own, and every eval records its speedup's spread.
-    assert stages == ["calibrate"] * 2 + ["eval"] * 4 + ["regenerate", "report"] + ["train"] * 2, stages
+    want = ["calibrate"] * 2 + ["eval"] * 4 + ["eval_adaptive"] * 2 + ["regenerate", "report"] + ["train"] * 2
+    assert stages == want, stages
     evals = [r for r in children if r.data.tags["dspark.stage"] == "eval"]
     assert all(r.data.tags["dspark.timing"] == "paired" and "mean/speedup" in r.data.metrics for r in evals)
     for r in children:
@@ -126,6 +129,8 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
                    "--pipeline", parent.info.run_id)
     assert table.returncode == 0, table.stderr
     assert "| benchmark" in table.stdout and "DSpark n=3" in table.stdout and "DSpark n=7" in table.stdout
+    assert "Adaptive verification" in table.stdout and "| 4 | adaptive |" in table.stdout
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"  # the adaptive runs are there too
 
 
 def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, toy_target, vllm_python, tmp_path,
