@@ -200,7 +200,10 @@ class LossConfig:
     # head for greedy serving, but its loss, fed back through the shared backbone, cost the toy
     # draft acceptance at short budgets (1.36 -> 1.12 at 60 steps): opt in until that is solved.
     confidence_target: ConfidenceTarget = ConfidenceTarget.sampling
-    confidence_detach: bool = False  # true: the confidence loss trains the head, not the backbone
+    # true: the confidence loss trains the head only. Fed back through the shared backbone it cost
+    # the toy draft ~2% of tau@7 against Markov-only at equal budget (1.53 against 1.57); detached
+    # (and clipped apart, hpc.train.loop), the backbone trains bit for bit as Markov-only's does.
+    confidence_detach: bool = True
 
 
 @dataclass

@@ -158,7 +158,7 @@ class Trainer:
             self.state.record(mb.consumed, self.epoch_size, mb.skipped)
         extra: dict[str, torch.Tensor] = {}
         if cfg.grad_clip > 0:
-            extra["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            extra["grad_norm"] = self._clip(cfg.grad_clip)
         keys = sorted(sums)
         dev = self.device
         read = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
@@ -171,6 +171,18 @@ class Trainer:
         totals["lr"] = lr
         self.state.losses.append(totals.get("loss", float("nan")))
         return totals
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients; returns their total norm. A detached confidence head is its own
+        learner: clipped apart, its gradient never rescales the backbone's step, so the backbone
+        trains exactly as it would without the head (tests/train/test_confidence_detach.py)."""
+        clip = torch.nn.utils.clip_grad_norm_
+        head = self.model.confidence_head
+        if not self.weights.confidence_detach or head is None:
+            return clip(self.model.parameters(), max_norm)
+        mine = {id(q) for q in head.parameters()}
+        rest = clip([q for q in self.model.parameters() if id(q) not in mine], max_norm)
+        return torch.hypot(rest, clip(head.parameters(), max_norm))  # the norm over all, as logged before
 
     def _mean_over_ranks(self, sums: dict[str, float], counted: float) -> dict[str, float]:
         """Each metric's mean over the micro-batches of every rank that had a supervised slot.
