@@ -29,7 +29,7 @@ class LossWeights:
     decay_gamma: float = 4.0
     confidence: float = 1.0
     confidence_target: str = "sampling"  # sampling | greedy: see the module docstring
-    confidence_detach: bool = False  # the confidence BCE trains its head only, not the backbone
+    confidence_detach: bool = True  # the confidence BCE trains its head only, not the backbone
 
     @classmethod
     def from_config(cls, loss_cfg) -> LossWeights:
