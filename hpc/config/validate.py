@@ -102,9 +102,10 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
             # node cannot speak for.
             from hpc.config.vllm_support import support_problems
 
+            values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
             for key, msg in support_problems(v.python, v.model, list(shape.architectures),
-                                             cfg.draft.sample_from_anchor):
-                c.fail(key, v.python if key == "verifier.python" else v.model, msg)
+                                             cfg.draft.sample_from_anchor, cfg.eval.adaptive):
+                c.fail(key, values.get(key, v.model), msg)
     c.positive("verifier.health_timeout_s", v.health_timeout_s)
     if v.capture_concurrency is not None:
         c.positive("verifier.capture_concurrency", v.capture_concurrency)

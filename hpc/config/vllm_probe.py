@@ -7,7 +7,11 @@
   Releases before 0.27 hard-code the bonus-anchor layout and serve a sample_from_anchor=true
   draft one slot shifted, at about half the acceptance, with no error;
 - `aux_hidden_states[ARCH]`: the target's model class implements SupportsEagle3, which
-  `extract_hidden_states` (capture) and `dspark` (serving) both require of the target.
+  `extract_hidden_states` (capture) and `dspark` (serving) both require of the target;
+- `hidden_state_api`: every vLLM name our capture connector (hpc/verifier/capture_connector.py)
+  imports: the v1 KV-connector base, the layer lookup, the hidden-state cache spec and the
+  cache-only attention layer `extract_hidden_states` writes through;
+- `adaptive_verification`: SpeculativeConfig has `enable_adaptive_verification` (eval.adaptive).
 Run by file path: the rest of hpc is not importable from vLLM's venv.
 """
 
@@ -38,6 +42,30 @@ def _honours_sample_from_anchor() -> bool:
     return out.get("sample_from_anchor") is True and not out.get("dspark_bonus_anchor", False)
 
 
+def _hidden_state_api() -> bool:
+    import importlib
+
+    wanted = {"vllm.config": ["VllmConfig", "get_layers_from_vllm_config"],
+              "vllm.distributed.kv_transfer.kv_connector.v1.base": ["KVConnectorBase_V1", "KVConnectorMetadata",
+                                                                   "KVConnectorRole", "SupportsHMA"],
+              "vllm.v1.kv_cache_interface": ["HiddenStateCacheSpec"],
+              "vllm.model_executor.models.extract_hidden_states": ["CacheOnlyAttentionLayer"]}
+    for module, names in wanted.items():
+        mod = importlib.import_module(module)
+        missing = [n for n in names if not hasattr(mod, n)]
+        if missing:
+            raise ImportError(f"{module} has no {', '.join(missing)}")
+    return True
+
+
+def _adaptive_verification() -> bool:
+    import dataclasses
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    return "enable_adaptive_verification" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
+
+
 def _aux_hidden_states(arch: str) -> bool | None:
     """True/False for a registered architecture; None when this vLLM does not know it."""
     from vllm.model_executor.models import ModelRegistry
@@ -51,7 +79,8 @@ def probe(archs: list[str]) -> dict:
     import vllm
 
     out: dict = {"version": vllm.__version__, "errors": {}}
-    for key, fn in (("dspark", _dspark_method), ("sample_from_anchor", _honours_sample_from_anchor)):
+    for key, fn in (("dspark", _dspark_method), ("sample_from_anchor", _honours_sample_from_anchor),
+                    ("hidden_state_api", _hidden_state_api), ("adaptive_verification", _adaptive_verification)):
         try:
             out[key] = fn()
         except Exception as err:  # noqa: BLE001 - an API this version lacks means "no"

