@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
+from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 from hpc.tables import text_table
 
 GB = 1e9
@@ -100,14 +101,12 @@ def stream_dtype_name(cfg: DSparkConfig) -> str:
 
 
 def _draft_params(cfg: DSparkConfig) -> dict[str, int]:
-    """Element counts by role, from the meta-device inventory (nothing allocated)."""
-    from hpc.model.dspark import DSparkArgs
-    from hpc.model.export import shapes_only_inventory
-
+    """Element counts by role (bytes for the buffers), from the draft's tensor table: no torch on a
+    login node."""
     out = dict.fromkeys(("embed", "lm_head", "fc", "kv", "layers", "markov_w2", "other", "buffers"), 0)
-    for name, shape, _, nbytes in shapes_only_inventory(DSparkArgs.from_config(cfg)):
-        if name in ("d2t", "t2d"):
-            out["buffers"] += nbytes
+    for name, shape in draft_shapes(cfg).items():
+        if name in BUFFER_ITEMSIZE:
+            out["buffers"] += math.prod(shape) * BUFFER_ITEMSIZE[name]
             continue
         # markov_w1 is a trained lookup: it lands in "other", which costs memory but no FLOPs.
         role = next((r for prefix, r in (("embed_tokens", "embed"), ("lm_head", "lm_head"), ("fc.", "fc"),

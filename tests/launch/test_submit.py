@@ -40,10 +40,13 @@ def squeue_count() -> int:
 
 def test_dry_run_prints_every_script_and_the_graph_and_submits_nothing(slurm_cluster, toy_target, vllm_python,
                                                                        mlflow_server, tmp_path):
+    from tests.launch.test_login_surface import heavy_imports, login_run
+
     before = squeue_count()
-    res = dspark("submit", "configs/toy-cpu.yaml",
-                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri), "--dry-run")
+    res = login_run("submit", "configs/toy-cpu.yaml",
+                    *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri), "--dry-run")
     assert res.returncode == 0, res.stderr[-2000:]
+    assert heavy_imports(res) == "[]"  # a login node's command: no torch, no transformers
     out = res.stdout
     assert "2 variant(s)" in out and "train.lr=0.001" in out and "train.lr=0.0005" in out
     assert "regenerate   1 task(s) x 2 node(s)\n" in out
