@@ -26,7 +26,7 @@ from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
 from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from hpc.train.schedule import lr_factor
+from hpc.train.lr_schedule import lr_factor
 
 
 class RequeueRequested(Exception):

@@ -24,8 +24,8 @@ def _weights(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> dict[s
     data = write_toy_conversations(tmp / "train.jsonl", n=24, seed=3)
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / name}", "train.hold_out_every=0", "train.grad_clip=0.5", "data.regenerate=false",
-                   "train.loss.confidence_detach=true", *extra], check_tracking=False)
+                   f"train.output_dir={tmp / name}", "train.hold_out_every=0", "train.grad_clip=0.5",
+                   "data.regenerate=false", "train.loss.confidence_detach=true", *extra], check_tracking=False)
     ckpt = train_in_process(cfg, steps=6)
     return load_file(str(ckpt / "model.safetensors"))
 

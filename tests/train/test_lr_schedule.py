@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from hpc.train.schedule import lr_factor
+from hpc.train.lr_schedule import lr_factor
 
 
 def test_warmup_then_cosine_to_min():
