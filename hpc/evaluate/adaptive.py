@@ -212,20 +212,23 @@ def measure_cost(target, draft, anchor_ids: list[int], max_tokens: int, max_requ
     device = next(draft.parameters()).device
     ctx_ids = torch.tensor((anchor_ids * (context // max(len(anchor_ids), 1) + 1))[:context], device=device)
     runner = TargetRunner(target, draft.args.aux_layer_ids)
-    verify: list[tuple[int, float]] = []
     sizes = sorted({1, max_tokens} | {2 ** i for i in range(max_tokens.bit_length()) if 2 ** i < max_tokens})
     try:
         _, aux = runner.forward_logits(ctx_ids)
         ctx_TH = draft.project_context(aux.to(draft.fc.weight.dtype))
-        for size in sizes:
-            new = ctx_ids[:size] if size <= context else ctx_ids.repeat(size // context + 1)[:size]
-            times = []
-            for _ in range(PROFILE_REPLAYS + 1):  # the first is a warm-up
+        inputs = {size: ctx_ids[:size] if size <= context else ctx_ids.repeat(size // context + 1)[:size]
+                  for size in sizes}
+        samples: dict[int, list[float]] = {size: [] for size in sizes}
+        # Round robin over the sizes, the first round a warm-up: a load that drifts while this
+        # runs (another job on the node) then weighs on every size alike, not on a few.
+        for replay in range(PROFILE_REPLAYS + 1):
+            for size in sizes:
                 t0 = time.perf_counter()
-                runner.forward_logits(new)
-                times.append((time.perf_counter() - t0) * 1000)
+                runner.forward_logits(inputs[size])
+                if replay:
+                    samples[size].append((time.perf_counter() - t0) * 1000)
                 runner.crop(context)
-            verify.append((size, statistics.median(times[1:])))
+        verify = [(size, statistics.median(samples[size])) for size in sizes]
         times = []
         for _ in range(PROFILE_REPLAYS + 1):
             t0 = time.perf_counter()

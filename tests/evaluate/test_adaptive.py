@@ -145,3 +145,16 @@ def test_the_card_table_reads_the_metric_keys_back():
     assert "| pipe | DSpark | 8 | adaptive | 0.600 | 9.20 | 1022.2 |" in md
     assert "R=8: adaptive 1.111x the best fixed (n3)" in md
     assert adaptive_markdown([]) == ""
+
+
+def test_the_measured_cost_table_covers_every_step_size_up_to_the_largest():
+    from hpc.evaluate.adaptive import measure_cost
+
+    target = random_target()
+    draft = random_draft(target, [1, 2, 3])
+    cost = measure_cost(target, draft, [5, 17, 33], max_tokens=24, max_requests=3, context=32)
+    assert [size for size, _ in cost.verify_ms] == [1, 2, 4, 8, 16, 24]
+    assert all(ms > 0 for _, ms in cost.verify_ms)
+    (one, t1), (three, t3) = cost.draft_ms
+    assert (one, three) == (1, 3) and t3 == pytest.approx(3 * t1) and t1 > 0
+    assert cost.source.startswith("measured on the reference engine (cpu, 32-token context)")
