@@ -128,7 +128,7 @@ def verdict(rows: list[BatchStats], cost: CostTable, R: int, n_max: int) -> str:
     word = "beats" if ratio > 1 else "does not beat"
     return (f"at R={R} adaptive {word} the best fixed n ({best.mode}): {ratio:.3f}x its tokens/s. It verified "
             f"{share:.0%} of the slots n={n_max} would, {ada.accepted_per_verified:.3f} of them accepted against "
-            f"{best.accepted_per_verified:.3f} for {best.mode}; one more verified token costs {marginal:.1%} of a "
+            f"{best.accepted_per_verified:.3f} for {best.mode}; one more verified token costs {marginal:.2%} of a "
             f"plain step under this cost table ({cost.source})")
 
 
