@@ -135,7 +135,9 @@ def run_batch(new_request, prompts: list[tuple[list[int], int]], concurrency: in
     live: list[Decoding] = []
     stale: dict[Decoding, torch.Tensor] = {}  # each request's last step's confidences
     while True:
-        live = [d for d in live if not _finished(d)]
+        for d in [d for d in live if _finished(d)]:
+            live.remove(d)
+            trace_of.pop(d)  # its trace lives on in `traces`; the request (its context) goes now
         while queue and len(live) < concurrency:
             d = new_request(*queue.pop())
             trace_of[d] = []
@@ -143,6 +145,8 @@ def run_batch(new_request, prompts: list[tuple[list[int], int]], concurrency: in
                 traces.append(trace_of[d])
             if not _finished(d):
                 live.append(d)
+            else:
+                trace_of.pop(d)
         if not live:
             return stats
         props: list[Proposal] = [d.propose() for d in live]

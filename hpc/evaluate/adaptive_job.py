@@ -33,7 +33,6 @@ def cost_table(cfg: DSparkConfig, measure) -> CostTable:
 
 def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | None = None,
                       quiet: bool = False) -> list[BatchStats]:
-    import torch
     from transformers import AutoTokenizer
 
     from hpc.config.target import localize
@@ -47,8 +46,9 @@ def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | N
     cfg.eval.compare = []  # the peers run in the fixed-n jobs; this one judges our draft's head
     drafts, benches, _, _ = plan(cfg, draft_path, ns)  # the cheap checks first
     spec = drafts[0]
+    sha = spec.fingerprint()  # hashes every file of the export (GBs at Kimi scale): once
     cfg = localize(cfg)
-    out = Path(cfg.eval.output_dir) / f"eval-adaptive-{spec.fingerprint()[:8]}"
+    out = Path(cfg.eval.output_dir) / f"eval-adaptive-{sha[:8]}"
     draft = load_draft(draft_path, device=cfg.eval.device).eval()
     if draft.confidence_head is None:
         raise UserError(f"--draft {draft_path}: has no confidence head, and adaptive verification ranks drafts by "
@@ -63,14 +63,12 @@ def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | N
     prompts = [p for row in _interleave(per_bench) for p in row]
     Rs, n_max = sorted(set(cfg.eval.adaptive_concurrency)), max(ns)
     cost = cost_table(cfg, lambda: measure_cost(target, draft, prompts[0][0], max(Rs) * (n_max + 1), max(Rs)))
-    seed = cfg.eval.seed
 
     def new_request(n: int):
         def make(ids: list[int], max_tokens: int) -> Decoding:
             return Decoding(target, draft, ids, max_tokens, n, tok.eos_token_id)
         return make
 
-    torch.manual_seed(seed)
     rows: list[BatchStats] = []
     for n in ns:
         traces: list[list[int]] = []
@@ -80,7 +78,7 @@ def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | N
     for R in Rs:
         rows.append(run_batch(new_request(n_max), prompts, R, n_max, cost, adaptive=True))
         _say(quiet, f"adaptive eval: adaptive (n <= {n_max}) at R={R} decoded")
-    report = {"draft": spec.label, "draft_sha256": spec.fingerprint(), "confidence": reading, "n_max": n_max,
+    report = {"draft": spec.label, "draft_sha256": sha, "confidence": reading, "n_max": n_max,
               "prompts": len(prompts), "benchmarks": [b.name for b in benches], "cost": cost.record(),
               "rows": [r.row() for r in rows]}
     write_json_atomic(out / RESULTS, report)
@@ -88,7 +86,7 @@ def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | N
     print(format_rows(rows, cost.source), flush=True)
     print(verdict(rows, cost, max(Rs), n_max), flush=True)
     if parent_run_id:
-        _log(cfg, parent_run_id, spec, rows, report, [out / RESULTS, png])
+        _log(cfg, parent_run_id, spec.label, sha, rows, report, [out / RESULTS, png])
     return rows
 
 
@@ -154,7 +152,7 @@ def adaptive_png(rows: list[BatchStats], path: Path, title: str) -> Path:
     return path
 
 
-def _log(cfg: DSparkConfig, parent_run_id: str, spec, rows: list[BatchStats], report: dict,
+def _log(cfg: DSparkConfig, parent_run_id: str, label: str, sha: str, rows: list[BatchStats], report: dict,
          artifacts: list[Path]) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -162,8 +160,8 @@ def _log(cfg: DSparkConfig, parent_run_id: str, spec, rows: list[BatchStats], re
 
     client = MlflowClient(cfg.tracking.uri)
     run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "eval-adaptive",
-                              {**common_tags(cfg), STAGE: STAGE_EVAL_ADAPTIVE, DRAFT: spec.label,
-                               DRAFT_SHA256: spec.fingerprint(), ENGINE: "reference"})
+                              {**common_tags(cfg), STAGE: STAGE_EVAL_ADAPTIVE, DRAFT: label,
+                               DRAFT_SHA256: sha, ENGINE: "reference"})
     for r in rows:
         for key, value in r.metrics().items():
             client.log_metric(run_id, key, value)
