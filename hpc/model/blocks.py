@@ -124,7 +124,8 @@ def tiled_sdpa_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, bl
 
     def attend(q, k, v):
         k_tiles, v_tiles = _TileKeys.apply(k, spans), _TileKeys.apply(v, spans)
-        outs = [F.scaled_dot_product_attention(q[..., q0:q1, :], k_t, v_t, attn_mask=mask)
+        gqa = k.shape[-3] != q.shape[-3]
+        outs = [F.scaled_dot_product_attention(q[..., q0:q1, :], k_t, v_t, attn_mask=mask, enable_gqa=gqa)
                 for (q0, q1, _, _, mask), k_t, v_t in zip(tiles, k_tiles, v_tiles)]
         return torch.cat(outs, dim=-2)
     return attend
@@ -203,7 +204,7 @@ def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_si
     flex = _flex_attention(compiled)
 
     def attend(q, k, v):
-        return flex(q, k, v, block_mask=block_mask)
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[-3] != q.shape[-3])
     return attend
 
 

@@ -291,5 +291,5 @@ class DSparkDraft(nn.Module):
 def sdpa_attention(mask_QK: torch.Tensor | None) -> AttentionFn:
     """SDPA with an explicit boolean mask (True = may attend); None = unmasked."""
     def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_QK)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_QK, enable_gqa=k.shape[-3] != q.shape[-3])
     return attend

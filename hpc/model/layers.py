@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# attention(q_BhQd, k_BhKd, v_BhKd) -> out_BhQd; the mask, if any, lives inside the callable.
+# attention(q_BhQd, k_BgKd, v_BgKd) -> out_BhQd, with g K/V heads dividing h query heads (GQA);
+# the mask, if any, lives inside the callable.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -76,10 +77,8 @@ class Attention(nn.Module):
             # The fp32 norm weights promote q/k back to fp32; attention runs in the autocast dtype.
             dt = torch.get_autocast_dtype(q_hQd.device.type)
             q_hQd, k_hKd, v_hKd = q_hQd.to(dt), k_hKd.to(dt), v_hKd.to(dt)
-        groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
-            k_hKd = k_hKd.repeat_interleave(groups, dim=0)
-            v_hKd = v_hKd.repeat_interleave(groups, dim=0)
+        # K/V keep their nkv heads: the attention groups query heads over them (GQA) rather than
+        # repeating K/V, which at Kimi's 56/8 heads held 7x the context's K/V per layer.
         out_hQd = attention(q_hQd[None], k_hKd[None], v_hKd[None])[0]
         return self.o_proj(out_hQd.transpose(0, 1).reshape(x_QH.shape[0], -1))
 
