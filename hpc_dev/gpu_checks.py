@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import socket
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -88,13 +90,24 @@ def check_planes(dev: torch.device) -> Row:
             ok &= bool(torch.equal(a, b))
             notes.append("data self-send ok")
         except (RuntimeError, ValueError) as err:
-            notes.append(f"data self-send n/a ({str(err).splitlines()[0][:60]})")
-        try:
-            dist.all_reduce(torch.ones(1), group=planes.train_data)
-            ok = False
-            notes.append("checker MISSED a cpu tensor on the data plane")
-        except NCCLRuleError:
-            notes.append("checker refuses cpu tensor on data plane")
+            if dev.type == "cuda":  # NCCL sends to itself: the streamer's path, so a failure fails
+                ok = False
+                notes.append(f"data self-send FAILED ({str(err).splitlines()[0][:80]})")
+            else:
+                notes.append("data self-send n/a (gloo cannot send to itself)")
+        try:  # tagged as a sample, so only the device rule can fire
+            with rules.message(Message.SAMPLE):
+                dist.all_reduce(torch.ones(1), group=planes.train_data)
+            if dev.type == "cuda":
+                ok = False
+                notes.append("checker MISSED a cpu tensor on the data plane")
+            else:
+                notes.append("device rule n/a (the gloo data plane takes cpu tensors)")
+        except NCCLRuleError as err:
+            device_rule = "tensor on a data-plane group" in str(err)
+            ok &= device_rule
+            notes.append("checker refuses cpu tensor on data plane" if device_rule
+                         else f"checker refused it by ANOTHER rule: {str(err)[:80]}")
         if dev.type == "cuda":  # what the checker's rule stands for: NCCL itself refuses it
             try:
                 rules._originals["all_reduce"](torch.ones(1), group=planes.train_data)  # type: ignore[operator]
@@ -189,3 +202,31 @@ def check_capture_copy(dev: torch.device, d: dict) -> Row:
                f"({size / u_done / GB:.1f} GB/s); step stall {u_block / max(p_block, 1e-6):.0f}x less",
                {"bytes": size, "gather_s": t_gather, "pinned_blocked_s": p_block, "pinned_done_s": p_done,
                 "pageable_s": u_done})
+
+
+# -- 6. checkpoint --------------------------------------------------------------------------------
+def check_checkpoint(trainer, dev: torch.device, where: Path) -> Row:
+    # weights + AdamW's two moments, fp32, plus a second copy while the new one is renamed in
+    need = 2 * sum(p.numel() * 4 * (3 if p.requires_grad else 1) for p in trainer.model.parameters())
+    free = shutil.disk_usage(where).free
+    if free < need:
+        return Row("checkpoint save + load", "FAIL",
+                   f"{where} has {free / GB:.1f} GB free, the checkpoint needs ~{need / GB:.1f} GB; "
+                   "pass --checkpoint-dir on a larger disk", {"free_bytes": free, "need_bytes": need})
+    ref = trainer.model.fc.weight.detach().clone()
+    sync(dev)
+    t0 = time.perf_counter()
+    path = trainer.checkpoint()
+    t_save = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in path.iterdir())
+    with torch.no_grad():
+        trainer.model.fc.weight.add_(1.0)
+    t0 = time.perf_counter()
+    trainer.resume(path)
+    sync(dev)
+    t_load = time.perf_counter() - t0
+    ok = torch.equal(trainer.model.fc.weight, ref) and trainer.state.step > 0
+    return Row("checkpoint save + load", "PASS" if ok else "FAIL",
+               f"{size / GB:.2f} GB (weights + AdamW): save {t_save:.1f} s ({size / t_save / GB:.2f} GB/s), "
+               f"load {t_load:.1f} s; weights round-trip exactly: {ok}; in {where} ({free / GB:.0f} GB free)",
+               {"bytes": size, "save_s": t_save, "load_s": t_load})

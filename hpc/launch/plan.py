@@ -21,6 +21,16 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDS_BYTES_PER_TOKEN = 16  # token id + loss mask, int64 each (hpc.stream.protocol)
 HEADER_BYTES = 64  # one int64[8] header per sample
 LOSS_TENSORS = 8  # fp32 [Q, draft_vocab] tensors alive in the loss: logits, logp, p, logq, q, grads...
+TILE_SLOTS = 256  # hpc.model.blocks.tiled_sdpa_attention_fn's default: block slots per SDPA tile
+
+# Bytes each saved activation costs, per element of the named width, read off a training step's
+# live tensors at its peak (the end of the loss's forward) with hpc_dev.memtrack, in fp32 and under
+# bf16 autocast. Autocast keeps fp32 norms and casts each linear's input afresh (it caches weights
+# only), which is why its per-h cost is not half of fp32's.
+SLOT_H_BYTES = {False: 48, True: 41}  # per block slot per layer: norms, residuals, q/o, attention out
+CTX_H_BYTES = {False: 12, True: 4 + 2 * 1}  # per context token: fc out + hidden_norm (+ 2 per layer input cast)
+CTX_H_PER_LAYER = {False: 0, True: 4}  # autocast casts the normed context again for k_proj and v_proj
+KV_BYTES = {False: 8, True: 6}  # per token per layer: k_proj/v_proj outputs, k_norm (fp32 + its cast)
 
 
 @dataclass
@@ -150,17 +160,15 @@ def _trainer_memory(cfg: DSparkConfig, n: dict[str, int], micro_tokens: int, mic
     trainable = n["layers"] + n["fc"] + n["markov_w2"] + n["other"] + (n["lm_head"] if t.train_lm_head else 0)
     frozen = n["embed"] + (0 if t.train_lm_head else n["lm_head"])
     autocast = t.device != "cpu" and t.dtype in ("bfloat16", "float16")
-    ab = 2 if autocast else 4  # activation bytes
-    ctx_b = 4 + (2 if autocast else 0)  # the fp32 cast of the streamed states, and autocast's copy
-    h, i, kv = d.hidden_size, d.intermediate_size, d.num_key_value_heads * d.head_dim
-    n_aux, th = len(cfg.verifier.aux_layer_ids), cfg.verifier.hidden_size
+    th = cfg.verifier.hidden_size
     items = [
         MemoryItem("draft params (fp32 master)", 4 * trainable, f"{_count(trainable)} trainable x 4 B"),
         MemoryItem("gradients (fp32)", 4 * trainable, "trainable x 4 B"),
         MemoryItem("AdamW states (2x fp32)", 8 * trainable, "trainable x 8 B (exp_avg, exp_avg_sq)"),
     ]
     if autocast:
-        items.append(MemoryItem(f"{t.dtype} weight cache", 2 * trainable, "autocast's cast of trainable x 2 B"))
+        cached = trainable + (0 if t.train_lm_head else n["lm_head"])  # every linear's weight, frozen too
+        items.append(MemoryItem(f"{t.dtype} weight cache", 2 * cached, "autocast's cast of every linear weight x 2 B"))
     if world > 1:
         items.append(MemoryItem("DDP gradient buckets", 4 * trainable, f"{world} ranks: a second fp32 copy of grads"))
     items += [
@@ -169,13 +177,45 @@ def _trainer_memory(cfg: DSparkConfig, n: dict[str, int], micro_tokens: int, mic
         MemoryItem("verifier head rows", 4 * d.draft_vocab_size * th + cfg.verifier.vocab_size,
                    "draft_vocab x target hidden x 4 B + t2d"),
         stream_buffer,
-        MemoryItem("activations", ab * d.num_hidden_layers * micro_block * (6 * h + 4 * i)
-                   + micro_tokens * (ctx_b * n_aux * th + ab * d.num_hidden_layers * (h + 2 * kv))
-                   + LOSS_TENSORS * 4 * micro_block * d.draft_vocab_size,
-                   f"Q={micro_block} block + T={micro_tokens} context tokens: "
-                   f"{ab}B*L*Q*(6h+4i) + T*({ctx_b}B*aux*H + {ab}B*L*(h+2kv)) + {LOSS_TENSORS}*4B*Q*vocab"),
+        *_activations(cfg, micro_tokens, micro_block, autocast),
     ]
     return items
+
+
+def _activations(cfg: DSparkConfig, T: int, Q: int, autocast: bool) -> list[MemoryItem]:
+    """What one micro-step holds at its peak, for T context tokens and Q block slots."""
+    d, L = cfg.draft, cfg.draft.num_hidden_layers
+    ab = 2 if autocast else 4
+    sb = DTYPE_BYTES[stream_dtype_name(cfg)]
+    h, i, kv, th = d.hidden_size, d.intermediate_size, d.num_key_value_heads * d.head_dim, cfg.verifier.hidden_size
+    n_aux = len(cfg.verifier.aux_layer_ids)
+    ctx_h = CTX_H_BYTES[autocast] + L * CTX_H_PER_LAYER[autocast]
+    ctx = T * (sb * (n_aux + 1) * th + (2 * n_aux * th if autocast else 0) + ctx_h * h + L * KV_BYTES[autocast] * kv)
+    block = Q * L * (SLOT_H_BYTES[autocast] * h + 4 * ab * i + KV_BYTES[autocast] * kv)
+    if check_attention_kind(cfg) == "flex":
+        attn: float = L * (T + Q) * kv * 2 * ab  # flex saves each layer's [context | block] K and V
+        attn_how = f"flex: L x (T+Q) x kv x 2 x {ab} B (K, V)"
+    else:
+        # Tiled SDPA copies each tile's keys [context so far | its blocks] and builds its mask.
+        tiles = max(math.ceil(Q / TILE_SLOTS), 1)
+        span = T * (tiles + 1) / (2 * tiles) + TILE_SLOTS
+        attn = L * tiles * span * (2 * kv * ab + TILE_SLOTS * ab)
+        attn_how = f"tiled SDPA: L x {tiles} tiles x ~{span:,.0f} keys x (2 kv + {TILE_SLOTS} mask) x {ab} B"
+    return [
+        MemoryItem("context activations", ctx,
+                   f"T={T:,} tokens: packed row ({n_aux}+1) x H x {sb} B, fc/norm {ctx_h} B x h, K/V per layer"),
+        MemoryItem("block activations", block,
+                   f"Q={Q:,} slots x L: {SLOT_H_BYTES[autocast]} B x h + 4 x {ab} B x i (MLP) + K/V"),
+        MemoryItem("attention K/V", attn, attn_how),
+        MemoryItem("logits + loss", LOSS_TENSORS * 4 * Q * d.draft_vocab_size,
+                   f"{LOSS_TENSORS} fp32 [Q, draft_vocab] tensors"),
+    ]
+
+
+def check_attention_kind(cfg: DSparkConfig) -> str:
+    """The attention the trainer will run (hpc.model.blocks.check_attention, without torch)."""
+    kind = cfg.train.attention
+    return ("flex" if cfg.train.device != "cpu" else "sdpa") if kind == "auto" else kind
 
 
 def _recommend(ratio: float, supply: float, demand: float) -> tuple[int, int]:

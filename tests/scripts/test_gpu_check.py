@@ -20,19 +20,30 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"flex vs tiled SDPA", "train step seq 256", "train step seq 512", "compile stability",
+    steps = [f"train step {t} x {a}" for t, a in ((256, 32), (320, 16), (384, 24), (512, 32), (512, 16))]
+    assert set(rows) == {"flex vs tiled SDPA", *steps, "compile stability",
                          "checkpoint save + load", "calibrate pass", "confidence fold",
                          "planes (1-rank world)", "stream receive buffers", "capture gather + copy"}
     assert all(r["status"] == "PASS" for r in rows.values()), rows
     assert rows["flex vs tiled SDPA"]["data"]["max_abs_diff"] < 1e-4
-    assert rows["train step seq 512"]["data"]["plan_bytes"] > 0  # set against `dspark plan`'s estimate
-    assert "checker refuses cpu tensor on data plane" in rows["planes (1-rank world)"]["figures"]
+    for name in steps:  # the live-tensor peak on CPU, against `dspark plan` for the same step and dtype
+        data = rows[name]["data"]
+        assert 0.85 <= data["peak_bytes"] / data["plan_bytes"] <= 1.15, (name, data)
+    peaks = {name: rows[name]["data"]["peak_bytes"] for name in steps}
+    assert peaks[steps[3]] > peaks[steps[4]]  # more anchors, more memory: the peak is measured, not the plan
+    assert "device rule n/a" in rows["planes (1-rank world)"]["figures"]
     assert rows["calibrate pass"]["data"]["slots"] > 0  # held_out_slots over the longest row, then the fit
     assert rows["stream receive buffers"]["data"]["bad"] == 0
     assert rows["confidence fold"]["data"]["max_abs_diff"] <= 1e-5 and rows["confidence fold"]["data"]["fit_s"] >= 0
-    assert "10/10 checks passed" in proc.stdout
+    assert "13/13 checks passed" in proc.stdout
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
+
+
+def test_a_budget_below_the_checks_is_one_line_before_anything_runs():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--budget", "30"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--budget 30 s" in proc.stderr
+    assert proc.stdout == ""  # refused before the first check
