@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hpc.config",),  # schema, loading, login-node validation
     ("hpc.dist",),  # the NCCL-rules checker and the two planes
     ("hpc.proc",),  # a server in a subprocess: spawn, health, stop (VLLMServer, MlflowServer)
-    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard"),  # no dependencies inside hpc
+    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard", "hpc.own_env"),  # no deps in hpc
 ]
 
 

@@ -32,6 +32,7 @@ from hpc.launch.node_setup import prepare_once
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
 from hpc.net import free_port
+from hpc.own_env import set_own
 
 
 def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]:
@@ -57,7 +58,7 @@ def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tupl
     iface = interface_of(mine)
     if iface and not mine.startswith("127."):
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(var, iface)
+            set_own(var, iface, default=True)
     if env.node_index == master_node:
         publish(path, {"addr": mine, "port": free_port(mine), "secret": new_secret()})
     info = wait_published(path, 600, f"node {master_node} (the rendezvous host)")

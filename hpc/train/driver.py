@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig
+from hpc.own_env import set_own
 
 
 def stream_dtype(cfg: DSparkConfig) -> torch.dtype:
@@ -300,7 +301,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
     from hpc.config.secrets import scrub, scrubbed_traceback
     from hpc.errors import UserError
 
-    os.environ["LOCAL_RANK"] = str(local_rank)
+    set_own("LOCAL_RANK", str(local_rank))
     import threading
     import traceback
 

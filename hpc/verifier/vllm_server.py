@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
 from hpc.net import free_port
+from hpc.own_env import foreign_environ
 from hpc.proc import SubprocessServer, http_ok, spawn
 from hpc.verifier import vllm_auth
 
@@ -167,9 +168,9 @@ def start_vllm_server(
         "--host", host, "--port", str(port), *(DEFAULT_ARGS if base_args is None else base_args), *extra_args,
         "--middleware", f"{vllm_auth.MODULE}.KeyOnEveryRoute",
     ]
-    # The caller's venv must not leak into vLLM's interpreter; PYTHONPATH stays (our own
-    # plugins, e.g. a KV connector module, are imported from it).
-    full_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    # The caller's venv must not leak into vLLM's interpreter, nor our ranks' variables (hpc.own_env);
+    # PYTHONPATH stays (our own plugins, e.g. a KV connector module, are imported from it).
+    full_env = {k: v for k, v in foreign_environ().items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     full_env.update({**DEFAULT_ENV, **(env or {})})
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), full_env.get("PYTHONPATH", "")) if p)
     api_key = api_key or secrets.token_urlsafe(32)

@@ -201,3 +201,44 @@ def test_server_that_exits_raises_with_its_error(vllm_python, tmp_path):
     message = str(err.value)
     assert "exited with code" in message
     assert "no-such-model" in message, message
+
+
+def test_vllm_does_not_inherit_our_ranks_variables(tmp_path, monkeypatch):
+    """A streamer rank spawns vLLM: our LOCAL_RANK would pick vLLM's GPU, our *_SOCKET_IFNAME and
+    TORCH_NCCL_* would steer its communicators. A site's NCCL setting and verifier.env pass."""
+    import sys
+
+    from hpc.own_env import RECORD, set_own
+
+    monkeypatch.delenv(RECORD, raising=False)
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")  # the site's, set before we ran
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    for name, value in (("LOCAL_RANK", "3"), ("NCCL_SOCKET_IFNAME", "ib0"), ("GLOO_SOCKET_IFNAME", "ib0")):
+        monkeypatch.setenv(name, "")  # so monkeypatch restores (removes) what set_own writes
+        set_own(name, value)
+    set_own("GLOO_SOCKET_IFNAME", "eth9", default=True)  # already ours: a default changes nothing
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+    (tmp_path / "envdump.py").write_text(
+        "import json, os, sys, time\n"
+        f"open({str(tmp_path / 'env.json')!r}, 'w').write(json.dumps(dict(os.environ)))\n"
+        "time.sleep(60)\n")
+    server = start_vllm_server(sys.executable, "m", entrypoint="envdump",
+                               env={"PYTHONPATH": str(tmp_path), "NCCL_SOCKET_IFNAME": "eth1"},
+                               log_path=tmp_path / "log", wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "env.json").exists():
+            assert time.monotonic() < deadline and server.proc.poll() is None, (tmp_path / "log").read_text()
+            time.sleep(0.1)
+        time.sleep(0.2)
+        seen = json.loads((tmp_path / "env.json").read_text())
+    finally:
+        server.stop()
+    for name in ("LOCAL_RANK", "RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_DUMP_ON_TIMEOUT", RECORD):
+        assert name not in seen, name
+    assert seen["NCCL_IB_HCA"] == "mlx5_0"  # the site's own
+    assert seen["NCCL_SOCKET_IFNAME"] == "eth1"  # verifier.env is applied last
