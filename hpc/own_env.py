@@ -14,6 +14,7 @@ import os
 
 RECORD = "DSPARK_OWN_ENV"  # names set by set_own, comma-separated: children of ours read it too
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+NCCL_TRACE_PREFIX = "nccl-trace-rank"  # flight-recorder dumps; torch appends the rank (dspark status reads them)
 OUR_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")  # torchrun's bookkeeping, our NCCL error handling
 
 

@@ -250,6 +250,10 @@ class StreamConfig:
     prefetch: int = 2  # captures a streamer prepares ahead of the network
     heartbeat_s: float = 2.0
     peer_timeout_s: float = 30.0  # a silent peer is declared dead after this long
+    # The data plane's (NCCL's) and DDP's op timeout: a dead or hung peer surfaces in minutes, with
+    # a flight-recorder dump. Data ops are posted only when their data is due, so no healthy wait
+    # (a vLLM start, a slow trainer) runs on it; the gloo control plane keeps the long timeout.
+    nccl_timeout_s: float = 300.0
 
 
 @dataclass

@@ -207,6 +207,11 @@ def ranks_per_node(cfg: DSparkConfig) -> int:
     return cfg.train.ranks_per_node or max(cfg.cluster.gpus_per_node, 1)
 
 
+def control_timeout_s(cfg: DSparkConfig) -> float:
+    """The gloo control plane's timeout: long enough for a collective that waits on a vLLM start."""
+    return cfg.verifier.health_timeout_s + 600
+
+
 def trainer_ranks(cfg: DSparkConfig) -> int:
     return cfg.cluster.trainer_nodes * ranks_per_node(cfg)
 
@@ -269,6 +274,11 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     c.positive("stream.heartbeat_s", st.heartbeat_s)
     if st.peer_timeout_s <= st.heartbeat_s:
         c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")
+    c.positive("stream.nccl_timeout_s", st.nccl_timeout_s)
+    if st.nccl_timeout_s > control_timeout_s(cfg):
+        c.fail("stream.nccl_timeout_s", st.nccl_timeout_s,
+               f"exceeds the control plane's timeout ({control_timeout_s(cfg):.0f} s = verifier.health_timeout_s "
+               "+ 600): a dead NCCL peer would outlast it; lower it (a few minutes)")
     t, ranks = cfg.train, trainer_ranks(cfg)
     if ranks > 0 and t.grad_accumulation > 0:
         micro = t.global_batch_size // (ranks * t.grad_accumulation)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from hpc.dist import rules
 from hpc.dist.rendezvous import check_members, rendezvous_store
 from hpc.dist.rules import Plane
+from hpc.own_env import NCCL_TRACE_PREFIX, set_own
 
 
 def local_rank() -> int:
@@ -106,6 +108,19 @@ def data_device(backend: str, device: torch.device) -> torch.device:
     return device if backend == "nccl" else torch.device("cpu")
 
 
+def flight_recorder_env(log_dir: Path, backend: str) -> None:
+    """Before the first NCCL group: async error handling tears a rank down when an op times out,
+    and the flight recorder dumps each rank's last collectives to `log_dir`/nccl-trace-rank<N>
+    (what `dspark status` names). A site's own settings of these are kept."""
+    if backend != "nccl":
+        return
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(log_dir / NCCL_TRACE_PREFIX))):
+        set_own(name, value, default=True)
+
+
 def open_pairs(planes: Planes) -> None:
     """Create every streamer -> trainer pair on the data plane now, in one order on every rank.
 
@@ -142,20 +157,24 @@ def broadcast_text(text: str | None, group, src: int = 0) -> str | None:
 
 
 def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, device: torch.device,
-                master_addr: str, port: int, secret: str, timeout_s: float = 600.0) -> Planes:
+                master_addr: str, port: int, secret: str, timeout_s: float = 600.0,
+                data_timeout_s: float | None = None) -> Planes:
     """Rendezvous and create the four groups (collective over the whole world).
 
     `device` is the rank's compute device; the planes' data device follows the backend.
     `secret` is the job's rendezvous secret (hpc.dist.rendezvous): every rank holds the same.
+    `timeout_s` bounds the rendezvous and the gloo control groups; `data_timeout_s` (default the
+    same) the data plane and DDP's group, where a dead NCCL peer would otherwise hang a rank.
     """
     rules.install_from_env()
     timeout = datetime.timedelta(seconds=timeout_s)
+    data_timeout = datetime.timedelta(seconds=data_timeout_s or timeout_s)
     store = rendezvous_store(rank, world_size, master_addr, port, timeout, secret)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=data_timeout)
     control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     rules.register(control, Plane.CONTROL, "cpu")
     check_members(secret, rank, world_size, control)  # before any other group trusts the world
-    train_data = dist.new_group(trainers, timeout=timeout)
+    train_data = dist.new_group(trainers, timeout=data_timeout)
     train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)
     data = dist.distributed_c10d._get_default_group()
     moved = data_device(backend, device)

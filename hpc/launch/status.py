@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_uri, scrub, without_credentials
 from hpc.errors import UserError
+from hpc.own_env import NCCL_TRACE_PREFIX
 
 DEFAULT_LOG_DIR = "runs/slurm"
 SACCT_FIELDS = "JobID,JobName,State,Elapsed,ExitCode,NodeList"
@@ -171,6 +172,18 @@ def _find_train_dir(train_dir: str, state_file: Path) -> Path | None:
     return next((c for c in candidates if (c / "progress.json").is_file()), None)
 
 
+def flight_dumps(train_dir: str, state_file: Path) -> list[Path]:
+    """The NCCL flight recorder's dumps of a training task (hpc.dist.planes.flight_recorder_env):
+    written when a data-plane op timed out, they name each rank's last collectives."""
+    path = Path(train_dir)
+    bases = [] if path.is_absolute() else [Path.cwd(), *Path(state_file).resolve().parents]
+    for c in [b / path for b in bases] or [path]:
+        found = sorted((c / "logs").glob(f"{NCCL_TRACE_PREFIX}*"))
+        if found:
+            return found
+    return []
+
+
 def progress_text(train_dir: str, state_file: Path, now: float | None = None) -> str:
     """`step/total loss L N samples/s ETA T` from a trainer's progress.json; "" before it exists."""
     found = _find_train_dir(train_dir, state_file)
@@ -213,6 +226,10 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
             if stage_of(stage) == "train":
                 i = int(task) if task.isdigit() else 0
                 progress = progress_text(train_dirs[i], state_file) if i < len(train_dirs) else ""
+                dumps = flight_dumps(train_dirs[i], state_file) if i < len(train_dirs) else []
+                if dumps:  # an NCCL op timed out: where each rank's last collectives are
+                    progress = (progress + "; " if progress else "") + (
+                        f"NCCL timeout: flight recorder dumps {dumps[0].parent}/{NCCL_TRACE_PREFIX}* ({len(dumps)} ranks)")
             nodes = "-" if j.nodes.startswith("None") or not j.nodes else j.nodes
             rows.append((stage, j.id, variant, j.state, j.elapsed, j.exit_code, nodes, progress))
     return rows

@@ -53,6 +53,7 @@ class StreamReceiver:
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected
+        self._mid_sample: dict[int, int] = {}  # streamer -> the sample whose body is being received
         self._skipped: list[tuple[int, int]] = []  # (epoch, id) of captures a streamer reported failed
         self._skip_lock = threading.Lock()
         self.error: str | None = None
@@ -116,14 +117,20 @@ class StreamReceiver:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._recv_from(s, side)
         except Exception as err:  # noqa: BLE001 - a closed socket is how gloo reports a dead peer
-            self._events.put(("error", s, f"{self._name(s)} failed: {str(err).splitlines()[0][:160]}"))
+            first = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+            if s in self._mid_sample:  # the header came, the data did not: the data plane's timeout fired
+                first = (f"sample {self._mid_sample[s]} stopped mid-send: its header arrived, its data did not "
+                         f"within the data plane's timeout (stream.nccl_timeout_s) ({first})")
+            self._events.put(("error", s, f"{self._name(s)} failed: {first}"))
 
     def _recv_from(self, s: int, side) -> None:
         while True:
             h = recv_header(s, self.planes)
             self._last_seen[s] = time.monotonic()
             if h.kind == Kind.SAMPLE:
+                self._mid_sample[s] = h.sample_id
                 cap = recv_sample_body(h, s, self.planes, self.pool)
+                del self._mid_sample[s]
                 if side is not None:
                     side.synchronize()
                 self.samples.put((s, h.epoch, cap))

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.validate import control_timeout_s
+from hpc.dist.planes import flight_recorder_env
 from hpc.own_env import set_own
 
 
@@ -128,13 +130,15 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     # Every rank joins the world first; a streamer then starts its verifier inside the stream,
     # heartbeating while vLLM loads, so a verifier that never starts stops every rank within
     # seconds of its error. The group timeout still covers a collective that waits on a vLLM start.
-    group_timeout_s = cfg.verifier.health_timeout_s + 600
+    group_timeout_s = control_timeout_s(cfg)
+    flight_recorder_env(out / "logs", cfg.train.dist_backend)
     if not w.is_trainer:
         # Preemption (USR2) and cancel (TERM) are the trainers' business: they checkpoint and then
         # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-    planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, secret, timeout_s=group_timeout_s)
+    planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, secret, timeout_s=group_timeout_s,
+                        data_timeout_s=cfg.stream.nccl_timeout_s)
     rows, vocab_file = load_prepared(out)
     rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:

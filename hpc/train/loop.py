@@ -208,6 +208,17 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(flag.item())
 
+    def _all_ready(self, mine: bool) -> bool:
+        """Whether every rank holds its step's batches, agreed on the gloo control plane. Only then
+        does DDP post its all-reduce on the data plane: a rank still waiting for samples (a
+        restarting verifier) must not hold the others inside an NCCL op that has a short timeout,
+        and a rank whose stream ended must not leave the others waiting in one forever."""
+        if self.world == 1:
+            return mine
+        flag = torch.tensor([0.0 if mine else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        return not flag.item()
+
     def run(self, batches: Iterator[MicroBatch], on_step: Callable[[int, dict], None] | None = None,
             max_steps: int | None = None) -> TrainState:
         previous = self._install_signals()
@@ -223,6 +234,8 @@ class Trainer:
             try:
                 micro = [next(batches) for _ in range(self.cfg.grad_accumulation)]
             except StopIteration:
+                micro = []
+            if not self._all_ready(bool(micro)):
                 break
             metrics = self.step(micro)
             if on_step is not None:

@@ -144,6 +144,9 @@ def test_table_from_parsed_sacct(monkeypatch, tmp_path: Path) -> None:
     now = time.time()
     monkeypatch.setattr(time, "time", lambda: now)  # the age below is exact, however slow this machine
     _progress(tmp_path / "v0" / "train", now - 300)  # a stale file says how old it is
+    (tmp_path / "v1" / "train" / "logs").mkdir(parents=True)  # v1 failed on an NCCL timeout: two ranks dumped
+    for r in (0, 1):
+        (tmp_path / "v1" / "train" / "logs" / f"nccl-trace-rank{r}").write_bytes(b"\x80")
     jobs = {"regenerate": "11", "train": "12", "eval-n3": "13", "eval-n7": "14", "report": "15"}
     pf = _write_pipeline(tmp_path, "toy", jobs, [str(tmp_path / "v0" / "train"), str(tmp_path / "v1" / "train")])
 
@@ -155,6 +158,8 @@ def test_table_from_parsed_sacct(monkeypatch, tmp_path: Path) -> None:
     assert "RUNNING" in rows["12_0"] and "node[1-2]" in rows["12_0"]
     assert "40/100 loss 0.810 5.1 samples/s ETA 1m33s (updated 5m00s ago)" in rows["12_0"]
     assert "FAILED" in rows["12_1"] and "1:0" in rows["12_1"]
+    assert f"flight recorder dumps {tmp_path / 'v1' / 'train' / 'logs'}/nccl-trace-rank* (2 ranks)" in rows["12_1"]
+    assert "flight recorder" not in rows["12_0"]
     assert "PENDING" in rows["13_0"] and "PENDING" in rows["13_1"] and "v1" in rows["13_1"]
     assert "CANCELLED" in rows["14_0"] and "by 0" not in rows["14_0"]
     assert "UNKNOWN" in rows["15"] and "not in sacct yet" in rows["15"]

@@ -12,14 +12,16 @@ from hpc.fsio import write_text
 
 
 def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: str, out_dir: str,
-         n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000) -> None:
+         n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000,
+         nccl_timeout_s: float | None = None, stall_after: int = -1) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.config.schema import StreamConfig
     from hpc.train.online import World, init_world, run_trainer, streamer_rows
     from tests.train.test_resume import make_parts, rows
 
     w = World(rank, n_trainers, n_streamers)
-    planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, "stream-test-" + "0" * 52, timeout_s=120)
+    planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, "stream-test-" + "0" * 52, timeout_s=120,
+                        data_timeout_s=nccl_timeout_s)
     out = Path(out_dir)
     stream_cfg = StreamConfig(buffer_per_trainer=3, heartbeat_s=0.5, peer_timeout_s=peer_timeout_s)
     data = rows(n_rows)
@@ -42,8 +44,31 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
              "step": state.get("step", 0), "seen": state.get("samples_seen", 0),
              "skipped": state.get("samples_skipped", 0)}))
     else:
+        from hpc.stream import streamer
         from hpc.stream.streamer import run_streamer
         from hpc.verifier.hf_backend import HFVerifier
+
+        if stall_after >= 0:  # a peer that stops mid-sample: header and ids go out, the states never do
+            real_send, sent = streamer.send_sample, [0]
+
+            def stalling_send(cap, epoch, dst, planes_, dtype):
+                if sent[0] == stall_after:
+                    import time
+
+                    import torch.distributed as dist
+
+                    from hpc.dist import rules
+                    from hpc.stream.protocol import DTYPE_CODES, Header, Kind, send_header
+                    T, n_aux, H = cap.aux_TnH.shape
+                    send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst,
+                                planes_)
+                    with rules.message(rules.Message.SAMPLE):
+                        dist.send(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]), dst=dst,
+                                  group=planes_.data)
+                    time.sleep(3600)  # alive, holding the sample: only a timeout ends the wait
+                sent[0] += 1
+                return real_send(cap, epoch, dst, planes_, dtype)
+            streamer.send_sample = stalling_send
 
         verifier = HFVerifier(target_dir, [1, 2, 3])
 

@@ -60,6 +60,23 @@ def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):
     assert max(t0["max_depth"], t1["max_depth"]) <= 3 * 1 + 3  # buffer_per_trainer (+ one per streamer share)
 
 
+def test_a_peer_that_stops_mid_sample_ends_the_run_within_the_data_timeout(target_dir, tmp_path):  # noqa: F811
+    """The streamer sends a sample's header and ids, then holds its states while alive. The data
+    plane's timeout (stream.nccl_timeout_s, 5 s here) ends the wait, well before the 90 s a silent
+    peer gets, and the run stops with one line naming the streamer and the timeout."""
+    t0 = time.monotonic()
+    procs = launch(1, 1, target_dir, tmp_path, 24, peer_timeout_s=90.0, nccl_timeout_s=5.0, stall_after=6)
+    try:
+        codes = wait_all(procs[:1], timeout=80)
+    finally:
+        procs[1].kill()
+    assert codes == [EXIT_PEER_DIED]
+    assert time.monotonic() - t0 < 85  # not the silence watchdog's 90 s
+    cause = read(tmp_path, "stopped.json")["cause"]
+    assert "\n" not in cause and "rank 1" in cause and "stream.nccl_timeout_s" in cause, cause
+    assert read(tmp_path, "trainer0.json")["step"] >= 1  # the samples before the stall trained
+
+
 def test_killed_verifier_is_noticed_and_a_restart_loses_nothing(target_dir, tmp_path):  # noqa: F811
     procs = launch(2, 1, target_dir, tmp_path, 48, peer_timeout_s=5.0)
     progress = tmp_path / "progress0"

@@ -98,3 +98,31 @@ def _tiny_trainer(planes, out_dir: str):
     cfg = TrainConfig(device="cpu", dist_backend="gloo", global_batch_size=2, grad_accumulation=1,
                       warmup_steps=0, steps=10, checkpoint_interval=1000, output_dir=out_dir)
     return Trainer(cfg, model, head, {}, out_dir, group=planes.train_data, control_group=planes.train_control)
+
+
+def short_stream_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Rank 1's stream ends after 2 batches, rank 0's has 5: both stop after step 2, agreed on the
+    control plane, instead of rank 0 posting DDP's all-reduce for a step rank 1 never takes."""
+    torch.set_num_threads(1)
+    from hpc.dist.planes import init_planes
+    from hpc.stream.sample import Capture, MicroBatch
+    from tests.model.test_dspark import H, V
+
+    planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET,
+                         timeout_s=60, data_timeout_s=20)  # a regression fails in seconds instead of hanging
+    try:
+        trainer = _tiny_trainer(planes, out_dir)
+        g = torch.Generator().manual_seed(rank)
+
+        def batches(n: int):
+            for s in range(n):
+                T = 40
+                mask = torch.zeros(T, dtype=torch.long)
+                mask[5:] = 1
+                cap = Capture(s, torch.randint(0, V - 1, (T,), generator=g), mask, torch.randn(T, 3, H, generator=g),
+                              torch.randn(T, H, generator=g))
+                yield MicroBatch([cap], [(0, 2 * s + rank)])
+        state = trainer.run(batches(5 if rank == 0 else 2))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"step": state.step}))
+    finally:
+        dist.destroy_process_group()

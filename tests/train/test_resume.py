@@ -154,6 +154,20 @@ def test_a_rank_whose_row_has_no_anchor_does_not_hang_the_others(tmp_path):
         assert m["accept_len"] >= 1.0 and m["supervised_slots"] > 0 and m["loss"] > 0
 
 
+def test_a_rank_whose_stream_ends_first_stops_every_rank_at_the_same_step(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from hpc.net import free_port
+    from tests.train import ddp_worker
+
+    mp.start_processes(ddp_worker.short_stream_main, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    steps = [json.loads((tmp_path / f"rank{r}.json").read_text())["step"] for r in range(2)]
+    assert steps == [2, 2]
+
+
 def test_capture_of_the_wrong_shape_stops_at_the_first_sample(target_dir, tmp_path):
     from hpc.errors import UserError
     from hpc.stream.sample import Capture, MicroBatch
