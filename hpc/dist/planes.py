@@ -26,7 +26,9 @@ Sample tensors live on the data plane's device: the rank's GPU under NCCL, the C
 NCCL creates a communicator per (streamer, trainer) pair at the pair's first send. Left to the
 first sample, that setup would interleave with DDP's collectives mid-training (and block a
 streamer where the watchdog cannot see it): `open_pairs` creates them all up front, in one
-order on every rank, before anything else runs.
+order on every rank, before anything else runs. It sends a sample-sized message on each pair
+and the trainers all-reduce a DDP bucket's worth, so the buffers and protocols that large
+messages use are set up here too, not at the first real sample or step.
 
 Threads that touch CUDA must `set_device` themselves: the current device is per thread.
 """
@@ -121,23 +123,30 @@ def flight_recorder_env(log_dir: Path, backend: str) -> None:
         set_own(name, value, default=True)
 
 
-def open_pairs(planes: Planes) -> None:
+def open_pairs(planes: Planes, sample_bytes: int = 1, bucket_bytes: int = 0) -> None:
     """Create every streamer -> trainer pair on the data plane now, in one order on every rank.
 
     Streamers send to trainers in ascending order and trainers receive from streamers in
     ascending order, so no pair waits on another; the control barrier then lets training start.
     The calling thread hands each pair over: its receive thread or main loop owns it next.
+    `sample_bytes` sizes the message on each pair (the largest sample), `bucket_bytes` the
+    trainers' warm-up all-reduce on DDP's group (0: none).
     """
-    one = torch.zeros(1, device=planes.device)
+    msg = torch.zeros(max(sample_bytes, 1), dtype=torch.uint8, device=planes.device)
     with rules.message(rules.Message.SAMPLE):
         if planes.is_trainer:
             for s in planes.streamers:
-                dist.recv(one, src=s, group=planes.data)
+                dist.recv(msg, src=s, group=planes.data)
                 rules.handover(planes.data, s)
+            if bucket_bytes and len(planes.trainers) > 1:
+                dist.all_reduce(torch.zeros(bucket_bytes // 4, device=planes.device), group=planes.train_data)
         else:
             for t in planes.trainers:
-                dist.send(one, dst=t, group=planes.data)
+                dist.send(msg, dst=t, group=planes.data)
                 rules.handover(planes.data, t)
+    del msg
+    if planes.device.type == "cuda":  # a streamer's GPU is shared with the vLLM it starts next
+        torch.cuda.empty_cache()
     dist.barrier(group=planes.control)
 
 

@@ -57,12 +57,13 @@ class World:
 
 
 def init_world(w: World, backend: str, device: torch.device, master_addr: str, port: int, secret: str,
-               timeout_s: float = 600.0, data_timeout_s: float | None = None) -> Planes:
+               timeout_s: float = 600.0, data_timeout_s: float | None = None, sample_bytes: int = 1) -> Planes:
     """Every rank's groups, on both planes, and every streamer -> trainer pair opened (collective:
     every rank of the world calls it, before any DDP collective can run)."""
     planes = init_planes(w.rank, w.size, w.trainers, backend, torch.device(device), master_addr, port, secret,
                          timeout_s, data_timeout_s)
-    open_pairs(planes)
+    # DDP's default bucket (25 MiB): the trainers' first all-reduce happens here, not in step 1.
+    open_pairs(planes, sample_bytes, bucket_bytes=25 * 2**20 if backend == "nccl" else 0)
     return planes
 
 
