@@ -230,3 +230,46 @@ def check_checkpoint(trainer, dev: torch.device, where: Path) -> Row:
                f"{size / GB:.2f} GB (weights + AdamW): save {t_save:.1f} s ({size / t_save / GB:.2f} GB/s), "
                f"load {t_load:.1f} s; weights round-trip exactly: {ok}; in {where} ({free / GB:.0f} GB free)",
                {"bytes": size, "save_s": t_save, "load_s": t_load})
+
+
+# -- 8. the streamer's footprint on a verifier GPU ------------------------------------------------
+_FOOTPRINT = r"""
+import json, os, sys, torch, torch.distributed as dist, pynvml
+pynvml.nvmlInit()
+dev = int(sys.argv[1]); h = pynvml.nvmlDeviceGetHandleByIndex(dev)
+used = lambda: pynvml.nvmlDeviceGetMemoryInfo(h).used
+base = used()
+torch.cuda.set_device(dev)
+a = torch.randn(1024, 1024, device="cuda"); (a @ a).sum().item(); del a; torch.cuda.empty_cache()
+ctx = used() - base
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 1, True)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", dev))
+x, y = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)]):
+    w.wait()
+torch.cuda.synchronize(); del x, y; torch.cuda.empty_cache()
+comm = used() - base - ctx
+dist.destroy_process_group()
+print(json.dumps({"context": ctx, "comm": comm}))
+"""
+
+
+def check_streamer_footprint(dev: torch.device) -> Row:
+    """A fresh process's CUDA context and a one-rank NCCL communicator with a p2p connection,
+    read from NVML, against what `dspark plan` counts for the streamer beside vLLM."""
+    import json
+    import subprocess
+    import sys
+
+    from hpc.config.verifier_gpu import CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, NCCL_PEER_BYTES
+
+    proc = subprocess.run([sys.executable, "-c", _FOOTPRINT, str(dev.index or 0), str(_free_port())],
+                          capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        return Row("streamer footprint", "FAIL", f"probe failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    comm_plan = NCCL_COMM_BYTES + NCCL_PEER_BYTES
+    ok = got["context"] <= CUDA_CONTEXT_BYTES and got["comm"] <= comm_plan
+    return Row("streamer footprint", "PASS" if ok else "FAIL",
+               f"NVML: CUDA context {got['context'] / GB:.2f} GB (plan {CUDA_CONTEXT_BYTES / GB:.2f}), NCCL "
+               f"communicator + one p2p peer {got['comm'] / GB:.2f} GB (plan {comm_plan / GB:.2f})", got)

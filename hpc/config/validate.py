@@ -290,6 +290,22 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
                    f"grad_accumulation), which the buffer must hold; use at least {micro}")
 
 
+def _check_verifier_gpu(c: Checker, cfg: DSparkConfig) -> None:
+    """The streamer fits in what vLLM leaves of a verifier node's last GPU."""
+    from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
+
+    if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
+        return
+    need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg)))
+    left = headroom_bytes(cfg)
+    if need > left:
+        most = 1 - need / (cfg.plan.gpu_memory_gb * GB)
+        c.fail("verifier.gpu_memory_utilization", cfg.verifier.gpu_memory_utilization,
+               f"leaves {left / GB:.1f} GB of the verifier's last GPU (plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}), "
+               f"and the streamer beside vLLM there needs {need / GB:.1f} GB (CUDA context, NCCL, the largest "
+               f"sample; dspark plan lists them); use at most {max(most, 0):.2f}, or lower data.max_seq_len")
+
+
 def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
     """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
     t = cfg.train
@@ -326,6 +342,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     _check_data(c, cfg)
     _check_train(c, cfg)
     _check_stream(c, cfg)
+    _check_verifier_gpu(c, cfg)
     check_eval(c, cfg)
     tracking_checks(c, cfg, check_tracking)
     check_schedule(c, cfg)

@@ -12,12 +12,18 @@ import math
 from dataclasses import dataclass
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.verifier_gpu import (
+    DTYPE_BYTES,
+    headroom_bytes,
+    shares_gpu_with_vllm,
+    stream_dtype_name,
+    streamer_items,
+)
 from hpc.errors import UserError
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 from hpc.tables import text_table
 
 GB = 1e9
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDS_BYTES_PER_TOKEN = 16  # token id + loss mask, int64 each (hpc.stream.protocol)
 HEADER_BYTES = 64  # one int64[8] header per sample
 LOSS_TENSORS = 8  # fp32 [Q, draft_vocab] tensors alive in the loss: logits, logp, p, logq, q, grads...
@@ -90,6 +96,8 @@ class Plan:
     verifier_node_bytes: float
     kv_headroom_bytes: float
     verifier_over: bool
+    streamer_memory: list[MemoryItem]  # on the verifier's last GPU, beside vLLM ([] when they do not share)
+    streamer_headroom_bytes: float
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -101,13 +109,6 @@ def check_plan(cfg: DSparkConfig) -> None:
     plan_checks(c, cfg)
     if c.problems:
         raise UserError(c.problems[0])
-
-
-def stream_dtype_name(cfg: DSparkConfig) -> str:
-    """As hpc.train.driver.stream_dtype, without importing the trainer."""
-    if cfg.stream.dtype != "auto":
-        return cfg.stream.dtype
-    return "bfloat16" if cfg.train.dist_backend == "nccl" else "float32"
 
 
 def _draft_params(cfg: DSparkConfig) -> dict[str, int]:
@@ -286,6 +287,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         trainer_over=used > p.gpu_memory_gb * GB, target_weight_bytes=weights, verifier_node_bytes=node_bytes,
         kv_headroom_bytes=usable - weights,
         verifier_over=weights > usable,
+        streamer_memory=[MemoryItem(*item) for item in streamer_items(cfg, world)] if shares_gpu_with_vllm(cfg) else [],
+        streamer_headroom_bytes=headroom_bytes(cfg),
     )
 
 
@@ -364,6 +367,14 @@ def format_plan(pl: Plan) -> str:
              + "verifier.gpu_memory_utilization x GPU memory - weights"),
         ]),
     ]
+    if pl.streamer_memory:
+        need = sum(m.bytes for m in pl.streamer_memory)
+        sections.append(("streamer on the verifier's last GPU (beside vLLM)", [
+            *[(m.what, _bytes(m.bytes), m.how) for m in pl.streamer_memory],
+            ("total", _bytes(need), ("OVER: exceeds " if need > pl.streamer_headroom_bytes else "fits ")
+             + f"what vLLM leaves, {_bytes(pl.streamer_headroom_bytes)} = (1 - verifier.gpu_memory_utilization) "
+             "x plan.gpu_memory_gb"),
+        ]))
     # One table for all sections, so their columns line up; each title then goes above its rows.
     table = iter(text_table(None, [r for _, rs in sections for r in rs], right={1}))
     lines = [f"{pl.name}: capacity plan (estimates; set plan.* to measured values to refine)"]

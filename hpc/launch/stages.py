@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hpc.config.schema import ClusterConfig, DSparkConfig, TrainConfig
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.gpu_mode import check_shared_gpu
 from hpc.launch.node_setup import prepare_once
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
@@ -86,6 +87,8 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
     # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
     locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
+    if role == "verifier" and cfg.train.dist_backend == "nccl":
+        check_shared_gpu(locals_[0])
     procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, secret, parent_run_id, local),
                          name=f"rank{r}") for local, r in zip(locals_, ranks)]
     for p in procs:

@@ -124,6 +124,8 @@ BAD_CASES = {
     "eval on several nodes": (["cluster.eval_nodes=4"], "cluster.eval_nodes = 4: an evaluation runs on one node"),
     "stream buffer below a micro-batch": (["train.global_batch_size=64", "stream.buffer_per_trainer=4"],
                                           "stream.buffer_per_trainer = 4: a micro-batch takes 8 samples"),
+    "streamer beside vllm": (["verifier.gpu_memory_utilization=0.99"],
+                             "verifier.gpu_memory_utilization = 0.99: leaves 1.4 GB of the verifier's last GPU"),
     "nccl timeout zero": (["stream.nccl_timeout_s=0"], "stream.nccl_timeout_s = 0.0: must be > 0"),
     "nccl timeout above control": (["stream.nccl_timeout_s=9000", "verifier.health_timeout_s=1200"],
                                    "stream.nccl_timeout_s = 9000.0: exceeds the control plane's timeout (1800 s"),

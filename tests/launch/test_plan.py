@@ -119,7 +119,7 @@ def test_cli_prints_the_kimi_plan(capsys, monkeypatch):
     for line in ("kimi-k2.6-dspark: capacity plan", "bytes per captured token", "57.36 KB", "573.60 MB",
                  "supply", "demand", "trainer nodes per verifier node", "1 verifier : 1 trainer",
                  "trainer data-wait", "memory per trainer GPU", "AdamW states", "stream buffer",
-                 "block activations", "logits + loss",
+                 "block activations", "logits + loss", "streamer on the verifier's last GPU (beside vLLM)", "CUDA context",
                  "fits plan.gpu_memory_gb", "target weights", "600.00 GB"):
         assert line in out, line
 
