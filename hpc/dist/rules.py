@@ -26,7 +26,9 @@ Calls on unregistered groups are checked for rules 4 and 6 only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -34,9 +36,11 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 ENV = "DSPARK_NCCL_CHECK"
 LOG_ENV = "DSPARK_NCCL_CHECK_LOG"
+CHECKED = "_dspark_checked"  # set on each wrapper: `rules.installed()` and tests read it
 
 
 class Plane(str, Enum):
@@ -67,7 +71,8 @@ class Checker:
         self.groups: dict = {}  # process group -> (plane, device type)
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.owners: dict = {}  # (group, peer) -> the thread that owns the pair on the data plane
+        self.owners: dict = {}  # (group, peer) -> the token of the thread that owns the pair on the data plane
+        self._tokens = itertools.count(1)
         self.directions: dict = {}  # (group, peer) -> {"send", "recv"}
         self.violations: list[str] = []
 
@@ -78,6 +83,14 @@ class Checker:
 
     def kind(self) -> Message:
         return getattr(self.local, "kind", Message.CONTROL)
+
+    def thread_token(self) -> int:
+        """This thread's identity for pair ownership: never reused, unlike threading.get_ident(),
+        which a new thread may inherit from one that exited still owning a pair."""
+        token = getattr(self.local, "token", None)
+        if token is None:
+            token = self.local.token = next(self._tokens)
+        return token
 
     @contextlib.contextmanager
     def message(self, kind: Message) -> Iterator[None]:
@@ -128,7 +141,7 @@ class Checker:
         broken += self._plane_rules(group, f"{op} with peer {peer}", [tensor])
         reg = self.groups.get(group)
         if reg is not None and reg[0] == Plane.DATA and peer is not None:
-            key, me = (group, peer), threading.get_ident()
+            key, me = (group, peer), self.thread_token()
             direction = "send" if op in ("send", "isend") else "recv"
             with self.lock:
                 owner = self.owners.setdefault(key, me)
@@ -137,7 +150,7 @@ class Checker:
                                   "owns this pair (NCCL serialises a pair on one stream: a deadlock or a random "
                                   "order); one thread per pair, or hand it over")
                 used = self.directions.setdefault(key, set())
-                if used and direction not in used:
+                if used and direction not in used and not _is_self(group, peer):  # a self-pair carries no stream
                     broken.append(f"{op} with peer {peer}: the data plane already carries the other direction "
                                   "with this peer; sample tensors flow streamer -> trainer only")
                 used.add(direction)
@@ -167,6 +180,13 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+def _is_self(group, peer) -> bool:
+    try:
+        return peer == dist.get_rank(group)
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # not a real group (unit tests)
+        return False
+
+
 def _group_of(bound: inspect.BoundArguments):
     group = bound.arguments.get("group")
     if group is None and dist.is_initialized():
@@ -185,6 +205,7 @@ def _wrap_p2p(op: str):
     orig = getattr(dist, op)
     sig = inspect.signature(orig)
 
+    @functools.wraps(orig)  # its name: P2POp(dist.isend, ...) reads op.__name__
     def checked(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         CHECKER.before_p2p(op, bound.arguments["tensor"], _group_of(bound), _peer(bound, op))
@@ -195,6 +216,7 @@ def _wrap_p2p(op: str):
 def _wrap_batch():
     orig = dist.batch_isend_irecv
 
+    @functools.wraps(orig)
     def checked(p2p_op_list, *args, **kwargs):
         default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
         for p in p2p_op_list:
@@ -217,6 +239,7 @@ def _wrap_collective(name: str):
     orig = getattr(dist, name)
     sig = inspect.signature(orig)
 
+    @functools.wraps(orig)
     def checked(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         CHECKER.before_collective(name, _tensors(bound), _group_of(bound))
@@ -225,6 +248,7 @@ def _wrap_collective(name: str):
 
 
 def _wrap_object_collective(name: str):
+    @functools.wraps(getattr(dist, name))
     def refused(*args, **kwargs):
         CHECKER.violate(f"rule 6: dist.{name} unpickles what a peer sent; exchange tensors "
                         "(hpc.dist.planes.broadcast_text for text)")
@@ -232,22 +256,31 @@ def _wrap_object_collective(name: str):
 
 
 def install() -> None:
-    """Wrap torch.distributed's p2p and collective calls (idempotent)."""
+    """Wrap torch.distributed's p2p and collective calls (idempotent), in both namespaces: code
+    that calls `distributed_c10d.isend` directly is checked too, and P2POp, which accepts only
+    the c10d module's own isend/irecv, accepts the wrapped ones."""
     if _originals:
         return
+    wrapped: dict[str, object] = {}
     for name in _P2P:
-        _originals[name] = getattr(dist, name)
-        setattr(dist, name, _wrap_p2p(name))
+        wrapped[name] = _wrap_p2p(name)
     for name in _COLLECTIVES:
         if hasattr(dist, name):
-            _originals[name] = getattr(dist, name)
-            setattr(dist, name, _wrap_collective(name))
+            wrapped[name] = _wrap_collective(name)
     for name in _OBJECT_COLLECTIVES:
         if hasattr(dist, name):
-            _originals[name] = getattr(dist, name)
-            setattr(dist, name, _wrap_object_collective(name))
-    _originals["batch_isend_irecv"] = dist.batch_isend_irecv
-    dist.batch_isend_irecv = _wrap_batch()
+            wrapped[name] = _wrap_object_collective(name)
+    wrapped["batch_isend_irecv"] = _wrap_batch()
+    for name, fn in wrapped.items():
+        _originals[name] = getattr(dist, name)
+        fn.__dict__[CHECKED] = True
+        setattr(dist, name, fn)
+        if getattr(c10d, name, None) is _originals[name]:
+            setattr(c10d, name, fn)
+
+
+def installed() -> bool:
+    return getattr(dist.send, CHECKED, False)
 
 
 def install_from_env() -> bool:

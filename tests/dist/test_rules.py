@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ def checker():
 
 
 def test_checked_mode_is_on_in_tests():
-    assert rules.enabled() and torch.distributed.send.__name__ == "checked"
+    assert rules.enabled() and rules.installed()
+    from torch.distributed import distributed_c10d as c10d
+    assert c10d.isend is torch.distributed.isend and c10d.all_reduce is torch.distributed.all_reduce
 
 
 def test_receive_from_any_source_is_refused(checker):
@@ -76,13 +79,16 @@ def test_one_thread_per_pair_on_the_data_plane_until_it_hands_over(checker):
     assert len(errors) == 1 and "another thread owns this pair" in errors[0]
     c.handover(data, 5)  # e.g. the pair warm-up in the main thread, then the receive thread
 
+    tokens = []
+
     def receive_thread():
         with c.message(Message.SAMPLE):
             c.before_p2p("recv", torch.zeros(4), data, 5)
+        tokens.append(c.thread_token())
     t = threading.Thread(target=receive_thread)
     t.start()
     t.join()
-    assert c.owned(data, 5) and c.owners[(data, 5)] == t.ident
+    assert c.owned(data, 5) and c.owners[(data, 5)] == tokens[0] != c.thread_token()
     with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="other direction"):
         c.handover(data, 5)
         c.before_p2p("send", torch.zeros(4), data, 5)
@@ -110,3 +116,46 @@ def test_the_pre_planes_stream_pattern_is_caught(tmp_path):
         fh.seek(start)
         lines = [ln for ln in fh.read().splitlines() if "another thread owns this pair" in ln]
     assert {ln.split()[1] for ln in lines} == {str(p.pid) for p in procs}
+
+
+def test_a_new_thread_that_inherits_an_exited_owners_id_does_not_inherit_its_pair(checker, monkeypatch):
+    """CPython reuses a finished thread's ident: the checker's identity must not."""
+    c, _, _ = checker
+    data = object()
+    c.register(data, Plane.DATA, "cpu")
+    # Every thread looks alike by ident to the checker's module, as an ident reused after exit would.
+    shim = types.SimpleNamespace(get_ident=lambda: 42, local=threading.local, Lock=threading.Lock,
+                                 current_thread=threading.current_thread)
+    monkeypatch.setattr(rules, "threading", shim)
+    errors = []
+
+    def op():
+        with c.message(Message.SAMPLE):
+            try:
+                c.before_p2p("recv", torch.zeros(4), data, 5)
+            except NCCLRuleError as err:
+                errors.append(str(err))
+    for _ in range(2):  # the first owns the pair and exits without handing it over
+        t = threading.Thread(target=op)
+        t.start()
+        t.join()
+    assert len(errors) == 1 and "another thread owns this pair" in errors[0]
+
+
+def test_p2pop_and_direct_c10d_calls_are_checked_without_false_alarms(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    group = c10d._get_default_group()
+    try:
+        op = dist.P2POp(dist.isend, torch.ones(2), 0)  # torch accepts only its own isend: the wrapper must pass
+        assert op.op.__name__ == "isend" and c10d.P2POp(c10d.irecv, torch.ones(2), 0).op.__name__ == "irecv"
+        rules.register(group, Plane.DATA, "cuda")
+        with pytest.raises(NCCLRuleError, match="cpu tensor on a data-plane group"):
+            c10d.all_reduce(torch.ones(1), group=group)  # the c10d namespace is not a way around the rules
+        with pytest.raises(NCCLRuleError, match="unpickles"):
+            c10d.broadcast_object_list([1], group=group)
+    finally:
+        rules.CHECKER.groups.pop(group, None)
+        dist.destroy_process_group()
