@@ -34,7 +34,7 @@ TILE_SLOTS = 256  # hpc.model.blocks.tiled_sdpa_attention_fn's default: block sl
 # bf16 autocast. Autocast keeps fp32 norms and casts each linear's input afresh (it caches weights
 # only), which is why its per-h cost is not half of fp32's.
 SLOT_H_BYTES = {False: 48, True: 41}  # per block slot per layer: norms, residuals, q/o, attention out
-CTX_H_BYTES = {False: 12, True: 4 + 2 * 1}  # per context token: fc out + hidden_norm (+ 2 per layer input cast)
+CTX_H_BYTES = {False: 12, True: 6}  # per context token: fc out and hidden_norm (fp32: 3 x 4 B; autocast: 4 + 2 B)
 CTX_H_PER_LAYER = {False: 0, True: 4}  # autocast casts the normed context again for k_proj and v_proj
 KV_BYTES = {False: 8, True: 6}  # per token per layer: k_proj/v_proj outputs, k_norm (fp32 + its cast)
 
