@@ -163,21 +163,22 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _find_train_dir(train_dir: str, state_file: Path) -> Path | None:
+def _train_dir_candidates(train_dir: str, state_file: Path) -> list[Path]:
     # Relative train dirs are relative to where `dspark submit` ran, which holds log_dir; from
     # elsewhere, the state file's ancestors are the places that can be.
     path = Path(train_dir)
     bases = [] if path.is_absolute() else [Path.cwd(), *Path(state_file).resolve().parents]
-    candidates = [b / path for b in bases] or [path]
-    return next((c for c in candidates if (c / "progress.json").is_file()), None)
+    return [b / path for b in bases] or [path]
+
+
+def _find_train_dir(train_dir: str, state_file: Path) -> Path | None:
+    return next((c for c in _train_dir_candidates(train_dir, state_file) if (c / "progress.json").is_file()), None)
 
 
 def flight_dumps(train_dir: str, state_file: Path) -> list[Path]:
     """The NCCL flight recorder's dumps of a training task (hpc.dist.planes.flight_recorder_env):
     written when a data-plane op timed out, they name each rank's last collectives."""
-    path = Path(train_dir)
-    bases = [] if path.is_absolute() else [Path.cwd(), *Path(state_file).resolve().parents]
-    for c in [b / path for b in bases] or [path]:
+    for c in _train_dir_candidates(train_dir, state_file):
         found = sorted((c / "logs").glob(f"{NCCL_TRACE_PREFIX}*"))
         if found:
             return found

@@ -16,6 +16,7 @@ import torch
 
 from hpc.config.schema import DSparkConfig
 from hpc.config.validate import control_timeout_s
+from hpc.config.verifier_gpu import largest_sample_bytes
 from hpc.dist.planes import flight_recorder_env
 from hpc.own_env import set_own
 
@@ -137,10 +138,8 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
         # end the stream. A streamer (and the vLLM it starts, which inherits this) keeps serving.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-    v = cfg.verifier
-    largest = cfg.data.max_seq_len * (len(v.aux_layer_ids) + 1) * v.hidden_size * stream_dtype(cfg).itemsize
     planes = init_world(w, cfg.train.dist_backend, device, master_addr, port, secret, timeout_s=group_timeout_s,
-                        data_timeout_s=cfg.stream.nccl_timeout_s, sample_bytes=largest)
+                        data_timeout_s=cfg.stream.nccl_timeout_s, sample_bytes=largest_sample_bytes(cfg))
     rows, vocab_file = load_prepared(out)
     rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:
