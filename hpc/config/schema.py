@@ -248,6 +248,10 @@ class StreamConfig:
     dtype: str = "auto"  # auto: bfloat16 with NCCL, float32 with gloo (CPU training is fp32)
     buffer_per_trainer: int = 8  # samples a trainer may have in flight: the backpressure bound
     prefetch: int = 2  # captures a streamer prepares ahead of the network
+    # Samples on the wire per streamer -> trainer pair: with one, each sample waits for the last
+    # to land (bench stream: about half a raw send); two keep the link busy. On a verifier node
+    # they sit on vLLM's last GPU: the streamer holds at most what fits in vLLM's headroom.
+    in_flight: int = 2
     heartbeat_s: float = 2.0
     peer_timeout_s: float = 30.0  # a silent peer is declared dead after this long
     # The data plane's (NCCL's) and DDP's op timeout: a dead or hung peer surfaces in minutes, with

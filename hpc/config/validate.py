@@ -271,6 +271,12 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
     c.one_of("stream.dtype", st.dtype, ("auto", *DTYPES))
     c.positive("stream.buffer_per_trainer", st.buffer_per_trainer)
     c.positive("stream.prefetch", st.prefetch)
+    c.positive("stream.in_flight", st.in_flight)
+    share = -(-st.buffer_per_trainer // max(cfg.cluster.verifier_nodes, 1))
+    if 0 < share < st.in_flight:  # credits never let more than a share be on the wire
+        c.fail("stream.in_flight", st.in_flight,
+               f"exceeds a streamer's share of a trainer's receive buffer ({share} = stream.buffer_per_trainer / "
+               f"cluster.verifier_nodes, rounded up); lower it or raise stream.buffer_per_trainer")
     c.positive("stream.heartbeat_s", st.heartbeat_s)
     if st.peer_timeout_s <= st.heartbeat_s:
         c.fail("stream.peer_timeout_s", st.peer_timeout_s, f"must exceed stream.heartbeat_s={st.heartbeat_s}")

@@ -19,7 +19,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_BYTES = 0.8 * GB  # a process's CUDA context with the cuBLAS/NCCL kernels loaded
 NCCL_COMM_BYTES = 0.85 * GB  # the data plane's communicator with its first p2p connection
 NCCL_PEER_BYTES = 0.05 * GB  # p2p buffers per trainer rank (NCCL_BUFFSIZE x channels, both ways)
-SAMPLES_ON_GPU = 1  # the streamer moves one sample to its GPU at a time, to send it
 
 
 def stream_dtype_name(cfg: DSparkConfig) -> str:
@@ -34,16 +33,32 @@ def largest_sample_bytes(cfg: DSparkConfig) -> int:
     return cfg.data.max_seq_len * (len(v.aux_layer_ids) + 1) * v.hidden_size * DTYPE_BYTES[stream_dtype_name(cfg)]
 
 
-def streamer_items(cfg: DSparkConfig, trainer_ranks: int) -> list[tuple[str, float, str]]:
-    """(what, bytes, how) of the streamer's share of the last GPU."""
-    sample = largest_sample_bytes(cfg)
+def _fixed_items(cfg: DSparkConfig, trainer_ranks: int) -> list[tuple[str, float, str]]:
     return [
         ("CUDA context", CUDA_CONTEXT_BYTES, "one process, kernels loaded (gpu-check measures it)"),
         ("NCCL communicator", NCCL_COMM_BYTES + trainer_ranks * NCCL_PEER_BYTES,
          f"the data plane + p2p buffers to {trainer_ranks} trainer ranks"),
-        ("samples on the GPU", SAMPLES_ON_GPU * sample,
-         f"{SAMPLES_ON_GPU} x the largest sample (data.max_seq_len x (aux + 1) x hidden)"),
     ]
+
+
+def samples_in_flight(cfg: DSparkConfig, trainer_ranks: int) -> int:
+    """The streamer's cap on samples on the wire at once: stream.in_flight to each trainer, as
+    many as fit in vLLM's headroom beside the fixed items when it shares vLLM's GPU (never
+    fewer than one trainer's window: `validate` refuses a config where that does not fit)."""
+    want = cfg.stream.in_flight * max(trainer_ranks, 1)
+    if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
+        return want
+    free = headroom_bytes(cfg) - sum(b for _, b, _ in _fixed_items(cfg, trainer_ranks))
+    return max(cfg.stream.in_flight, min(want, int(free // max(largest_sample_bytes(cfg), 1))))
+
+
+def streamer_items(cfg: DSparkConfig, trainer_ranks: int) -> list[tuple[str, float, str]]:
+    """(what, bytes, how) of the streamer's share of the last GPU."""
+    n = samples_in_flight(cfg, trainer_ranks)
+    return [*_fixed_items(cfg, trainer_ranks),
+            ("samples on the GPU", n * largest_sample_bytes(cfg),
+             f"{n} in flight x the largest sample (stream.in_flight={cfg.stream.in_flight} per trainer, "
+             "capped by this headroom)")]
 
 
 def headroom_bytes(cfg: DSparkConfig) -> float:

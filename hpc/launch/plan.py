@@ -15,6 +15,7 @@ from hpc.config.schema import DSparkConfig
 from hpc.config.verifier_gpu import (
     DTYPE_BYTES,
     headroom_bytes,
+    samples_in_flight,
     shares_gpu_with_vllm,
     stream_dtype_name,
     streamer_items,
@@ -98,6 +99,8 @@ class Plan:
     verifier_over: bool
     streamer_memory: list[MemoryItem]  # on the verifier's last GPU, beside vLLM ([] when they do not share)
     streamer_headroom_bytes: float
+    in_flight: int = 2  # stream.in_flight: samples on the wire per streamer -> trainer pair
+    in_flight_total: int = 2  # the streamer's cap over all its trainers (its GPU's headroom)
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -288,6 +291,7 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         kv_headroom_bytes=usable - weights,
         verifier_over=weights > usable,
         streamer_memory=[MemoryItem(*item) for item in streamer_items(cfg, world)] if shares_gpu_with_vllm(cfg) else [],
+        in_flight=cfg.stream.in_flight, in_flight_total=samples_in_flight(cfg, world),
         streamer_headroom_bytes=headroom_bytes(cfg),
     )
 
@@ -328,6 +332,9 @@ def format_plan(pl: Plan) -> str:
             ("prefill-limited supply", f"{_rate(pl.prefill_samples_s)} samples/s", "prefill tok/s / avg tokens"),
             ("link capacity", f"{_rate(pl.link_samples_s)} samples/s",
              f"{_bytes(pl.link_bytes_s)}/s = plan.link_gbps / 8"),
+            ("samples on the wire", f"{pl.in_flight} per trainer",
+             f"stream.in_flight, at most {pl.in_flight_total} per streamer: the link stays busy only with 2 or more "
+             "(`dspark bench stream --preset sizes` measures the ratio to a raw send)"),
             ("supply", f"{_rate(pl.supply_samples_s)} samples/s",
              ("LINK-BOUND: the network, not prefill, limits supply" if pl.link_bound
               else "prefill-bound: the link carries it") + f" ({_bytes(pl.supply_bytes_s)}/s on the wire)"),

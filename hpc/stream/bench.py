@@ -4,13 +4,18 @@ the same bytes between the same two processes, and the trainer's data-wait fract
 Also a user tool: on a GPU allocation, `--backend nccl` measures the real verifier-to-trainer
 link before a long run. Captures are synthetic (no verifier compute), so the figure is the
 transport's ceiling; repeats alternate raw and stream, and medians are reported.
+`--preset sizes` runs the three sizes the goal names in one run: 8.4 MB, 33.6 MB and a
+Kimi-K2.6 sample (20k tokens x 7168 x 4 states in bf16, 1.15 GB), or the largest this
+machine's memory holds with every buffer the bench keeps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 
-def _capture(i: int, T: int, n_aux: int, H: int):
+def _capture(i: int, T: int, n_aux: int, H: int, dtype: torch.dtype):
+    """A capture in the stream dtype, as a bf16 verifier's would be: no cast on the way."""
     from hpc.stream.sample import Capture
 
     g = torch.Generator().manual_seed(i)
     return Capture.from_states(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
-                               torch.randn(T, n_aux + 1, H, generator=g))
+                               torch.randn(T, n_aux + 1, H, generator=g).to(dtype))
 
 
 def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
@@ -56,62 +62,125 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stream(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype, step_s: float,
-            buffer: int) -> tuple[float, float]:
-    """(seconds for n samples through streamer + receiver, trainer wait fraction)."""
+def _stream(planes, n: int, case: dict, dtype: torch.dtype, step_s: float, buffer: int,
+            in_flight: int, pool=None) -> tuple[float, float, int]:
+    """(seconds for n samples through streamer + receiver, the trainer's wait fraction after the
+    first sample, the streamer's peak host bytes in flight). `pool`: the trainer's receive
+    buffers, kept warm across runs as a training run keeps them."""
     from hpc.stream.receiver import StreamReceiver
     from hpc.stream.streamer import run_streamer
 
-    caps = [_capture(i, T, n_aux, H) for i in range(n)] if planes.rank == 1 else []
+    T, A, H = case["tokens"], case["n_aux"], case["hidden"]
+    # Two distinct captures, sent in turn: a Kimi-size sample is 1.15 GB.
+    caps = [_capture(i, T, A, H, dtype) for i in range(2)] if planes.rank == 1 else []
     dist.barrier(group=planes.control)
     t0 = time.perf_counter()
-    wait = 0.0
+    wait, host = 0.0, 0
     if planes.rank == 1:
         def rows(ledger: list[list[int]], epoch: int) -> Iterator[tuple[int, int, list[int], list[int]]]:
-            return ((0, c.sample_id, [], []) for c in caps)
+            return ((0, i, [], []) for i in range(n))
 
-        run_streamer(rows, lambda i, ids, mask: caps[i], planes, dtype, prefetch=4, heartbeat_s=5.0)
+        stats = run_streamer(rows, lambda i, ids, mask: _renamed(caps[i % 2], i), planes, dtype, prefetch=2,
+                             heartbeat_s=5.0, in_flight=in_flight)
+        host = stats.sender.peak_host_bytes if stats.sender is not None else 0
     else:
-        recv = StreamReceiver([1], buffer, planes, peer_timeout_s=60.0).start([], 0, share_ledger=True)
+        recv = StreamReceiver([1], buffer, planes, peer_timeout_s=120.0, pool=pool).start([], 0, share_ledger=True)
+        first = None
         while (item := recv.get()) is not None:
+            if first is None:  # the steady state: the wait for the pipeline's first sample is not a stall
+                first, recv.wait_s = time.perf_counter(), 0.0
             recv.consumed(item[0])
             recv.release(item[2])
             if step_s:
                 time.sleep(step_s)  # a trainer step that takes this long
-        wait = recv.wait_s
+        wait = recv.wait_s / max(time.perf_counter() - (first or t0), 1e-9)
     _sync(planes.device)
     dist.barrier(group=planes.control)
     from hpc.dist.rules import handover
 
     handover(planes.data, 1 - planes.rank)
-    elapsed = time.perf_counter() - t0
-    return elapsed, wait / elapsed
+    return time.perf_counter() - t0, wait, host
+
+
+def _renamed(cap, i: int):
+    from hpc.stream.sample import Capture
+
+    return Capture.from_states(i, cap.input_ids_T, cap.loss_mask_T, cap.packed_states())
 
 
 def worker(rank: int, args: dict, port: int, secret: str, out: str) -> None:
     from hpc.dist.planes import init_planes, open_pairs, rank_device
+    from hpc.stream.protocol import BufferPool
 
     torch.set_num_threads(1)
     # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
     device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank, exclusive=True)
     planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port, secret)
     open_pairs(planes)
-    dtype = getattr(torch, args["dtype"])
-    T, A, H, n = args["tokens"], args["n_aux"], args["hidden"], args["samples"]
-    raw, stream, waits = [], [], []
-    _raw(planes, 2, T, A, H, dtype)  # warm up the connection
-    for _ in range(args["repeats"]):
-        raw.append(_raw(planes, n, T, A, H, dtype))
-        stream.append(_stream(planes, n, T, A, H, dtype, 0.0, args["buffer"])[0])
-        # Demand below supply: every step's worth of data should already be waiting.
-        waits.append(_stream(planes, n, T, A, H, dtype, args["step_ms"] / 1000, args["buffer"])[1])
-    if rank == 0:
-        Path(out).write_text(json.dumps({"raw": raw, "stream": stream, "wait": waits}))
+    results = []
+    for case in args["cases"]:
+        dtype = getattr(torch, case["dtype"])
+        T, A, H, n = case["tokens"], case["n_aux"], case["hidden"], case["samples"]
+        raw, stream, waits, host = [], [], [], 0
+        pool = BufferPool(device, limit=args["buffer"]) if rank == 0 else None
+        _raw(planes, 2, T, A, H, dtype)  # warm up the connection at this size, and the pool below
+        _stream(planes, min(n, args["buffer"]), case, dtype, 0.0, args["buffer"], args["in_flight"], pool)
+        for _ in range(args["repeats"]):
+            raw.append(_raw(planes, n, T, A, H, dtype))
+            s, _, h = _stream(planes, n, case, dtype, 0.0, args["buffer"], args["in_flight"], pool)
+            stream.append(s)
+            host = max(host, h)
+            # Demand below supply: every step's worth of data should already be waiting.
+            step_s = max(args["step_ms"] / 1000, 1.25 * statistics.median(raw) / n)
+            waits.append(_stream(planes, n, case, dtype, step_s, args["buffer"], args["in_flight"], pool)[1])
+        results.append({"raw": raw, "stream": stream, "wait": waits, "step_s": step_s, "host": host})
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+PRESETS = {  # (tokens, hidden, n_aux, dtype, samples)
+    "8mb": (1024, 512, 3, "float32", 64),
+    "33mb": (4096, 512, 3, "float32", 32),
+    "kimi": (20000, 7168, 3, "bfloat16", 8),
+}
+
+
+def _cases(args: argparse.Namespace) -> list[dict]:
+    if args.preset is None:
+        return [{"tokens": args.tokens, "hidden": args.hidden, "n_aux": args.n_aux, "dtype": args.dtype,
+                 "samples": args.samples}]
+    names = ["8mb", "33mb", "kimi"] if args.preset == "sizes" else [args.preset]
+    cases = []
+    for name in names:
+        T, H, A, dt, n = PRESETS[name]
+        if name == "kimi":
+            T = _largest_tokens(T, H, A, dt, args)
+        cases.append({"tokens": T, "hidden": H, "n_aux": A, "dtype": dt, "samples": n})
+    return cases
+
+
+def _largest_tokens(T: int, H: int, A: int, dtype: str, args: argparse.Namespace) -> int:
+    """Kimi's tokens, or fewer when this machine cannot hold every sample-sized buffer the bench
+    keeps: the trainer's pool, the streamer's window and its two captures, in half of free RAM."""
+    from hpc.stream.protocol import sample_bytes
+
+    if args.backend == "nccl":
+        return T
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return T
+    held = args.buffer + args.in_flight + 2 + 1
+    per = sample_bytes(T, A, H, getattr(torch, dtype))
+    if held * per <= free / 2:
+        return T
+    return max(1024, int(T * free / 2 / (held * per)) // 1024 * 1024)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--preset", choices=["sizes", *PRESETS], default=None,
+                   help="sizes: 8.4 MB, 33.6 MB and a Kimi-K2.6 sample in one run (overrides --tokens etc.)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per sample")
     p.add_argument("--hidden", type=int, default=512, help="target hidden size (Kimi: 7168)")
     p.add_argument("--n-aux", type=int, default=3)
@@ -119,7 +188,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--buffer", type=int, default=8, help="stream.buffer_per_trainer")
-    p.add_argument("--step-ms", type=float, default=50.0, help="simulated trainer step for the wait fraction")
+    p.add_argument("--in-flight", type=int, default=2, help="stream.in_flight: samples on the wire per trainer")
+    p.add_argument("--step-ms", type=float, default=50.0,
+                   help="simulated trainer step for the wait fraction (at least 1.25x a raw send)")
     p.add_argument("--addr", default="127.0.0.1")
 
 
@@ -128,23 +199,31 @@ def run(args: argparse.Namespace) -> int:
 
     from hpc.dist.rendezvous import new_secret
     from hpc.net import free_port
+    from hpc.stream.protocol import sample_bytes
     from hpc.tables import text_table
 
-    cfg = {k: getattr(args, k) for k in ("backend", "tokens", "hidden", "n_aux", "dtype", "samples", "repeats",
-                                         "buffer", "step_ms", "addr")}
+    if args.in_flight < 1 or args.in_flight > args.buffer:
+        print(f"--in-flight {args.in_flight}: must be 1..--buffer ({args.buffer}); a trainer grants no more "
+              "credits than its buffer", file=sys.stderr)
+        return 2
+    cases = _cases(args)
+    cfg = {"backend": args.backend, "repeats": args.repeats, "buffer": args.buffer, "in_flight": args.in_flight,
+           "step_ms": args.step_ms, "addr": args.addr, "cases": cases}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         mp.start_processes(worker, args=(cfg, free_port(), new_secret(), out), nprocs=2, start_method="spawn")
-        res = json.loads(Path(out).read_text())
-    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    nbytes = args.samples * (args.tokens * 2 * 8 + args.tokens * (args.n_aux + 1) * args.hidden * elem)
-    raw_s, stream_s = statistics.median(res["raw"]), statistics.median(res["stream"])
-    wait = statistics.median(res["wait"])
-    print(f"stream bench: {args.backend}, {args.samples} samples x {nbytes / args.samples / 1e6:.1f} MB, "
-          f"{args.repeats} repeats (medians)")
-    print("\n".join(text_table(None, [
-        ["raw send", f"{nbytes / raw_s / 1e9:.3f} GB/s", ""],
-        ["streamer", f"{nbytes / stream_s / 1e9:.3f} GB/s", f"ratio to raw {raw_s / stream_s:.2f} (goal >= 0.8)"],
-    ], right={1})))
-    print(f"trainer data-wait fraction at {args.step_ms:.0f} ms/sample: {wait:.1%} (goal <= 5%)")
+        trainer, streamer = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
+    print(f"stream bench: {args.backend}, {args.repeats} repeats (medians), {args.in_flight} in flight per "
+          f"trainer, receive buffer {args.buffer}")
+    rows = []
+    for case, res, sres in zip(cases, trainer, streamer, strict=True):
+        per = sample_bytes(case["tokens"], case["n_aux"], case["hidden"], getattr(torch, case["dtype"]))
+        nbytes = case["samples"] * per
+        raw_s, stream_s = statistics.median(res["raw"]), statistics.median(res["stream"])
+        rows.append([f"{per / 1e6:,.1f} MB", f"{case['tokens']}x{case['n_aux'] + 1}x{case['hidden']} {case['dtype']}",
+                     f"{nbytes / raw_s / 1e9:.3f}", f"{nbytes / stream_s / 1e9:.3f}", f"{raw_s / stream_s:.2f}",
+                     f"{statistics.median(res['wait']):.1%} at {res['step_s'] * 1e3:.0f} ms",
+                     f"{sres['host'] / 1e9:.2f} GB ({sres['host'] / per:.1f} samples)"])
+    print("\n".join(text_table(["sample", "shape", "raw GB/s", "stream GB/s", "ratio (goal >= 0.9)",
+                                 "data-wait after 1st (goal <= 5%)", "streamer host in flight"], rows, right={2, 3, 4})))
     return 0

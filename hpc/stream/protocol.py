@@ -82,6 +82,21 @@ def recv_header(src: int, planes: Planes) -> Header:
     return Header.parse(buf)
 
 
+class PostedHeader:
+    """A header receive posted ahead: the next header lands while a sample's body is received, so
+    the streamer's next send (and its heartbeats) need not wait for the body to finish."""
+
+    def __init__(self, src: int, planes: Planes):
+        self.buf = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        work = dist.irecv(self.buf, src=src, group=planes.control)
+        assert work is not None  # None only for a rank outside the group: every rank is in control
+        self.work = work
+
+    def get(self) -> Header:
+        self.work.wait()
+        return Header.parse(self.buf)
+
+
 def send_sample(cap: Capture, epoch: int, dst: int, planes: Planes, dtype: torch.dtype) -> int:
     """Blocking send of one capture; returns the payload bytes."""
     T, n_aux, H = cap.aux_TnH.shape
@@ -197,9 +212,11 @@ def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | Non
     flat = torch.empty(nbytes, dtype=torch.uint8, device=planes.device) if pool is None else pool.take(nbytes)
     ids, states = carve(flat, [((2, h.length), torch.int64), ((h.length, h.n_aux + 1, h.hidden), states_dtype)])
     try:
-        with message(Message.SAMPLE):
-            dist.recv(ids, src=src, group=planes.data)
-            dist.recv(states, src=src, group=planes.data)
+        with message(Message.SAMPLE):  # both posted at once: the second message need not wait for a round trip
+            works = [dist.irecv(t, src=src, group=planes.data) for t in (ids, states)]
+            for w in works:
+                assert w is not None  # every rank is in the data plane
+                w.wait()
     except BaseException:
         if pool is not None:
             pool.abandon(flat)

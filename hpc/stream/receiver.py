@@ -21,7 +21,17 @@ import torch
 import torch.distributed as dist
 
 from hpc.dist.planes import Planes, bind_thread
-from hpc.stream.protocol import BufferPool, Failure, Header, Kind, recv_header, recv_sample_body, send_header, send_ledger
+from hpc.stream.protocol import (
+    BufferPool,
+    Failure,
+    Header,
+    Kind,
+    PostedHeader,
+    recv_header,
+    recv_sample_body,
+    send_header,
+    send_ledger,
+)
 from hpc.stream.sample import Capture, MicroBatch
 
 
@@ -36,7 +46,7 @@ class StreamReceiver:
     """
 
     def __init__(self, streamers: list[int], capacity: int, planes: Planes, peer_timeout_s: float = 30.0,
-                 names: dict[int, str] | None = None, held_per_step: int = 0):
+                 names: dict[int, str] | None = None, held_per_step: int = 0, pool: BufferPool | None = None):
         self.streamers = list(streamers)
         self.planes = planes
         self.timeout = peer_timeout_s
@@ -49,7 +59,9 @@ class StreamReceiver:
         # Credits bound the samples received and not yet consumed to the shares; a step holds its
         # micro-batches (`held_per_step` samples, their credit already back) on top while it packs.
         # A smaller bound would drop and reallocate a step's buffers every step.
-        self.pool = BufferPool(planes.device, limit=self.share * len(self.streamers) + held_per_step)
+        # (`pool`: a warm one from an earlier receiver; `bench stream` compares against a raw send
+        # into buffers it allocated once.)
+        self.pool = pool or BufferPool(planes.device, limit=self.share * len(self.streamers) + held_per_step)
         self._events: queue.Queue = queue.Queue()  # ("credit" | "stop" | "error", streamer, msg)
         self._last_seen = {s: time.monotonic() for s in self.streamers}
         self._said_stop: set[int] = set()  # streamers that ended their stream: silence is expected
@@ -124,11 +136,14 @@ class StreamReceiver:
             self._events.put(("error", s, f"{self._name(s)} failed: {first}"))
 
     def _recv_from(self, s: int, side) -> None:
+        posted = None
         while True:
-            h = recv_header(s, self.planes)
+            h = posted.get() if posted is not None else recv_header(s, self.planes)
+            posted = None
             self._last_seen[s] = time.monotonic()
             if h.kind == Kind.SAMPLE:
                 self._mid_sample[s] = h.sample_id
+                posted = PostedHeader(s, self.planes)  # a SAMPLE is always followed by another header
                 cap = recv_sample_body(h, s, self.planes, self.pool)
                 del self._mid_sample[s]
                 if side is not None:

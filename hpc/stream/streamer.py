@@ -29,8 +29,9 @@ import torch
 
 from hpc.dist.planes import Planes
 from hpc.errors import VerifierDown
-from hpc.stream.protocol import Failure, Header, Kind, recv_header, recv_ledger, send_header, send_sample
+from hpc.stream.protocol import Failure, Header, Kind, recv_header, recv_ledger
 from hpc.stream.sample import Capture
+from hpc.stream.sender import SampleSender
 
 CaptureFn = Callable[[int, list[int], list[int]], Capture]
 
@@ -45,6 +46,7 @@ class StreamerStats:
     wait_credit_s: float = 0.0
     fatal: str | None = None  # the verifier is gone: the stream ends early, with FAILED
     failure: Failure | None = None
+    sender: SampleSender | None = None  # its peak staging memory is what `bench stream` reports
 
 
 MAX_CONSECUTIVE_FAILURES = 20  # more in a row means the verifier itself is gone, not one bad file
@@ -134,12 +136,14 @@ def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
 def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int, list[int], list[int]]]],
                  capture: CaptureFn | None, planes: Planes, dtype: torch.dtype, prefetch: int = 2,
                  heartbeat_s: float = 2.0, capture_concurrency: int = 1,
-                 start_capture: Callable[[], CaptureFn] | None = None) -> StreamerStats:
+                 start_capture: Callable[[], CaptureFn] | None = None, in_flight: int = 2,
+                 total_in_flight: int | None = None) -> StreamerStats:
     """Stream every row not yet trained; `stats.fatal` says why when the verifier failed.
 
     `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
     ledger's (epoch, id) pairs. `start_capture` (instead of `capture`) starts the verifier once
-    the trainers are listening.
+    the trainers are listening. Up to `in_flight` samples per trainer are on the wire at once,
+    `total_in_flight` in all (what the streamer's GPU holds beside vLLM).
     """
     start = start_capture if start_capture is not None else (lambda: capture)
     trainers = planes.trainers
@@ -147,6 +151,8 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
     header = recv_header(trainers[0], planes)
     ledger = recv_ledger(header, trainers[0], planes)
     stats.skipped = len(ledger)
+    sender = SampleSender(planes, dtype, in_flight, total_in_flight)
+    stats.sender = sender
 
     credits = {t: 0 for t in trainers}
     acked: set[int] = set()  # trainers that sent STOP: done training, or acknowledging ours
@@ -167,17 +173,14 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
 
     for t in trainers:
         threading.Thread(target=credit_loop, args=(t,), daemon=True).start()
-    last_beat = time.monotonic()
-
-    def heartbeat_if_due() -> None:
-        nonlocal last_beat
-        if time.monotonic() - last_beat > heartbeat_s:
-            for t in trainers:
-                send_header(Header(Kind.HEARTBEAT), t, planes)
-            last_beat = time.monotonic()
+    stop = threading.Event()
+    # Heartbeats have a thread of their own: the main thread may wait for a trainer's window
+    # (a sample landing) or for a slow capture, and the trainers' watchdogs must not care.
+    beat = threading.Thread(target=_beat_loop, args=(sender, acked, changed, heartbeat_s, stop),
+                            daemon=True, name="heartbeat")
+    beat.start()
 
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
-    stop = threading.Event()
     producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), start, ready, stats, stop,
                                                         capture_concurrency), daemon=True)
     producer.start()
@@ -185,8 +188,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
         while True:
             try:
                 item = ready.get(timeout=heartbeat_s / 2)
-            except queue.Empty:  # a slow capture (long prefill): tell the trainers we are alive
-                heartbeat_if_due()
+            except queue.Empty:  # a slow capture (long prefill): the beat thread keeps the trainers calm
                 continue
             if item is None:
                 break
@@ -195,7 +197,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
                 with changed:
                     open_ = [t for t in trainers if t not in acked]
                 if open_:
-                    send_header(Header(Kind.SKIPPED, sample_id, epoch=epoch), open_[0], planes)
+                    sender.control(Header(Kind.SKIPPED, sample_id, epoch=epoch), open_[0])
                 continue
             t0 = time.monotonic()
             best = None
@@ -208,25 +210,34 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
                     if credits[best] > 0:
                         credits[best] -= 1
                         break
-                    changed.wait(timeout=heartbeat_s / 2)
-                    heartbeat_if_due()  # alive, only held back by full trainer buffers
+                    changed.wait(timeout=heartbeat_s / 2)  # held back by full trainer buffers
             if best is None or best in acked:
                 break
             stats.wait_credit_s += time.monotonic() - t0
-            stats.bytes += send_sample(cap, epoch, best, planes, dtype)
+            stats.bytes += sender.send(cap, epoch, best)
             stats.sent += 1
             stats.per_trainer[best] += 1
-            last_beat = time.monotonic()
+        sender.drain()
         if stats.fatal is not None:  # not the end of the data: the trainers must not finish
             for t in trainers:
                 if t not in acked:
-                    send_header(Header(Kind.FAILED, length=int(stats.failure or Failure.DIED)), t, planes)
+                    sender.control(Header(Kind.FAILED, length=int(stats.failure or Failure.DIED)), t)
             return stats
         for t in trainers:
-            send_header(Header(Kind.STOP), t, planes)
+            sender.control(Header(Kind.STOP), t)
         with changed:  # late credits are harmless; wait until every trainer has acknowledged
             while len(acked) < len(trainers):
                 changed.wait(timeout=heartbeat_s)
     finally:
         stop.set()
     return stats
+
+
+def _beat_loop(sender: SampleSender, acked: set[int], changed: threading.Condition, heartbeat_s: float,
+               stop: threading.Event) -> None:
+    """A HEARTBEAT to each open trainer that heard no header from us for `heartbeat_s`."""
+    while not stop.wait(heartbeat_s / 4):
+        with changed:
+            open_ = [t for t in sender.planes.trainers if t not in acked]
+        for t in open_:
+            sender.beat_if_due(t, heartbeat_s)

@@ -16,7 +16,7 @@ import torch
 
 from hpc.config.schema import DSparkConfig
 from hpc.config.validate import control_timeout_s
-from hpc.config.verifier_gpu import largest_sample_bytes
+from hpc.config.verifier_gpu import largest_sample_bytes, samples_in_flight
 from hpc.dist.planes import flight_recorder_env
 from hpc.own_env import set_own
 
@@ -236,7 +236,8 @@ def _stream(cfg: DSparkConfig, w, rows, planes, device, out: Path) -> int:
     try:
         stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), None, planes, stream_dtype(cfg),
                              cfg.stream.prefetch, cfg.stream.heartbeat_s, capture_concurrency(cfg),
-                             start_capture=start_capture)
+                             start_capture=start_capture, in_flight=cfg.stream.in_flight,
+                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)))
     finally:
         for closer in closers:
             if closer is not None:

@@ -47,5 +47,5 @@ class HFVerifier:
         pre_norm = self._pre_norm[0]
         aux = [pre_norm if i == self.n_layers else hs[i][0] for i in self.aux_layer_ids]
         last = hs[-1][0] if self.final_hidden == "post_norm" else pre_norm
-        states = torch.stack([*aux, last], dim=1).float().cpu()
+        states = torch.stack([*aux, last], dim=1).cpu()  # the model's dtype: the stream casts once
         return Capture.from_states(sample_id, ids.cpu(), torch.as_tensor(loss_mask, dtype=torch.long), states)

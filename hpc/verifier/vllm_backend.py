@@ -304,9 +304,11 @@ class VLLMVerifier:
                     with self._abandoned_lock:
                         self._abandoned.append(path)
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
-        out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]].float()
+        # In the capture's dtype (bf16 from a GPU vLLM): the stream casts once, when it sends, and
+        # the norm below rounds where the target's own module rounds.
+        out = states[:, [col[i] for i in self.aux_layer_ids] + [col[self.n_layers]]]
         if self.norm_weight is not None:  # the last column becomes the post-norm hidden
-            out[:, -1] = self.transform.final_norm(out[:, -1], self.norm_weight).float()
+            out[:, -1] = self.transform.final_norm(out[:, -1], self.norm_weight)
         return Capture.from_states(sample_id, torch.tensor(ids, dtype=torch.long),
                                    torch.as_tensor(loss_mask, dtype=torch.long), out)
 

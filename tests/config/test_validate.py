@@ -127,6 +127,12 @@ BAD_CASES = {
     "streamer beside vllm": (["verifier.gpu_memory_utilization=0.99"],
                              "verifier.gpu_memory_utilization = 0.99: leaves 1.4 GB of the verifier's last GPU"),
     "nccl timeout zero": (["stream.nccl_timeout_s=0"], "stream.nccl_timeout_s = 0.0: must be > 0"),
+    "no samples in flight": (["stream.in_flight=0"], "stream.in_flight = 0: must be > 0"),
+    # Credits cap what a streamer may have on the wire to its share of a trainer's buffer.
+    "in flight beyond the receive share": (["cluster.verifier_nodes=2", "stream.buffer_per_trainer=8",
+                                            "stream.in_flight=5"],
+                                           "stream.in_flight = 5: exceeds a streamer's share of a trainer's receive "
+                                           "buffer (4 = "),
     "nccl timeout above control": (["stream.nccl_timeout_s=9000", "verifier.health_timeout_s=1200"],
                                    "stream.nccl_timeout_s = 9000.0: exceeds the control plane's timeout (1800 s"),
     "batch not divisible": (["train.global_batch_size=10"], "train.global_batch_size"),

@@ -8,6 +8,7 @@ import pytest
 
 from hpc.cli import main
 from hpc.config.schema import DSparkConfig
+from hpc.config.verifier_gpu import streamer_items
 from hpc.errors import UserError
 from hpc.launch.plan import capacity_plan, format_plan
 
@@ -140,3 +141,25 @@ def test_the_stream_buffer_is_the_pools_bound_at_the_longest_sample():
     item = next(m for m in capacity_plan(cfg).trainer_memory if m.what == "stream buffer")
     assert item.bytes == (9 + 2 * 2) * 20 * 80
     assert item.how.startswith("13 samples of data.max_seq_len")
+
+
+def test_the_streamers_samples_on_the_wire_fill_vllms_headroom_and_no_more(monkeypatch):
+    """stream.in_flight to each trainer, capped streamer-wide by what fits beside vLLM; the sender
+    gets the same cap (hpc.config.verifier_gpu.samples_in_flight), so plan and run agree."""
+    from hpc.config.load import load_config
+    from hpc.config.verifier_gpu import headroom_bytes, largest_sample_bytes, samples_in_flight
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(KIMI)
+    sample = largest_sample_bytes(cfg)
+    for in_flight, ranks in ((1, 1), (2, 2), (2, 64)):
+        cfg.stream.in_flight = in_flight
+        n = samples_in_flight(cfg, ranks)
+        fixed = sum(b for what, b, _ in streamer_items(cfg, ranks) if what != "samples on the GPU")
+        assert in_flight <= n <= in_flight * ranks
+        assert n == in_flight * ranks or (n + 1) * sample > headroom_bytes(cfg) - fixed  # no room for one more
+    cfg.stream.in_flight = 2
+    pl = capacity_plan(cfg)
+    assert pl.in_flight == 2 and pl.in_flight_total == samples_in_flight(cfg, pl.ranks_per_node * pl.trainer_nodes)
+    gpu = next(m for m in pl.streamer_memory if m.what == "samples on the GPU")
+    assert gpu.bytes == pl.in_flight_total * sample

@@ -44,31 +44,31 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
              "step": state.get("step", 0), "seen": state.get("samples_seen", 0),
              "skipped": state.get("samples_skipped", 0)}))
     else:
-        from hpc.stream import streamer
         from hpc.stream.streamer import run_streamer
         from hpc.verifier.hf_backend import HFVerifier
 
         if stall_after >= 0:  # a peer that stops mid-sample: header and ids go out, the states never do
-            real_send, sent = streamer.send_sample, [0]
+            from hpc.stream.sender import SampleSender
 
-            def stalling_send(cap, epoch, dst, planes_, dtype):
+            real_send, sent = SampleSender.send, [0]
+
+            def stalling_send(self, cap, epoch, dst):
                 if sent[0] == stall_after:
                     import time
 
                     import torch.distributed as dist
 
                     from hpc.dist import rules
-                    from hpc.stream.protocol import DTYPE_CODES, Header, Kind, send_header
+                    from hpc.stream.protocol import DTYPE_CODES, Header, Kind
                     T, n_aux, H = cap.aux_TnH.shape
-                    send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst,
-                                planes_)
+                    self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
                     with rules.message(rules.Message.SAMPLE):
                         dist.send(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]), dst=dst,
-                                  group=planes_.data)
-                    time.sleep(3600)  # alive, holding the sample: only a timeout ends the wait
+                                  group=self.planes.data)
+                    time.sleep(3600)  # alive, heartbeating, holding the sample: only a timeout ends the wait
                 sent[0] += 1
-                return real_send(cap, epoch, dst, planes_, dtype)
-            streamer.send_sample = stalling_send
+                return real_send(self, cap, epoch, dst)
+            SampleSender.send = stalling_send  # type: ignore[method-assign]
 
         verifier = HFVerifier(target_dir, [1, 2, 3])
 
