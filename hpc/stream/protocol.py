@@ -97,19 +97,6 @@ class PostedHeader:
         return Header.parse(self.buf)
 
 
-def send_sample(cap: Capture, epoch: int, dst: int, planes: Planes, dtype: torch.dtype) -> int:
-    """Blocking send of one capture; returns the payload bytes."""
-    T, n_aux, H = cap.aux_TnH.shape
-    ids = torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]).to(planes.device)
-    # aux + last in one message: every message costs a round of gloo/NCCL bookkeeping.
-    states = cap.packed_states().to(device=planes.device, dtype=dtype).contiguous()
-    send_header(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[dtype]), dst, planes)
-    with message(Message.SAMPLE):
-        dist.send(ids, dst=dst, group=planes.data)
-        dist.send(states, dst=dst, group=planes.data)
-    return ids.numel() * 8 + states.numel() * states.element_size()
-
-
 class BufferPool:
     """Receive buffers reused from sample to sample, handed back once the trainer has packed a sample.
 
