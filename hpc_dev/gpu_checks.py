@@ -63,6 +63,7 @@ def check_planes(dev: torch.device) -> Row:
     from hpc.dist.planes import init_planes
     from hpc.dist.rendezvous import new_secret
     from hpc.dist.rules import Message, NCCLRuleError
+    from hpc.dist.streams import RecvStream
 
     os.environ[rules.ENV] = "1"
     os.environ.pop(rules.LOG_ENV, None)  # the violation below is on purpose: keep it out of any test log
@@ -84,9 +85,10 @@ def check_planes(dev: torch.device) -> Row:
         a, b = torch.arange(4096, device=dev, dtype=torch.float32), torch.zeros(4096, device=dev)
         try:  # the data plane's device path: a sample-sized send to ourselves, batched
             ops = [c10d.P2POp(c10d.isend, a, 0, group=planes.data), c10d.P2POp(c10d.irecv, b, 0, group=planes.data)]
-            with rules.message(Message.SAMPLE):
+            with rules.message(Message.SAMPLE), RecvStream(dev) as side:
                 for w in c10d.batch_isend_irecv(ops):
                     w.wait()
+                side.synchronize()
             sync(dev)
             ok &= bool(torch.equal(a, b))
             notes.append("data self-send ok")

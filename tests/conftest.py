@@ -1,12 +1,14 @@
 """Shared test plumbing: the session fixtures for real infrastructure live in tests/fixtures/."""
 
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from hpc.dist import rules
+from hpc.dist import order, rules
 
 pytest_plugins = [
     "tests.fixtures.infra",
@@ -71,11 +73,14 @@ def nccl_rules_hold(request):
     """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""
     log = os.environ[rules.LOG_ENV]
     start = os.path.getsize(log) if os.path.exists(log) else 0
+    orders = Path(log + order.ORDER_SUFFIX)  # each rank's data-plane ops, written at its shutdown
+    shutil.rmtree(orders, ignore_errors=True)
     yield
     if request.node.get_closest_marker("nccl_violations_expected"):
         return
     with open(log) as fh:
         fh.seek(start)
         broken = fh.read()
+    broken += "".join(f"NCCL rule broken: {p}\n" for p in order.compare(orders))
     if broken:
         pytest.fail(f"NCCL rules broken during this test:\n{broken}")

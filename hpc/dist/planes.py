@@ -46,6 +46,7 @@ import torch.distributed as dist
 from hpc.dist import rules
 from hpc.dist.rendezvous import check_members, rendezvous_store
 from hpc.dist.rules import Plane
+from hpc.dist.streams import RecvStream
 from hpc.own_env import NCCL_TRACE_PREFIX, set_own
 
 
@@ -135,9 +136,11 @@ def open_pairs(planes: Planes, sample_bytes: int = 1, bucket_bytes: int = 0) -> 
     msg = torch.zeros(max(sample_bytes, 1), dtype=torch.uint8, device=planes.device)
     with rules.message(rules.Message.SAMPLE):
         if planes.is_trainer:
-            for s in planes.streamers:
-                dist.recv(msg, src=s, group=planes.data)
-                rules.handover(planes.data, s)
+            with RecvStream(planes.device) as side:  # as the receive threads will
+                for s in planes.streamers:
+                    dist.recv(msg, src=s, group=planes.data)
+                    rules.handover(planes.data, s)
+                side.synchronize()
             if bucket_bytes and len(planes.trainers) > 1:
                 dist.all_reduce(torch.zeros(bucket_bytes // 4, device=planes.device), group=planes.train_data)
         else:
@@ -180,6 +183,8 @@ def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, d
     data_timeout = datetime.timedelta(seconds=data_timeout_s or timeout_s)
     store = rendezvous_store(rank, world_size, master_addr, port, timeout, secret)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=data_timeout)
+    if rules.installed():
+        rules.begin_world(port, secret, rank)
     control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     rules.register(control, Plane.CONTROL, "cpu")
     check_members(secret, rank, world_size, control)  # before any other group trusts the world

@@ -20,6 +20,13 @@ The rules (groups are registered with a plane and the device type their backend 
    but a trust one. They unpickle what a peer sent, so a peer could run code in every rank;
    our ranks exchange tensors (text as bytes: `hpc.dist.planes.broadcast_text`).
 
+7. across ranks (`hpc.dist.order`): each data-plane group's ops in one order with one shape and
+   dtype on both ends, and a first `batch_isend_irecv` on a group called by all its ranks.
+   Each rank records its ops; the test session compares the ranks after every test;
+8. streams (`hpc.dist.streams`): a data-plane receive outside a `RecvStream` (on CUDA: on the
+   default stream, behind the trainer's compute), and a received buffer handed on before its
+   stream was synchronised.
+
 Calls on unregistered groups are checked for rules 4 and 6 only.
 """
 
@@ -37,6 +44,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from hpc.dist import order
 
 ENV = "DSPARK_NCCL_CHECK"
 LOG_ENV = "DSPARK_NCCL_CHECK_LOG"
@@ -75,6 +84,8 @@ class Checker:
         self._tokens = itertools.count(1)
         self.directions: dict = {}  # (group, peer) -> {"send", "recv"}
         self.violations: list[str] = []
+        # hpc.dist.streams: storages received on a RecvStream and not yet synchronised, per stream
+        self.pending: dict[int, set[int]] = {}
 
     def register(self, group, plane: Plane, device_type: str) -> None:
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -134,7 +145,7 @@ class Checker:
                 break
         return broken
 
-    def before_p2p(self, op: str, tensor: torch.Tensor, group, peer) -> None:
+    def before_p2p(self, op: str, tensor: torch.Tensor, group, peer, batched: bool = False) -> None:
         broken = []
         if op in ("recv", "irecv") and peer is None:
             broken.append(f"{op} from any source: NCCL has no receive-from-any; post one receive per peer")
@@ -154,8 +165,42 @@ class Checker:
                     broken.append(f"{op} with peer {peer}: the data plane already carries the other direction "
                                   "with this peer; sample tensors flow streamer -> trainer only")
                 used.add(direction)
+            if direction == "recv":
+                broken += self._stream_rules(op, tensor, peer)
         if broken:
             self.violate(*broken)
+        if reg is not None and reg[0] == Plane.DATA:
+            order.LOG.p2p(group, op, peer, tensor, batched)
+
+    # -- streams (hpc.dist.streams) -------------------------------------------------------
+    def enter_stream(self, stream) -> None:
+        self.local.stream = stream
+
+    def leave_stream(self) -> None:
+        self.local.stream = None
+
+    def stream_synced(self, stream) -> None:
+        with self.lock:
+            self.pending.pop(id(stream), None)
+
+    def handoff(self, tensors: list[torch.Tensor], what: str) -> None:
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        with self.lock:
+            late = any(ptrs & p for p in self.pending.values())
+        if late:
+            self.violate(f"{what}: a buffer received on a side stream is handed on before that stream was "
+                         "synchronised (CUDA: the trainer would read it before the receive lands); call "
+                         "RecvStream.synchronize() first")
+
+    def _stream_rules(self, op: str, tensor: torch.Tensor, peer) -> list[str]:
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            return [f"{op} with peer {peer} on the data plane outside a RecvStream: on CUDA it runs on the "
+                    "default stream, behind the trainer's compute and DDP's all-reduce wait (a cross-rank "
+                    "deadlock); receive inside hpc.dist.streams.RecvStream"]
+        with self.lock:
+            self.pending.setdefault(id(stream), set()).add(tensor.untyped_storage().data_ptr())
+        return []
 
     def handover(self, group, peer) -> None:
         """The owning thread is done with this pair (after its ops are complete): the next user owns it."""
@@ -170,6 +215,9 @@ class Checker:
         broken = self._plane_rules(group, name, tensors)
         if broken:
             self.violate(*broken)
+        reg = self.groups.get(group)
+        if reg is not None and reg[0] == Plane.DATA:
+            order.LOG.collective(group, name, tensors)
 
 
 CHECKER = Checker()
@@ -220,7 +268,7 @@ def _wrap_batch():
     def checked(p2p_op_list, *args, **kwargs):
         default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
         for p in p2p_op_list:
-            CHECKER.before_p2p(p.op.__name__, p.tensor, p.group or default, p.peer)
+            CHECKER.before_p2p(p.op.__name__, p.tensor, p.group or default, p.peer, batched=True)
         return orig(p2p_op_list, *args, **kwargs)
     return checked
 
@@ -247,6 +295,17 @@ def _wrap_collective(name: str):
     return checked
 
 
+def _wrap_destroy():
+    orig = dist.destroy_process_group
+
+    @functools.wraps(orig)
+    def destroy(*args, **kwargs):
+        if not args and not kwargs.get("group"):  # the whole world: this rank's op order is final
+            order.LOG.write(clean=True)
+        return orig(*args, **kwargs)
+    return destroy
+
+
 def _wrap_object_collective(name: str):
     @functools.wraps(getattr(dist, name))
     def refused(*args, **kwargs):
@@ -271,6 +330,7 @@ def install() -> None:
         if hasattr(dist, name):
             wrapped[name] = _wrap_object_collective(name)
     wrapped["batch_isend_irecv"] = _wrap_batch()
+    wrapped["destroy_process_group"] = _wrap_destroy()
     for name, fn in wrapped.items():
         _originals[name] = getattr(dist, name)
         fn.__dict__[CHECKED] = True
@@ -281,6 +341,13 @@ def install() -> None:
 
 def installed() -> bool:
     return getattr(dist.send, CHECKED, False)
+
+
+def begin_world(port: int, secret: str, rank: int) -> None:
+    """Name this world for the cross-rank order check (hpc.dist.order): the same on every rank."""
+    import hashlib
+
+    order.LOG.begin(hashlib.sha256(f"{port}:{secret}".encode()).hexdigest()[:16], rank)
 
 
 def install_from_env() -> bool:

@@ -37,6 +37,7 @@ def _capture(i: int, T: int, n_aux: int, H: int, dtype: torch.dtype):
 def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
     """Seconds to move n samples' tensors with plain blocking send/recv on the data plane."""
     from hpc.dist.rules import Message, handover, message
+    from hpc.dist.streams import RecvStream
 
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
     ids = torch.zeros(2, T, dtype=torch.int64, device=planes.device)
@@ -49,8 +50,10 @@ def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> floa
                 dist.send(ids, dst=0, group=planes.data)
                 dist.send(states, dst=0, group=planes.data)
             else:
-                dist.recv(ids, src=1, group=planes.data)
-                dist.recv(states, src=1, group=planes.data)
+                with RecvStream(planes.device) as side:
+                    dist.recv(ids, src=1, group=planes.data)
+                    dist.recv(states, src=1, group=planes.data)
+                    side.synchronize()
     _sync(planes.device)
     dist.barrier(group=planes.control)
     handover(planes.data, 1 - planes.rank)  # the stream's own threads take the pair next

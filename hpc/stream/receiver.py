@@ -11,7 +11,6 @@ driver can checkpoint and exit naming the peer.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.dist.planes import Planes, bind_thread
+from hpc.dist.streams import RecvStream, handoff
 from hpc.stream.protocol import (
     BufferPool,
     Failure,
@@ -125,8 +125,7 @@ class StreamReceiver:
             # then holds its streamer's send, and with it the sample a trainer behind is waiting for
             # (a cross-rank deadlock). And a streamer dying mid-sample stalls only this thread, so
             # the silence watchdog still stops training cleanly.
-            side = torch.cuda.Stream(self.planes.device) if self.planes.device.type == "cuda" else None
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            with RecvStream(self.planes.device) as side:  # on CPU a stand-in the checker follows
                 self._recv_from(s, side)
         except Exception as err:  # noqa: BLE001 - a closed socket is how gloo reports a dead peer
             first = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
@@ -135,7 +134,7 @@ class StreamReceiver:
                          f"within the data plane's timeout (stream.nccl_timeout_s) ({first})")
             self._events.put(("error", s, f"{self._name(s)} failed: {first}"))
 
-    def _recv_from(self, s: int, side) -> None:
+    def _recv_from(self, s: int, side: RecvStream) -> None:
         posted = None
         while True:
             h = posted.get() if posted is not None else recv_header(s, self.planes)
@@ -146,8 +145,8 @@ class StreamReceiver:
                 posted = PostedHeader(s, self.planes)  # a SAMPLE is always followed by another header
                 cap = recv_sample_body(h, s, self.planes, self.pool)
                 del self._mid_sample[s]
-                if side is not None:
-                    side.synchronize()
+                side.synchronize()
+                handoff([cap.input_ids_T, cap.aux_TnH], f"sample {h.sample_id} from {self._name(s)}")
                 self.samples.put((s, h.epoch, cap))
                 self._last_seen[s] = time.monotonic()
             elif h.kind == Kind.SKIPPED:

@@ -175,8 +175,10 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
         threading.Thread(target=credit_loop, args=(t,), daemon=True).start()
     stop = threading.Event()
     # Heartbeats have a thread of their own: the main thread may wait for a trainer's window
-    # (a sample landing) or for a slow capture, and the trainers' watchdogs must not care.
-    beat = threading.Thread(target=_beat_loop, args=(sender, acked, changed, heartbeat_s, stop),
+    # (a sample landing) or for a slow capture, and the trainers' watchdogs must not care. A
+    # heartbeat that fails (a trainer died) is raised in the main thread at its next wait.
+    beat_failed: list[BaseException] = []
+    beat = threading.Thread(target=_beat_loop, args=(sender, acked, changed, heartbeat_s, stop, beat_failed),
                             daemon=True, name="heartbeat")
     beat.start()
 
@@ -189,6 +191,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
             try:
                 item = ready.get(timeout=heartbeat_s / 2)
             except queue.Empty:  # a slow capture (long prefill): the beat thread keeps the trainers calm
+                _raise_first(beat_failed)
                 continue
             if item is None:
                 break
@@ -211,6 +214,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
                         credits[best] -= 1
                         break
                     changed.wait(timeout=heartbeat_s / 2)  # held back by full trainer buffers
+                    _raise_first(beat_failed)
             if best is None or best in acked:
                 break
             stats.wait_credit_s += time.monotonic() - t0
@@ -228,16 +232,30 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
         with changed:  # late credits are harmless; wait until every trainer has acknowledged
             while len(acked) < len(trainers):
                 changed.wait(timeout=heartbeat_s)
+                _raise_first(beat_failed)
     finally:
         stop.set()
     return stats
 
 
 def _beat_loop(sender: SampleSender, acked: set[int], changed: threading.Condition, heartbeat_s: float,
-               stop: threading.Event) -> None:
-    """A HEARTBEAT to each open trainer that heard no header from us for `heartbeat_s`."""
-    while not stop.wait(heartbeat_s / 4):
+               stop: threading.Event, failed: list[BaseException] | None = None) -> None:
+    """A HEARTBEAT to each open trainer that heard no header from us for `heartbeat_s`; the
+    first failure (a dead trainer's closed socket) goes to `failed` and ends the loop."""
+    try:
+        while not stop.wait(heartbeat_s / 4):
+            with changed:
+                open_ = [t for t in sender.planes.trainers if t not in acked]
+            for t in open_:
+                sender.beat_if_due(t, heartbeat_s)
+    except Exception as err:  # noqa: BLE001 - handed to the main thread, which owns the stream's fate
+        if failed is None:
+            raise
+        failed.append(err)
         with changed:
-            open_ = [t for t in sender.planes.trainers if t not in acked]
-        for t in open_:
-            sender.beat_if_due(t, heartbeat_s)
+            changed.notify_all()
+
+
+def _raise_first(failed: list[BaseException]) -> None:
+    if failed:
+        raise failed[0]

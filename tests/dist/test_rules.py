@@ -62,11 +62,13 @@ def test_one_thread_per_pair_on_the_data_plane_until_it_hands_over(checker):
     c, _, _ = checker
     data = object()
     c.register(data, Plane.DATA, "cpu")
+    c.enter_stream(object())  # receives run on a side stream (hpc.dist.streams), in every thread below
     with c.message(Message.SAMPLE):
         c.before_p2p("recv", torch.zeros(4), data, 5)  # this thread now owns the pair with rank 5
     errors = []
 
     def other_thread():
+        c.enter_stream(object())
         with c.message(Message.SAMPLE):
             try:  # even after the first op returned: NCCL's calls return once queued
                 c.before_p2p("recv", torch.zeros(4), data, 5)
@@ -82,6 +84,7 @@ def test_one_thread_per_pair_on_the_data_plane_until_it_hands_over(checker):
     tokens = []
 
     def receive_thread():
+        c.enter_stream(object())
         with c.message(Message.SAMPLE):
             c.before_p2p("recv", torch.zeros(4), data, 5)
         tokens.append(c.thread_token())
@@ -130,6 +133,7 @@ def test_a_new_thread_that_inherits_an_exited_owners_id_does_not_inherit_its_pai
     errors = []
 
     def op():
+        c.enter_stream(object())
         with c.message(Message.SAMPLE):
             try:
                 c.before_p2p("recv", torch.zeros(4), data, 5)
@@ -159,3 +163,28 @@ def test_p2pop_and_direct_c10d_calls_are_checked_without_false_alarms(tmp_path):
     finally:
         rules.CHECKER.groups.pop(group, None)
         dist.destroy_process_group()
+
+
+def test_a_data_plane_receive_outside_a_receive_stream_is_refused(checker):
+    """On CUDA it would run on the default stream, behind the trainer's compute: the deadlock the
+    receive thread's side stream exists to prevent. On CPU no stream exists, so the checker keeps it."""
+    c, data, _ = checker
+    with c.message(Message.SAMPLE), pytest.raises(NCCLRuleError, match="outside a RecvStream"):
+        c.before_p2p("recv", torch.zeros(4, device="cuda" if torch.cuda.is_available() else "meta"), data, 1)
+
+
+def test_a_buffer_handed_on_before_its_stream_is_synchronised_is_refused(checker):
+    from hpc.dist.streams import RecvStream
+
+    c, data, _ = checker
+    c.register(data, Plane.DATA, "cpu")
+    buf = torch.zeros(16)
+    stream = RecvStream(torch.device("cpu"))
+    c.enter_stream(stream)
+    with c.message(Message.SAMPLE):
+        c.before_p2p("recv", buf[8:], data, 1)  # a view: the pending storage is the buffer's
+    with pytest.raises(NCCLRuleError, match="handed on before that stream was synchronised"):
+        c.handoff([buf[:4]], "sample 3")
+    c.stream_synced(stream)
+    c.handoff([buf[:4]], "sample 3")  # after the wait: fine
+    c.leave_stream()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.dist.planes import init_planes
+from hpc.dist.streams import RecvStream
 from hpc.stream.protocol import Header, Kind, PostedHeader, recv_header, recv_sample_body
 from hpc.stream.sample import Capture
 from hpc.stream.sender import SampleSender
@@ -65,11 +66,13 @@ def windows(rank: int, port: int, out: str) -> None:
             dist.barrier(group=planes.control)
             dist.barrier(group=planes.control)
             got = []
-            for p in posted:
-                h = p.get()
-                cap = recv_sample_body(h, STREAMER, planes)
-                ok = torch.equal(cap.packed_states(), _cap(h.sample_id).packed_states())
-                got.append([h.sample_id, str(cap.aux_TnH.dtype), ok])
+            with RecvStream(planes.device) as side:
+                for p in posted:
+                    h = p.get()
+                    cap = recv_sample_body(h, STREAMER, planes)
+                    side.synchronize()
+                    ok = torch.equal(cap.packed_states(), _cap(h.sample_id).packed_states())
+                    got.append([h.sample_id, str(cap.aux_TnH.dtype), ok])
             assert recv_header(STREAMER, planes).kind == Kind.STOP
             result = {"got": got}
         dist.barrier(group=planes.control)
@@ -105,8 +108,9 @@ def beats(rank: int, port: int, out: str) -> None:
                     pass
             dist.barrier(group=planes.train_control)  # A takes its body only after B heard a heartbeat
             if rank == A:
-                recv_sample_body(h0, STREAMER, planes)
-                recv_sample_body(headers.next(), STREAMER, planes)
+                with RecvStream(planes.device):
+                    recv_sample_body(h0, STREAMER, planes)
+                    recv_sample_body(headers.next(), STREAMER, planes)
             while headers.next().kind != Kind.STOP:
                 pass
             result = {"seen": headers.seen}
