@@ -23,7 +23,8 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     steps = [f"train step {t} x {a}" for t, a in ((256, 32), (320, 16), (384, 24), (512, 32), (512, 16))]
     assert set(rows) == {"flex vs tiled SDPA", *steps, "compile stability",
                          "checkpoint save + load", "calibrate pass", "confidence fold",
-                         "planes (1-rank world)", "stream receive buffers", "capture gather + copy"}
+                         "planes (1-rank world)", "stream receive buffers", "capture gather + copy",
+                         "stream staging"}
     assert all(r["status"] == "PASS" for r in rows.values()), rows
     assert rows["flex vs tiled SDPA"]["data"]["max_abs_diff"] < 1e-4
     for name in steps:  # the live-tensor peak on CPU, against `dspark plan` for the same step and dtype
@@ -32,10 +33,13 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     peaks = {name: rows[name]["data"]["peak_bytes"] for name in steps}
     assert peaks[steps[3]] > peaks[steps[4]]  # more anchors, more memory: the peak is measured, not the plan
     assert "device rule n/a" in rows["planes (1-rank world)"]["figures"]
+    # gloo cannot send to itself; a checker refusal there (our own code broke a rule) would FAIL the row
+    assert "data self-send n/a" in rows["planes (1-rank world)"]["figures"]
+    assert "exact: True" in rows["stream staging"]["figures"]
     assert rows["calibrate pass"]["data"]["slots"] > 0  # held_out_slots over the longest row, then the fit
     assert rows["stream receive buffers"]["data"]["bad"] == 0
     assert rows["confidence fold"]["data"]["max_abs_diff"] <= 1e-5 and rows["confidence fold"]["data"]["fit_s"] >= 0
-    assert "13/13 checks passed" in proc.stdout
+    assert "14/14 checks passed" in proc.stdout
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():
