@@ -164,7 +164,9 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
     assert len(cancelled) == 3  # the regenerate job, the train array and the calibrate array
 
     def sacct() -> tuple[str, list[str]]:
-        out = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(cancelled), "-o", "JobID,State"],
+        # -X: the jobs' own states. A job that had started keeps a ".batch" step, and a cancelled
+        # step reads FAILED (killed by signal) even though its job reads CANCELLED.
+        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(cancelled), "-o", "JobID,State"],
                              capture_output=True, text=True).stdout
         return out, [line.split("|")[1] for line in out.splitlines() if "|" in line]
 
