@@ -77,12 +77,13 @@ def check_planes(dev: torch.device) -> Row:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=planes.train_control)
         ok &= flag.item() == 3.0
         notes.append("control all_reduce (cpu, gloo) ok")
-        grads = torch.ones(1024, device=dev)
+        grads = planes.place(torch.ones(1024, device=dev))
         with rules.message(Message.SAMPLE):
             dist.all_reduce(grads, group=planes.train_data)
         ok &= bool((grads == 1).all())
         notes.append(f"data all_reduce ({dev.type}, {backend}) ok")
-        a, b = torch.arange(4096, device=dev, dtype=torch.float32), torch.zeros(4096, device=dev)
+        a = planes.place(torch.arange(4096, device=dev, dtype=torch.float32))
+        b = planes.empty(4096, dtype=torch.float32).zero_()
         try:  # the data plane's device path: a sample-sized send to ourselves, batched
             ops = [c10d.P2POp(c10d.isend, a, 0, group=planes.data), c10d.P2POp(c10d.irecv, b, 0, group=planes.data)]
             with rules.message(Message.SAMPLE), RecvStream(dev) as side:
@@ -101,14 +102,11 @@ def check_planes(dev: torch.device) -> Row:
                 notes.append(f"data self-send FAILED ({str(err).splitlines()[0][:80]})")
             else:
                 notes.append("data self-send n/a (gloo cannot send to itself)")
-        try:  # tagged as a sample, so only the device rule can fire
+        try:  # tagged as a sample, so only the device rule can fire; on CPU it runs as if on CUDA
             with rules.message(Message.SAMPLE):
                 dist.all_reduce(torch.ones(1), group=planes.train_data)
-            if dev.type == "cuda":
-                ok = False
-                notes.append("checker MISSED a cpu tensor on the data plane")
-            else:
-                notes.append("device rule n/a (the gloo data plane takes cpu tensors)")
+            ok = False
+            notes.append("checker MISSED a cpu tensor on the data plane")
         except NCCLRuleError as err:
             device_rule = "tensor on a data-plane group" in str(err)
             ok &= device_rule
@@ -286,8 +284,7 @@ def check_stream_staging(dev: torch.device, d: dict) -> Row:
     """hpc.stream.sender stages a sample: cast into pinned host memory, copied to the device on a
     side stream (non_blocking), which the sends then wait on. The device copy must be the
     capture, byte for byte; figures against a blocking copy from pageable memory."""
-    from types import SimpleNamespace
-
+    from hpc.dist.planes import Planes
     from hpc.stream.sample import Capture
     from hpc.stream.sender import SampleSender
 
@@ -295,7 +292,8 @@ def check_stream_staging(dev: torch.device, d: dict) -> Row:
     g = torch.Generator().manual_seed(2)
     cap = Capture.from_states(0, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
                               torch.randn(T, A + 1, H, generator=g).to(dtype))
-    sender = SampleSender(SimpleNamespace(trainers=[0], device=dev), dtype)  # type: ignore[arg-type]
+    staging_only = Planes(0, 1, [0], dev, None, None, None, None)  # type: ignore[arg-type]  # no group: no sends
+    sender = SampleSender(staging_only, dtype)
 
     def stage() -> tuple[float, float, list[torch.Tensor]]:
         t0 = time.perf_counter()

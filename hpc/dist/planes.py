@@ -97,6 +97,15 @@ class Planes:
     train_data: dist.ProcessGroup
     train_control: dist.ProcessGroup
 
+    def place(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`t` on the data device (a copy only where it lives elsewhere). Every tensor our code puts
+        on the data plane comes from here, `empty` or a `BufferPool`: under the checker, host
+        tensors from anywhere else are refused as NCCL refuses them (hpc.dist.rules, rule 3)."""
+        return rules.placed(t.to(device=self.device, dtype=dtype or t.dtype))
+
+    def empty(self, *size: int, dtype: torch.dtype) -> torch.Tensor:
+        return rules.placed(torch.empty(*size, dtype=dtype, device=self.device))
+
     @property
     def is_trainer(self) -> bool:
         return self.rank in self.trainers
@@ -133,7 +142,7 @@ def open_pairs(planes: Planes, sample_bytes: int = 1, bucket_bytes: int = 0) -> 
     `sample_bytes` sizes the message on each pair (the largest sample), `bucket_bytes` the
     trainers' warm-up all-reduce on DDP's group (0: none).
     """
-    msg = torch.zeros(max(sample_bytes, 1), dtype=torch.uint8, device=planes.device)
+    msg = planes.empty(max(sample_bytes, 1), dtype=torch.uint8).zero_()
     with rules.message(rules.Message.SAMPLE):
         if planes.is_trainer:
             with RecvStream(planes.device) as side:  # as the receive threads will
@@ -142,7 +151,8 @@ def open_pairs(planes: Planes, sample_bytes: int = 1, bucket_bytes: int = 0) -> 
                     rules.handover(planes.data, s)
                 side.synchronize()
             if bucket_bytes and len(planes.trainers) > 1:
-                dist.all_reduce(torch.zeros(bucket_bytes // 4, device=planes.device), group=planes.train_data)
+                dist.all_reduce(planes.empty(bucket_bytes // 4, dtype=torch.float32).zero_(),
+                                group=planes.train_data)
         else:
             for t in planes.trainers:
                 dist.send(msg, dst=t, group=planes.data)
@@ -192,7 +202,7 @@ def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, d
     train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)
     data = dist.distributed_c10d._get_default_group()
     moved = data_device(backend, device)
-    rules.register(data, Plane.DATA, moved.type)
-    rules.register(train_data, Plane.DATA, moved.type)
+    rules.register(data, Plane.DATA, rules.NCCL_DEVICE)  # under gloo too: see Planes.place
+    rules.register(train_data, Plane.DATA, rules.NCCL_DEVICE)
     rules.register(train_control, Plane.CONTROL, "cpu")
     return Planes(rank, world_size, list(trainers), moved, data, control, train_data, train_control)

@@ -12,8 +12,11 @@ The rules (groups are registered with a plane and the device type their backend 
    a second thread's op waits behind a pending receive, or lands in a random order). A thread
    owns a pair from its first op until it calls `handover`;
 2. a control message on the data plane, or sample tensors on the control plane;
-3. a collective on a group with tensors of another device type (an NCCL group refuses CPU
-   tensors: "No backend type associated with device type cpu");
+3. a p2p op or collective on a group with tensors of another device type (an NCCL group refuses
+   CPU tensors: "No backend type associated with device type cpu"). The data plane is NCCL's on
+   a cluster, so `init_planes` registers it as taking CUDA tensors on every backend: under gloo
+   a CPU tensor passes only if our code placed it on the data device (`placed`, which
+   `Planes.place` calls), the bookkeeping of a CUDA run done on host memory;
 4. a receive from any source (NCCL has none);
 5. data-plane p2p in both directions between one pair (the stream's data flows one way);
 6. an object collective (`broadcast_object_list`, `all_gather_object`, ...): not an NCCL rule
@@ -38,6 +41,7 @@ import inspect
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from enum import Enum
 
@@ -48,6 +52,7 @@ from torch.distributed import distributed_c10d as c10d
 from hpc.dist import order
 
 ENV = "DSPARK_NCCL_CHECK"
+NCCL_DEVICE = "cuda"  # what the data plane takes on a cluster, registered on every backend
 LOG_ENV = "DSPARK_NCCL_CHECK_LOG"
 CHECKED = "_dspark_checked"  # set on each wrapper: `rules.installed()` and tests read it
 
@@ -86,11 +91,27 @@ class Checker:
         self.violations: list[str] = []
         # hpc.dist.streams: storages received on a RecvStream and not yet synchronised, per stream
         self.pending: dict[int, set[int]] = {}
+        # Storages our code placed on the data device: on CPU, what would live on the GPU. Storages
+        # keep their Python object while any view lives, so the set forgets exactly the freed ones
+        # (a reused address is not taken for a placed tensor).
+        self.placed: weakref.WeakSet = weakref.WeakSet()
 
     def register(self, group, plane: Plane, device_type: str) -> None:
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             return
         self.groups[group] = (Plane(plane), device_type)
+
+    def place(self, t: torch.Tensor) -> None:
+        with self.lock:
+            self.placed.add(t.untyped_storage())
+
+    def device_type(self, t: torch.Tensor) -> str:
+        """The tensor's device as a CUDA run would see it: a placed host tensor stands for a GPU one."""
+        if t.device.type == "cpu":
+            with self.lock:
+                if t.untyped_storage() in self.placed:
+                    return NCCL_DEVICE
+        return t.device.type
 
     def kind(self) -> Message:
         return getattr(self.local, "kind", Message.CONTROL)
@@ -138,10 +159,11 @@ class Checker:
         if plane == Plane.CONTROL and kind == Message.SAMPLE:
             broken.append(f"{what}: sample tensors on the control plane (gloo); they belong on the data plane")
         for t in tensors:
-            if t.device.type != device_type:
+            seen = self.device_type(t) if device_type == NCCL_DEVICE else t.device.type
+            if seen != device_type:
                 broken.append(f"{what}: a {t.device.type} tensor on a {plane.value}-plane group that takes "
                               f"{device_type} tensors (NCCL: 'No backend type associated with device type "
-                              f"{t.device.type}')")
+                              f"{t.device.type}'); create it on the data device (Planes.place)")
                 break
         return broken
 
@@ -362,6 +384,13 @@ def register(group, plane: Plane, device_type: str) -> None:
 
 def message(kind: Message):
     return CHECKER.message(kind)
+
+
+def placed(t: torch.Tensor) -> torch.Tensor:
+    """`t` is on the data device (call it where a CUDA run would have moved it there); returns `t`."""
+    if installed():
+        CHECKER.place(t)
+    return t
 
 
 def handover(group, peer) -> None:

@@ -40,8 +40,8 @@ def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> floa
     from hpc.dist.streams import RecvStream
 
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
-    ids = torch.zeros(2, T, dtype=torch.int64, device=planes.device)
-    states = torch.zeros(T, n_aux + 1, H, dtype=dtype, device=planes.device)
+    ids = planes.empty(2, T, dtype=torch.int64).zero_()
+    states = planes.empty(T, n_aux + 1, H, dtype=dtype).zero_()
     dist.barrier(group=planes.control)
     t0 = time.perf_counter()
     with message(Message.SAMPLE):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.dist.planes import Planes
-from hpc.dist.rules import Message, message
+from hpc.dist.rules import Message, message, placed
 from hpc.stream.sample import Capture
 
 HEADER_LEN = 8
@@ -145,7 +145,7 @@ class BufferPool:
                 self.out += 1
                 return flat
             self._trim(self.limit - 1)  # none fits: a free one makes room for the larger buffer
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        flat = placed(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         with self.lock:
             self.out += 1
             self.allocated += 1
@@ -196,7 +196,7 @@ def sample_bytes(length: int, n_aux: int, hidden: int, dtype: torch.dtype) -> in
 def recv_sample_body(h: Header, src: int, planes: Planes, pool: BufferPool | None = None) -> Capture:
     states_dtype = DTYPES[h.dtype]
     nbytes = sample_bytes(h.length, h.n_aux, h.hidden, states_dtype)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=planes.device) if pool is None else pool.take(nbytes)
+    flat = planes.empty(nbytes, dtype=torch.uint8) if pool is None else pool.take(nbytes)
     ids, states = carve(flat, [((2, h.length), torch.int64), ((h.length, h.n_aux + 1, h.hidden), states_dtype)])
     try:
         with message(Message.SAMPLE):  # both posted at once: the second message need not wait for a round trip

@@ -123,8 +123,8 @@ class SampleSender:
     def _stage(self, cap: Capture, T: int, n_aux: int, H: int) -> _InFlight:
         states = cap.packed_states()
         if not self.cuda or states.device.type == "cuda":  # gloo sends host tensors where they lie
-            ids = torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]).to(self.planes.device)
-            return _InFlight([], [ids, states.to(device=self.planes.device, dtype=self.dtype).contiguous()])
+            ids = self.planes.place(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]))
+            return _InFlight([], [ids, self.planes.place(states.contiguous(), dtype=self.dtype)])
         nbytes = sample_bytes(T, n_aux, H, self.dtype)
         pinned = self._take_pinned(nbytes)
         ids_h, states_h = carve(pinned, [((2, T), torch.int64), ((T, n_aux + 1, H), self.dtype)])
@@ -133,8 +133,8 @@ class SampleSender:
         states_h.copy_(states)  # the one cast, if the capture's dtype is not the stream's
         assert self.copy_stream is not None
         with torch.cuda.stream(self.copy_stream):
-            flat = torch.empty(pinned.numel(), dtype=torch.uint8, device=self.planes.device)
-            flat.copy_(pinned, non_blocking=True)
+            flat = self.planes.empty(nbytes, dtype=torch.uint8)  # the sample, not the whole reused buffer
+            flat.copy_(pinned[:nbytes], non_blocking=True)
             copied = self.copy_stream.record_event()
         ids, states_d = carve(flat, [((2, T), torch.int64), ((T, n_aux + 1, H), self.dtype)])
         return _InFlight([], [ids, states_d], pinned, copied)

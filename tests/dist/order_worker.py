@@ -19,10 +19,10 @@ def swapped(rank: int, port: int, matched: bool) -> None:
     try:
         with message(Message.SAMPLE):
             if rank == 1:
-                dist.send(torch.arange(8, dtype=torch.float32), dst=0, group=planes.data)
-                dist.send(torch.arange(4, dtype=torch.int64), dst=0, group=planes.data)
+                dist.send(planes.place(torch.arange(8, dtype=torch.float32)), dst=0, group=planes.data)
+                dist.send(planes.place(torch.arange(4, dtype=torch.int64)), dst=0, group=planes.data)
             else:
-                first, second = torch.empty(8, dtype=torch.float32), torch.empty(4, dtype=torch.int64)
+                first, second = planes.empty(8, dtype=torch.float32), planes.empty(4, dtype=torch.int64)
                 with RecvStream(planes.device):
                     for buf in ((first, second) if matched else (second, first)):
                         dist.recv(buf, src=1, group=planes.data)
@@ -36,7 +36,7 @@ def partial_batch(rank: int, port: int) -> None:
     planes = init_planes(rank, 3, [0, 1], "gloo", torch.device("cpu"), "127.0.0.1", port, "p" * 64, timeout_s=30)
     try:
         if rank < 2:  # one way, as the stream flows: rank 1 -> rank 0
-            buf = torch.full((4,), float(rank))
+            buf = planes.place(torch.full((4,), float(rank)))
             ops = [dist.P2POp(dist.isend, buf, 0, group=planes.data) if rank == 1 else
                    dist.P2POp(dist.irecv, buf, 1, group=planes.data)]
             with message(Message.SAMPLE), RecvStream(planes.device):

@@ -188,3 +188,47 @@ def test_a_buffer_handed_on_before_its_stream_is_synchronised_is_refused(checker
     c.stream_synced(stream)
     c.handoff([buf[:4]], "sample 3")  # after the wait: fine
     c.leave_stream()
+
+
+def test_a_host_tensor_is_on_the_data_device_only_where_our_code_placed_it(checker):
+    """Under gloo the data plane carries host memory, but it stands for NCCL's: a tensor made
+    anywhere but through the data device's placement would be a CPU tensor on a cluster."""
+    import gc
+
+    c, data, _ = checker
+    with c.message(Message.SAMPLE):
+        with pytest.raises(NCCLRuleError, match="cpu tensor on a data-plane group that takes cuda"):
+            c.before_collective("all_reduce", [torch.zeros(4)], data)
+        buf = torch.zeros(64)
+        c.place(buf)
+        c.before_collective("all_reduce", [buf], data)
+        view = buf[8:16]
+        del buf
+        gc.collect()
+        c.before_p2p("send", view, data, 1)  # a view of a placed buffer outlives its base
+        del view
+        gc.collect()
+        assert len(c.placed) == 0  # freed storages are forgotten: a reused address is not placed
+        with pytest.raises(NCCLRuleError, match="cpu tensor on a data-plane group"):
+            c.before_p2p("send", torch.zeros(64)[8:16], data, 1)
+
+
+def test_init_planes_checks_the_gloo_data_plane_as_nccl():
+    import torch.distributed as dist
+
+    from hpc.dist.planes import init_planes
+    from hpc.dist.rendezvous import new_secret
+
+    planes = init_planes(0, 1, [0], "gloo", torch.device("cpu"), "127.0.0.1", free_port(), new_secret(),
+                         timeout_s=30)
+    try:
+        with rules.message(Message.SAMPLE):
+            with pytest.raises(NCCLRuleError, match="cpu tensor on a data-plane group that takes cuda"):
+                dist.all_reduce(torch.ones(4), group=planes.train_data)
+            placed = planes.place(torch.ones(4))
+            dist.all_reduce(placed, group=planes.train_data)
+            assert placed.tolist() == [1.0] * 4
+            dist.all_reduce(planes.empty(2, 3, dtype=torch.bfloat16).zero_(), group=planes.train_data)
+        dist.all_reduce(torch.ones(1), group=planes.train_control)  # the control plane takes host tensors
+    finally:
+        dist.destroy_process_group()

@@ -63,8 +63,8 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
                     T, n_aux, H = cap.aux_TnH.shape
                     self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
                     with rules.message(rules.Message.SAMPLE):
-                        dist.send(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()]), dst=dst,
-                                  group=self.planes.data)
+                        dist.send(self.planes.place(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()])),
+                                  dst=dst, group=self.planes.data)
                     time.sleep(3600)  # alive, heartbeating, holding the sample: only a timeout ends the wait
                 sent[0] += 1
                 return real_send(self, cap, epoch, dst)
