@@ -25,21 +25,55 @@ torch.set_num_threads(1)
 
 # NCCL's rules are checked in every test and in every process a test starts (they inherit the
 # environment): violations land in one log that each test's teardown reads.
+# Each xdist worker keeps its own log: a violation in one worker's test must not fail the test
+# the other worker is running.
 os.environ[rules.ENV] = "1"
-os.environ.setdefault(rules.LOG_ENV, tempfile.mkstemp(prefix="dspark-nccl-rules-", suffix=".log")[1])
+if os.environ.get("PYTEST_XDIST_WORKER") or rules.LOG_ENV not in os.environ:
+    os.environ[rules.LOG_ENV] = tempfile.mkstemp(prefix="dspark-nccl-rules-", suffix=".log")[1]
 rules.install()
 
 
 # A test that needs a real service or a model build is slow by definition: the fast suite
-# (`-m "not slow"`, under 2 minutes) never starts Slurm, vLLM, an MLflow server or a toy build.
+# (`-m "not slow"`, about 2 minutes on two workers) never starts Slurm, vLLM, an MLflow server or a toy build.
 INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "mlflow_server", "speculators_python",
                   "toy_target", "toy_deepseek"}
+
+
+# Under xdist (`-n 2 --dist loadgroup`, the README's test command) a worker takes one group at a
+# time. A group is a file, so its module fixtures (a trained draft, a capture server) are built
+# once; the host's single Slurm cluster and Ray runs share one group, whose worker owns them; the
+# shared vLLM server's users share another, so it starts once. Slow groups go first and the unit
+# files last: they fill the tail while the other worker finishes a long one.
+HOST_WIDE = "host-wide"
+
+
+def _group(item, host_wide_files: set[str]) -> str:
+    path = item.nodeid.split("::")[0]
+    if path in host_wide_files:
+        return HOST_WIDE
+    if "vllm_server" in getattr(item, "fixturenames", ()):
+        return "vllm-server"
+    return path
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INFRA_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    host_wide = {i.nodeid.split("::")[0] for i in items
+                 if "slurm_cluster" in getattr(i, "fixturenames", ()) or i.get_closest_marker("host_wide")}
+    groups = {id(i): _group(i, host_wide) for i in items}
+    vllm_files = {i.nodeid.split("::")[0] for i in items if groups[id(i)] == "vllm-server"}
+    for i in items:  # a file with one user of the shared server goes whole with the server's group
+        if i.nodeid.split("::")[0] in vllm_files and groups[id(i)] != HOST_WIDE:
+            groups[id(i)] = "vllm-server"
+    slow_in = {}
+    for i in items:
+        slow_in[groups[id(i)]] = slow_in.get(groups[id(i)], 0) + bool(i.get_closest_marker("slow"))
+    first_seen = {g: n for n, g in reversed(list(enumerate(groups[id(i)] for i in items)))}
+    items.sort(key=lambda i: (groups[id(i)] != HOST_WIDE, slow_in[groups[id(i)]] == 0, first_seen[groups[id(i)]]))
+    for i in items:
+        i.add_marker(pytest.mark.xdist_group(groups[id(i)]))
 
 
 @pytest.hookimpl(hookwrapper=True)

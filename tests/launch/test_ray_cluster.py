@@ -16,7 +16,7 @@ from hpc.launch.slurm_env import SlurmEnv
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 from tests.fixtures.wait import still_running
 
-pytestmark = pytest.mark.slow  # real Ray workers
+pytestmark = [pytest.mark.slow, pytest.mark.host_wide]  # real Ray workers: one Ray per host at a time
 
 
 def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEnv:

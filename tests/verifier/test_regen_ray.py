@@ -20,7 +20,7 @@ from hpc.verifier.regen_shards import read_shards
 from hpc.verifier.regenerate import regenerate, regenerated_dir
 from tests.verifier.test_regenerate import FakeChat, fake_rows, fake_url, make_cfg  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.slow  # real Ray workers
+pytestmark = [pytest.mark.slow, pytest.mark.host_wide]  # real Ray workers: one Ray per host at a time
 
 
 @pytest.fixture(scope="module")
