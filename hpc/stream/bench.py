@@ -197,18 +197,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default="127.0.0.1")
 
 
-def run(args: argparse.Namespace) -> int:
+def case_bytes(case: dict) -> int:
+    from hpc.stream.protocol import sample_bytes
+
+    return sample_bytes(case["tokens"], case["n_aux"], case["hidden"], getattr(torch, case["dtype"]))
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(the cases, per case the trainer's timings with the streamer's host peak as "host"): two
+    spawned ranks, rank 0 the trainer and rank 1 the streamer (`scripts/gpu-check --gpus 2` too)."""
     import torch.multiprocessing as mp
 
     from hpc.dist.rendezvous import new_secret
     from hpc.net import free_port
-    from hpc.stream.protocol import sample_bytes
-    from hpc.tables import text_table
 
-    if args.in_flight < 1 or args.in_flight > args.buffer:
-        print(f"--in-flight {args.in_flight}: must be 1..--buffer ({args.buffer}); a trainer grants no more "
-              "credits than its buffer", file=sys.stderr)
-        return 2
     cases = _cases(args)
     cfg = {"backend": args.backend, "repeats": args.repeats, "buffer": args.buffer, "in_flight": args.in_flight,
            "step_ms": args.step_ms, "addr": args.addr, "cases": cases}
@@ -216,17 +218,28 @@ def run(args: argparse.Namespace) -> int:
         out = str(Path(tmp) / "result.json")
         mp.start_processes(worker, args=(cfg, free_port(), new_secret(), out), nprocs=2, start_method="spawn")
         trainer, streamer = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
+    return cases, [{**res, "host": sres["host"]} for res, sres in zip(trainer, streamer, strict=True)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc.tables import text_table
+
+    if args.in_flight < 1 or args.in_flight > args.buffer:
+        print(f"--in-flight {args.in_flight}: must be 1..--buffer ({args.buffer}); a trainer grants no more "
+              "credits than its buffer", file=sys.stderr)
+        return 2
+    cases, measured = measure(args)
     print(f"stream bench: {args.backend}, {args.repeats} repeats (medians), {args.in_flight} in flight per "
           f"trainer, receive buffer {args.buffer}")
     rows = []
-    for case, res, sres in zip(cases, trainer, streamer, strict=True):
-        per = sample_bytes(case["tokens"], case["n_aux"], case["hidden"], getattr(torch, case["dtype"]))
+    for case, res in zip(cases, measured, strict=True):
+        per = case_bytes(case)
         nbytes = case["samples"] * per
         raw_s, stream_s = statistics.median(res["raw"]), statistics.median(res["stream"])
         rows.append([f"{per / 1e6:,.1f} MB", f"{case['tokens']}x{case['n_aux'] + 1}x{case['hidden']} {case['dtype']}",
                      f"{nbytes / raw_s / 1e9:.3f}", f"{nbytes / stream_s / 1e9:.3f}", f"{raw_s / stream_s:.2f}",
                      f"{statistics.median(res['wait']):.1%} at {res['step_s'] * 1e3:.0f} ms",
-                     f"{sres['host'] / 1e9:.2f} GB ({sres['host'] / per:.1f} samples)"])
+                     f"{res['host'] / 1e9:.2f} GB ({res['host'] / per:.1f} samples)"])
     print("\n".join(text_table(["sample", "shape", "raw GB/s", "stream GB/s", "ratio (goal >= 0.9)",
                                  "data-wait after 1st (goal <= 5%)", "streamer host in flight"], rows, right={2, 3, 4})))
     return 0

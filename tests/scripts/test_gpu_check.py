@@ -16,7 +16,7 @@ SCRIPT = ROOT / "scripts" / "gpu-check"
 @pytest.mark.slow
 def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--gpus", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
@@ -24,7 +24,7 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     assert set(rows) == {"flex vs tiled SDPA", *steps, "compile stability",
                          "checkpoint save + load", "calibrate pass", "confidence fold",
                          "planes (1-rank world)", "stream receive buffers", "capture gather + copy",
-                         "stream staging"}
+                         "stream staging", "DDP (2 ranks)", "NCCL stream (2 ranks)"}
     assert all(r["status"] == "PASS" for r in rows.values()), rows
     assert rows["flex vs tiled SDPA"]["data"]["max_abs_diff"] < 1e-4
     for name in steps:  # the live-tensor peak on CPU, against `dspark plan` for the same step and dtype
@@ -40,7 +40,12 @@ def test_gpu_check_small_on_cpu_passes_every_check(tmp_path):
     assert rows["calibrate pass"]["data"]["slots"] > 0  # held_out_slots over the longest row, then the fit
     assert rows["stream receive buffers"]["data"]["bad"] == 0
     assert rows["confidence fold"]["data"]["max_abs_diff"] <= 1e-5 and rows["confidence fold"]["data"]["fit_s"] >= 0
-    assert "14/14 checks passed" in proc.stdout
+    # Two gloo ranks, each on its own rows, end with bit-identical weights: DDP averaged them.
+    ddp = rows["DDP (2 ranks)"]["data"]["ranks"]
+    assert all(r["same"] and r["moved"] for r in ddp) and ddp[0]["rows"] != ddp[1]["rows"]
+    assert rows["NCCL stream (2 ranks)"]["data"]["bytes"] > 0 and "goals judged on GPUs only" in \
+        rows["NCCL stream (2 ranks)"]["figures"]
+    assert "16/16 checks passed" in proc.stdout
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():
@@ -52,3 +57,8 @@ def test_a_budget_below_the_checks_is_one_line_before_anything_runs():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--budget", "30"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--budget 30 s" in proc.stderr
     assert proc.stdout == ""  # refused before the first check
+    # The two-GPU checks add their time: a budget that covers one GPU's checks does not cover both.
+    one = subprocess.run([sys.executable, str(SCRIPT), "--budget", "300"], capture_output=True, text=True, timeout=120)
+    two = subprocess.run([sys.executable, str(SCRIPT), "--budget", "300", "--gpus", "2"], capture_output=True,
+                         text=True, timeout=120)
+    assert "--budget" not in one.stderr and "--budget 300 s" in two.stderr and two.returncode == 2

@@ -1,0 +1,64 @@
+"""The gpu-check trainer: the real Trainer on a DSpark draft at the given dims (Kimi-K2.6's or
+toy ones), built in place on the device, and synthetic micro-batches as the stream delivers
+them. `scripts/gpu-check` and its two-rank checks (hpc_dev.gpu_pair) both build it here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def config_for(d: dict, seq: int):
+    from hpc.config.schema import DSparkConfig
+
+    cfg = DSparkConfig()
+    cfg.draft.hidden_size, cfg.draft.num_hidden_layers = d["hidden"], d["layers"]
+    cfg.draft.num_attention_heads, cfg.draft.num_key_value_heads = d["heads"], d["kv_heads"]
+    cfg.draft.head_dim, cfg.draft.intermediate_size = d["head_dim"], d["intermediate"]
+    cfg.draft.draft_vocab_size, cfg.draft.markov_rank, cfg.draft.block_size = d["draft_vocab"], d["markov"], d["block"]
+    cfg.draft.mask_token_id = d["target_vocab"] - 1
+    cfg.verifier.hidden_size, cfg.verifier.vocab_size = d["hidden"], d["target_vocab"]
+    cfg.cluster.trainer_nodes, cfg.train.ranks_per_node = 1, 1
+    cfg.train.global_batch_size, cfg.train.grad_accumulation = 1, 1
+    cfg.train.max_anchors, cfg.train.steps, cfg.train.warmup_steps = d["anchors"], 100, 0
+    cfg.train.checkpoint_interval, cfg.train.keep_checkpoints = 10 ** 6, 1
+    # the longest row the check trains is the config's limit, so every length passes the plan's check
+    cfg.data.max_seq_len = max(t for t, _ in d["steps"])
+    cfg.verifier.max_model_len = cfg.data.max_seq_len + 1
+    cfg.plan.avg_seq_len = seq
+    return cfg
+
+
+def build_trainer(d: dict, dev: torch.device, out: Path, group=None, control_group=None):
+    from hpc.model.dspark import DSparkArgs, DSparkDraft
+    from hpc.model.export import speculators_config
+    from hpc.model.teacher import VerifierHead
+    from hpc.train.loop import Trainer
+    from hpc.train.online import autocast_dtype
+
+    cfg = config_for(d, d["steps"][0][0])
+    if dev.type == "cpu":
+        cfg.train.device, cfg.train.dtype = "cpu", "float32"
+    args = DSparkArgs.from_config(cfg)
+    torch.manual_seed(0)
+    with torch.device(dev):  # built in place: a Kimi draft is 7 GB in fp32
+        model = DSparkDraft(args)
+        model.t2d[: args.draft_vocab_size] = True
+        head = VerifierHead(torch.randn(args.draft_vocab_size, args.target_hidden_size) * 0.02,
+                            torch.ones(args.draft_vocab_size, dtype=torch.bool))
+    export = speculators_config(args, "gpu-check", [], args.max_n)
+    trainer = Trainer(cfg.train, model, head, export, out, device=dev,
+                      autocast_dtype=autocast_dtype(cfg.train, dev), group=group, control_group=control_group)
+    return trainer, cfg
+
+
+def sample(d: dict, seq: int, dev: torch.device, dtype: torch.dtype, i: int):
+    from hpc.stream.sample import Capture, MicroBatch
+
+    g = torch.Generator().manual_seed(i)
+    ids = torch.randint(0, d["target_vocab"] - 1, (seq,), generator=g)
+    mask = torch.ones(seq, dtype=torch.long)
+    mask[: seq // 10] = 0  # a prompt
+    states = torch.randn(seq, 4, d["hidden"], generator=g).to(dev, dtype)  # 3 aux + last, as streamed
+    return MicroBatch([Capture.from_states(i, ids.to(dev), mask.to(dev), states)], [(0, i)])
