@@ -1,5 +1,6 @@
 """Shared test plumbing: the session fixtures for real infrastructure live in tests/fixtures/."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -44,7 +45,15 @@ INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "mlflow_server"
 # once; the host's single Slurm cluster and Ray runs share one group, whose worker owns them; the
 # shared vLLM server's users share another, so it starts once. Slow groups go first and the unit
 # files last: they fill the tail while the other worker finishes a long one.
+# xdist 3.8's own loadgroup renames node ids, which pytest 9 no longer lets it do: the workers
+# write each test's group to a file the controller's scheduler (below) reads instead.
 HOST_WIDE = "host-wide"
+GROUPS_ENV = "DSPARK_XDIST_GROUPS"
+
+
+def pytest_configure(config):
+    if config.getoption("numprocesses", default=None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[GROUPS_ENV] = tempfile.mkstemp(prefix="dspark-xdist-groups-", suffix=".json")[1]
 
 
 def _group(item, host_wide_files: set[str]) -> str:
@@ -56,6 +65,7 @@ def _group(item, host_wide_files: set[str]) -> str:
     return path
 
 
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects: `-m "not slow"` sees these marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INFRA_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -67,13 +77,34 @@ def pytest_collection_modifyitems(config, items):
     for i in items:  # a file with one user of the shared server goes whole with the server's group
         if i.nodeid.split("::")[0] in vllm_files and groups[id(i)] != HOST_WIDE:
             groups[id(i)] = "vllm-server"
-    slow_in = {}
+    slow_in: dict[str, int] = {}
     for i in items:
         slow_in[groups[id(i)]] = slow_in.get(groups[id(i)], 0) + bool(i.get_closest_marker("slow"))
     first_seen = {g: n for n, g in reversed(list(enumerate(groups[id(i)] for i in items)))}
     items.sort(key=lambda i: (groups[id(i)] != HOST_WIDE, slow_in[groups[id(i)]] == 0, first_seen[groups[id(i)]]))
-    for i in items:
-        i.add_marker(pytest.mark.xdist_group(groups[id(i)]))
+    path = os.environ.get(GROUPS_ENV)
+    if path and "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects the same: the last write wins
+        tmp = f"{path}.{os.environ['PYTEST_XDIST_WORKER']}"
+        Path(tmp).write_text(json.dumps({i.nodeid: groups[id(i)] for i in items}))
+        os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` by our groups: xdist's scope scheduling, one group per work unit."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once the workers have collected (scheduling starts then)
+                self.groups = json.loads(Path(os.environ[GROUPS_ENV]).read_text() or "{}")
+            return self.groups.get(nodeid, nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)
