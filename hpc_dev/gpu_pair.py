@@ -23,12 +23,14 @@ from hpc_dev.gpu_checks import Row, sync
 STREAM_RATIO_GOAL = 0.9  # issue 28's goal for the stream against a raw send, and data-wait below
 STREAM_WAIT_GOAL = 0.05
 DDP_STEPS = 3
+MEMORY_TOLERANCE = 0.15  # as the one-GPU train-step rows: the plan's per-GPU figure, either way
 
 
 def _ddp_rank(rank: int, d: dict, dev_type: str, port: int, secret: str, out: str) -> None:
     """One trainer of two: a few DDP steps on this rank's own samples, then the weights' digest."""
     from hpc.dist.planes import init_planes, rank_device
-    from hpc_dev.gpu_trainer import build_trainer, sample
+    from hpc.launch.plan import capacity_plan
+    from hpc_dev.gpu_trainer import build_trainer, config_for, receive_pool, sample
 
     torch.set_num_threads(1)
     device = rank_device(dev_type, local=rank)
@@ -36,8 +38,9 @@ def _ddp_rank(rank: int, d: dict, dev_type: str, port: int, secret: str, out: st
     planes = init_planes(rank, 2, [0, 1], backend, device, "127.0.0.1", port, secret, timeout_s=300)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer, _ = build_trainer(d, device, Path(tmp), group=planes.train_data,
-                                       control_group=planes.train_control)
+            trainer, cfg = build_trainer(d, device, Path(tmp), group=planes.train_data,
+                                         control_group=planes.train_control)
+            held = receive_pool(cfg, device)  # as the plan counts it
             before = _digest(trainer.model)
             seq, anchors = d["steps"][0]
             trainer.cfg.max_anchors = anchors
@@ -50,13 +53,23 @@ def _ddp_rank(rank: int, d: dict, dev_type: str, port: int, secret: str, out: st
                 losses.append(trainer.step([mb])["loss"])
                 sync(device)
                 times.append(time.perf_counter() - t0)
+                if i == 0 and device.type == "cuda":  # DDP's buckets exist from the first backward on
+                    torch.cuda.reset_peak_memory_stats(device)
             after = _digest(trainer.model)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            del held
+        pc = config_for(d, seq)  # the plan for two trainer ranks: DDP's gradient buckets counted
+        pc.train.ranks_per_node, pc.train.global_batch_size, pc.train.max_anchors = 2, 2, anchors
+        if device.type == "cpu":
+            pc.train.device, pc.train.dtype = "cpu", "float32"
+        plan = capacity_plan(pc).trainer_gpu_bytes
         mine = torch.tensor(after, dtype=torch.float64)
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=planes.train_control)  # host tensors: the control plane
         Path(f"{out}.{rank}").write_text(json.dumps({
             "same": bool(torch.equal(both[0], both[1])), "moved": after != before, "losses": losses, "rows": rows,
-            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}))
+            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0], "peak_bytes": peak,
+            "plan_bytes": plan}))
     finally:
         dist.destroy_process_group()
 
@@ -88,13 +101,19 @@ def check_ddp_pair(d: dict, dev: torch.device) -> Row:
     # (The reported loss is already the mean over ranks, the same on both.)
     own_data = ranks[0]["rows"] != ranks[1]["rows"]
     finite = all(x == x and abs(x) != float("inf") for r in ranks for x in r["losses"])
-    ok = same and moved and own_data and finite
     backend = "nccl" if dev.type == "cuda" else "gloo"
     seq, anchors = d["steps"][0]
+    memory = "memory judged on GPUs (the CPU tracker does not see DDP's C++ buckets)"
+    fits = True
+    if dev.type == "cuda":  # the allocator's peak includes DDP's buckets; plan within 15% either way
+        ratios = [r["peak_bytes"] / r["plan_bytes"] for r in ranks]
+        fits = all(abs(x - 1) <= MEMORY_TOLERANCE for x in ratios)
+        memory = f"peak vs plan {', '.join(f'{x:.2f}x' for x in ratios)} (within {MEMORY_TOLERANCE:.0%}: {fits})"
+    ok = same and moved and own_data and finite and fits
     return Row("DDP (2 ranks)", "PASS" if ok else "FAIL",
                f"{backend}, {DDP_STEPS} steps of {seq} x {anchors} on each rank's own rows: weights identical "
                f"on both ranks: {same}; moved from init: {moved}; rows differ per rank: {own_data}; "
-               f"{ranks[0]['step_s']:.2f} s/step", {"ranks": ranks})
+               f"{memory}; {ranks[0]['step_s']:.2f} s/step", {"ranks": ranks})
 
 
 def check_stream_pair(dev: torch.device, small: bool) -> Row:

@@ -62,3 +62,17 @@ def sample(d: dict, seq: int, dev: torch.device, dtype: torch.dtype, i: int):
     mask[: seq // 10] = 0  # a prompt
     states = torch.randn(seq, 4, d["hidden"], generator=g).to(dev, dtype)  # 3 aux + last, as streamed
     return MicroBatch([Capture.from_states(i, ids.to(dev), mask.to(dev), states)], [(0, i)])
+
+
+def receive_pool(cfg, dev: torch.device) -> list[torch.Tensor]:
+    """The receive pool as `dspark plan` counts it, held through the steps: the streamers'
+    credited buffers, each grown to the longest sample (the step's own sample is the one packed)."""
+    from hpc.config.verifier_gpu import DTYPE_BYTES, stream_dtype_name
+    from hpc.launch.plan import IDS_BYTES_PER_TOKEN
+    from hpc.stream.protocol import BufferPool
+
+    streamers = cfg.cluster.verifier_nodes
+    shares = -(-cfg.stream.buffer_per_trainer // streamers) * streamers
+    tok = (len(cfg.verifier.aux_layer_ids) + 1) * cfg.verifier.hidden_size * DTYPE_BYTES[stream_dtype_name(cfg)]
+    pool = BufferPool(dev, limit=shares)
+    return [pool.take(cfg.data.max_seq_len * (tok + IDS_BYTES_PER_TOKEN)) for _ in range(shares)]
