@@ -11,13 +11,15 @@ from safetensors.torch import load_file
 from hpc_dev import toy
 from hpc_dev.toy import MASK, ToyConfig, build_info, build_toy_target
 
-pytestmark = pytest.mark.slow  # builds models (tiny ones in seconds; the session toys ~2 min cold)
+# Tests that build a model are slow (tiny ones in seconds; the session toys, through their
+# fixtures, ~2 min cold); the report's arithmetic is a unit test of the fast suite.
 
 
 def _tensors(path: Path) -> dict:
     return load_file(path / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_build(tmp_path):
     a = build_toy_target(config=ToyConfig.tiny(seed=3), cache_dir=tmp_path / "a")
     b = build_toy_target(config=ToyConfig.tiny(seed=3), cache_dir=tmp_path / "b")
@@ -32,6 +34,7 @@ def test_same_seed_gives_identical_build(tmp_path):
     assert not list(a.parent.glob("*.tmp*")), "no half-built entry left behind"
 
 
+@pytest.mark.slow
 def test_cache_hit_returns_without_rebuilding(tmp_path, monkeypatch):
     cfg = ToyConfig.tiny(seed=1)
     first = build_toy_target(config=cfg, cache_dir=tmp_path)

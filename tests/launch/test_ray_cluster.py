@@ -16,7 +16,8 @@ from hpc.launch.slurm_env import SlurmEnv
 from hpc.verifier.regen_ray import REGEN_RESOURCE
 from tests.fixtures.wait import still_running
 
-pytestmark = [pytest.mark.slow, pytest.mark.host_wide]  # real Ray workers: one Ray per host at a time
+# The tests that start real Ray workers are slow and host-wide (one Ray per host at a time);
+# the commands, job files and markers are unit tests of the fast suite.
 
 
 def env(node: int, job: int = 4242, hosts=("localhost", "localhost")) -> SlurmEnv:
@@ -88,6 +89,8 @@ def test_an_unresolvable_node_is_named():
         ray_start_command(env(1, hosts=("nosuchnode.invalid", "localhost")), 45678, object_store_mb=256)
 
 
+@pytest.mark.slow
+@pytest.mark.host_wide
 def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
     import ray
 
@@ -116,6 +119,8 @@ def test_two_raylets_share_this_host_and_leave_nothing_behind(tmp_path):
     assert not token.exists() and not any(p.exists() for p in privates if p is not None)
 
 
+@pytest.mark.slow
+@pytest.mark.host_wide
 def test_a_worker_whose_raylet_dies_ends_cleanly_and_says_so(tmp_path):
     """Exit 0 either way: the job's fate is node 0's (its requests move to the other servers)."""
     job = random.randrange(100000, 900000)
