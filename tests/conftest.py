@@ -36,14 +36,15 @@ rules.install()
 
 # A test that needs a real service or a model build is slow by definition: the fast suite
 # (`-m "not slow"`, about 2 minutes on two workers) never starts Slurm, vLLM, an MLflow server or a toy build.
-INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "mlflow_server", "speculators_python",
-                  "toy_target", "toy_deepseek"}
+INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "regen_server", "mlflow_server",
+                  "speculators_python", "toy_target", "toy_deepseek"}
+SHARED_SERVERS = ("vllm_server", "regen_server")  # session servers: their users share one xdist group
 
 
 # Under xdist (`-n 2 --dist loadgroup`, the README's test command) a worker takes one group at a
 # time. A group is a file, so its module fixtures (a trained draft, a capture server) are built
 # once; the host's single Slurm cluster and Ray runs share one group, whose worker owns them; the
-# shared vLLM server's users share another, so it starts once. Slow groups go first and the unit
+# shared vLLM servers' users share a group per server, so each starts once. Slow groups go first and the unit
 # files last: they fill the tail while the other worker finishes a long one.
 # xdist 3.8's own loadgroup renames node ids, which pytest 9 no longer lets it do: the workers
 # write each test's group to a file the controller's scheduler (below) reads instead.
@@ -60,9 +61,7 @@ def _group(item, host_wide_files: set[str]) -> str:
     path = item.nodeid.split("::")[0]
     if path in host_wide_files:
         return HOST_WIDE
-    if "vllm_server" in getattr(item, "fixturenames", ()):
-        return "vllm-server"
-    return path
+    return next((f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ())), path)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects: `-m "not slow"` sees these marks
@@ -73,10 +72,11 @@ def pytest_collection_modifyitems(config, items):
     host_wide = {i.nodeid.split("::")[0] for i in items
                  if "slurm_cluster" in getattr(i, "fixturenames", ()) or i.get_closest_marker("host_wide")}
     groups = {id(i): _group(i, host_wide) for i in items}
-    vllm_files = {i.nodeid.split("::")[0] for i in items if groups[id(i)] == "vllm-server"}
-    for i in items:  # a file with one user of the shared server goes whole with the server's group
-        if i.nodeid.split("::")[0] in vllm_files and groups[id(i)] != HOST_WIDE:
-            groups[id(i)] = "vllm-server"
+    server_of = {i.nodeid.split("::")[0]: groups[id(i)] for i in items if groups[id(i)] in SHARED_SERVERS}
+    for i in items:  # a file with one user of a shared server goes whole with that server's group
+        path = i.nodeid.split("::")[0]
+        if path in server_of and groups[id(i)] != HOST_WIDE:
+            groups[id(i)] = server_of[path]
     slow_in: dict[str, int] = {}
     for i in items:
         slow_in[groups[id(i)]] = slow_in.get(groups[id(i)], 0) + bool(i.get_closest_marker("slow"))
@@ -104,6 +104,7 @@ def pytest_xdist_make_scheduler(config, log):
                 self.groups = json.loads(Path(os.environ[GROUPS_ENV]).read_text() or "{}")
             return self.groups.get(nodeid, nodeid)
 
+    config.option.loadscopereorder = False  # xdist would hand out the groups with most tests first
     return ByGroup(config, log)
 
 

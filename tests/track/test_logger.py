@@ -14,7 +14,7 @@ from tests.fixtures.wait import wait_until
 
 @pytest.mark.slow
 def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
-    server = MlflowServer(tmp_path / "mlflow").start()
+    server = MlflowServer(tmp_path / "mlflow").start()  # its own: the test stops and restarts it
     try:
         log = RunLogger(server.uri, "outage", "train", flush_every_s=0.2, system_every_s=None)
         log.log_params({"train.lr": 3e-4})
@@ -45,7 +45,7 @@ def test_metrics_are_buffered_while_the_server_is_down(tmp_path):
 
 @pytest.mark.slow
 def test_run_created_late_when_the_server_starts_after_training(tmp_path):
-    server = MlflowServer(tmp_path / "late")
+    server = MlflowServer(tmp_path / "late")  # its own: it starts only after training began
     from hpc.net import free_port
 
     server.port = free_port()

@@ -1,4 +1,4 @@
-"""`dspark regenerate`: real vLLM on the toy target (one server for the module), fakes only for errors."""
+"""`dspark regenerate`: real vLLM on the toy target (the session's `regen_server`), fakes only for errors."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ from hpc.config import load_config, to_object
 from hpc.errors import UserError
 from hpc.verifier.regen_client import ChatClient
 from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
-from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir, start_regen_server
+from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir
 from hpc_dev.toy_data import toy_conversations
-from tests.fixtures.infra import infra_unavailable
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,20 +58,6 @@ def make_cfg(tmp_path: Path, data: Path, *extra: str):
     return to_object(load_config(str(ROOT / "configs/toy-cpu.yaml"), [
         f"data.sources=[{{path: {data}}}]", f"data.output_dir={tmp_path / 'out'}",
         f"data.regen_max_tokens={MAX_TOKENS}", *extra]))
-
-
-@pytest.fixture(scope="module")
-def target(vllm_python, toy_target, tmp_path_factory):
-    """(server url, config overrides): the server is started the way the CLI starts it."""
-    tmp = tmp_path_factory.mktemp("regen-server")
-    over = [f"verifier.model={toy_target}", f"verifier.python={vllm_python}", "verifier.health_timeout_s=420"]
-    cfg = make_cfg(tmp, write_rows(tmp / "rows.jsonl"), *over)
-    try:
-        server = start_regen_server(cfg.verifier, log_path=tmp / "server.log")
-    except UserError as err:
-        infra_unavailable(f"vLLM server for regeneration did not start: {err}")
-    yield server.url, over, server.api_key
-    server.stop()
 
 
 def greedy(url: str, key: str, messages: list[dict]) -> str:
@@ -123,8 +108,8 @@ def test_store_refuses_shards_without_manifest_and_drops_partial_writes(tmp_path
 # --- real vLLM on the toy target --------------------------------------------------------------
 
 @pytest.mark.slow
-def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target, tmp_path):
-    url, over, key = target
+def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(regen_server, tmp_path):
+    url, over, key = regen_server
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
     stats = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=1)
     assert (stats.written, dict(stats.skipped), stats.shards) == (10, {"no_user_turn": 1, "malformed": 1}, 3)
@@ -147,8 +132,8 @@ def test_turns_are_the_targets_greedy_replies_to_the_regenerated_history(target,
 
 
 @pytest.mark.slow
-def test_concurrency_does_not_change_shard_contents_order(target, tmp_path):
-    url, over, key = target
+def test_concurrency_does_not_change_shard_contents_order(regen_server, tmp_path):
+    url, over, key = regen_server
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
     stats = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4)
     shards = sorted(p.name for p in regenerated_dir(cfg.data).glob("shard-*.jsonl"))
@@ -166,8 +151,8 @@ def read_shards_of(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
-    url, over, key = target
+def test_killed_run_resumes_without_duplicates_or_gaps(regen_server, tmp_path):
+    url, over, key = regen_server
     data = write_rows(tmp_path / "rows.jsonl")
     cfg = make_cfg(tmp_path, data, *over)
     out = regenerated_dir(cfg.data)
@@ -199,8 +184,8 @@ def test_killed_run_resumes_without_duplicates_or_gaps(target, tmp_path):
 
 
 @pytest.mark.slow
-def test_row_limit_then_full_run_redoes_only_the_short_shard(target, tmp_path):
-    url, over, key = target
+def test_row_limit_then_full_run_redoes_only_the_short_shard(regen_server, tmp_path):
+    url, over, key = regen_server
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over)
     first = regenerate(cfg.data, url, api_key=key, shard_size=4, concurrency=4, max_rows=6)
     assert (first.written, first.shards) == (6, 2)  # shard 1 is short: rows 4..5

@@ -17,7 +17,6 @@ from tests.verifier.test_regenerate import (  # noqa: F401 (fixtures)
     fake_rows,
     fake_url,
     make_cfg,
-    target,
     write_rows,
 )
 
@@ -54,7 +53,7 @@ def test_calibration_rows_that_were_never_regenerated_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(target, toy_target, tmp_path, capsys):
+def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(regen_server, toy_target, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from hpc.evaluate.calibration_set import write_calibration_set
@@ -66,7 +65,7 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(t
     from hpc.train.prepare import calibration_rows, prepare_data
     from hpc.verifier.regenerate import regenerate_all
 
-    url, over, key = target
+    url, over, key = regen_server
     bench = EvalConfig(fixtures=True, benchmarks=["gsm8k", "humaneval"])
     _, cal_file = write_calibration_set(bench, tmp_path / "cal.jsonl", 4)
     cfg = make_cfg(tmp_path, write_rows(tmp_path / "rows.jsonl"), *over, "verifier.backend=hf",

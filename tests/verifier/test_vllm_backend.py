@@ -121,6 +121,7 @@ def capture_cfg(vllm_python, toy_target, tmp_path_factory) -> VerifierConfig:
 
 @pytest.fixture(scope="module")
 def capture_server(capture_cfg, tmp_path_factory):
+    """Its own server, not the shared one: hidden-state capture, fp32 and 128-token prefill chunks."""
     log = tmp_path_factory.mktemp("vllm-capture") / "server.log"
     try:
         server = start_capture_server(capture_cfg, log_path=log)
