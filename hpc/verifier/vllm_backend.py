@@ -55,7 +55,16 @@ PATH_KEY = "hidden_states_path"  # PATH_KEY
 
 
 class CaptureError(RuntimeError):
-    """One sample's capture failed (bad file, rejected prompt); other samples are unaffected."""
+    """One sample's capture failed (bad file, rejected prompt); other samples are unaffected.
+    `transient`: it ran out of time (a slow request, a late file), which is no fault of the
+    sample's: with the server alive it is tried again before the sample is given up."""
+
+    def __init__(self, msg: str, transient: bool = False):
+        super().__init__(msg)
+        self.transient = transient
+
+
+CAPTURE_ATTEMPTS = 3  # a transient failure with the server alive: a skipped sample is never trained
 
 
 def capture_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
@@ -171,7 +180,7 @@ def wait_for_file(path: Path, timeout: float) -> None:
             raise CaptureError(f"the server failed to write {path}: {msg}")
         if time.monotonic() > deadline:
             raise CaptureError(f"capture file {path} did not appear within {timeout:.0f}s (is this "
-                               "process on the vLLM server's node? the capture dir is node-local)")
+                               "process on the vLLM server's node? the capture dir is node-local)", transient=True)
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
@@ -247,7 +256,8 @@ class VLLMVerifier:
         try:
             resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.request_timeout_s)
         except requests.RequestException as err:
-            raise CaptureError(f"sample {sample_id}: vLLM server at {self.server.url} unreachable: {err}") from err
+            raise CaptureError(f"sample {sample_id}: vLLM server at {self.server.url} unreachable: {err}",
+                               transient=isinstance(err, (requests.Timeout, requests.ConnectionError))) from err
         if resp.status_code != 200:
             raise CaptureError(f"sample {sample_id}: vLLM answered {resp.status_code}: {resp.text[:500]}")
         params = resp.json().get("kv_transfer_params") or {}
@@ -283,26 +293,21 @@ class VLLMVerifier:
 
     def capture(self, sample_id: int, input_ids: list[int] | torch.Tensor, loss_mask) -> Capture:
         """One sample's states. A failure with the server alive and healthy is this sample's
-        (CaptureError); with the server gone or hung it is VerifierDown, which ends the stream."""
+        (CaptureError), after CAPTURE_ATTEMPTS tries if it only ran out of time (a loaded server);
+        with the server gone or hung it is VerifierDown, which ends the stream."""
         ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
-        self._sweep_abandoned()
-        path, arrived = None, False
-        try:
-            path = self._prefill(sample_id, ids)
-            wait_for_file(path, self.file_timeout_s)
-            arrived = True
-            states = read_capture(path, sample_id, ids, len(self.layer_ids), self.hidden)
-        except CaptureError as err:
-            gone = self.down()
-            if gone is not None:
-                raise gone from err
-            raise
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
-                if not arrived:
-                    with self._abandoned_lock:
-                        self._abandoned.append(path)
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            try:
+                states = self._states(sample_id, ids)
+                break
+            except CaptureError as err:
+                gone = self.down()
+                if gone is not None:
+                    raise gone from err
+                if not err.transient or attempt == CAPTURE_ATTEMPTS:
+                    raise
+                print(f"verifier: {err}; the server is alive, trying again ({attempt + 1} of {CAPTURE_ATTEMPTS})",
+                      flush=True)
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
         # In the capture's dtype (bf16 from a GPU vLLM): the stream casts once, when it sends, and
         # the norm below rounds where the target's own module rounds.
@@ -311,6 +316,21 @@ class VLLMVerifier:
             out[:, -1] = self.transform.final_norm(out[:, -1], self.norm_weight)
         return Capture.from_states(sample_id, torch.tensor(ids, dtype=torch.long),
                                    torch.as_tensor(loss_mask, dtype=torch.long), out)
+
+    def _states(self, sample_id: int, ids: list[int]) -> torch.Tensor:
+        self._sweep_abandoned()
+        path, arrived = None, False
+        try:
+            path = self._prefill(sample_id, ids)
+            wait_for_file(path, self.file_timeout_s)
+            arrived = True
+            return read_capture(path, sample_id, ids, len(self.layer_ids), self.hidden)
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)  # node RAM: the streamer sends right after, keep nothing
+                if not arrived:
+                    with self._abandoned_lock:
+                        self._abandoned.append(path)
 
     def server_log_tail(self, lines: int = 20) -> str:
         return log_tail(self.server.server.log_path, lines)

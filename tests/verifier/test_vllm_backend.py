@@ -80,6 +80,45 @@ def test_corrupt_or_truncated_file_is_a_clear_per_sample_error(tmp_path):
         read_capture(path, 1, list(range(6)), 2, 8)
 
 
+def test_a_capture_that_only_ran_out_of_time_is_tried_again_while_the_server_is_alive(monkeypatch):
+    """A loaded server answered late: the sample is not its fault, so it is captured again
+    rather than skipped (a skipped sample is never trained). Other failures are not retried."""
+    from hpc.verifier.vllm_backend import CAPTURE_ATTEMPTS, VLLMVerifier
+
+    v = VLLMVerifier.__new__(VLLMVerifier)  # the capture loop only; the server is what is faked
+    v.layer_ids, v.aux_layer_ids, v.n_layers, v.norm_weight = [1, 2], [1], 2, None
+    monkeypatch.setattr(v, "down", lambda: None, raising=False)
+    calls: list[int] = []
+
+    def late_then_ok(sample_id, ids):
+        calls.append(sample_id)
+        if len(calls) < CAPTURE_ATTEMPTS:
+            raise CaptureError(f"sample {sample_id}: read timed out", transient=True)
+        return torch.randn(len(ids), 2, 4)
+
+    monkeypatch.setattr(v, "_states", late_then_ok, raising=False)
+    cap = v.capture(7, [1, 2, 3], [0, 1, 1])
+    assert len(calls) == CAPTURE_ATTEMPTS and cap.sample_id == 7 and cap.aux_TnH.shape == (3, 1, 4)
+
+    def failing(why: str, transient: bool):
+        def states(sample_id, ids):
+            calls.append(sample_id)
+            raise CaptureError(f"sample {sample_id}: {why}", transient=transient)
+        return states
+
+    calls.clear()
+    monkeypatch.setattr(v, "_states", failing("read timed out", True), raising=False)
+    with pytest.raises(CaptureError, match="timed out"):  # always late: given up after the attempts
+        v.capture(8, [1, 2], [0, 1])
+    assert len(calls) == CAPTURE_ATTEMPTS
+
+    calls.clear()
+    monkeypatch.setattr(v, "_states", failing("vLLM answered 400", False), raising=False)
+    with pytest.raises(CaptureError, match="400"):  # the sample's own fault: once
+        v.capture(9, [1, 2], [0, 1])
+    assert calls == [9]
+
+
 def test_norm_from_safetensors_matches_hf(toy_target):
     # post_norm in the vLLM backend = our RMSNorm with the weight read from the checkpoint.
     hf = HFVerifier(str(toy_target), [1], final_hidden="post_norm")
