@@ -81,9 +81,10 @@ def pytest_collection_modifyitems(config, items):
     for i in items:
         slow_in[groups[id(i)]] = slow_in.get(groups[id(i)], 0) + bool(i.get_closest_marker("slow"))
     first_seen = {g: n for n, g in reversed(list(enumerate(groups[id(i)] for i in items)))}
-    items.sort(key=lambda i: (groups[id(i)] != HOST_WIDE, slow_in[groups[id(i)]] == 0, first_seen[groups[id(i)]]))
     path = os.environ.get(GROUPS_ENV)
     if path and "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects the same: the last write wins
+        items.sort(key=lambda i: (groups[id(i)] != HOST_WIDE, slow_in[groups[id(i)]] == 0,
+                                  first_seen[groups[id(i)]]))
         tmp = f"{path}.{os.environ['PYTEST_XDIST_WORKER']}"
         Path(tmp).write_text(json.dumps({i.nodeid: groups[id(i)] for i in items}))
         os.replace(tmp, path)
