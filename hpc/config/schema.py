@@ -136,6 +136,10 @@ class VerifierConfig:
     # `dspark plan` recommends for the data's sample length.
     capture_concurrency: int | None = None
     health_timeout_s: float = 1800.0
+    # A capture that only ran out of time while the server still answers /health (a loaded
+    # server, a long prefill) is tried again for this long; then the sample is skipped, and a
+    # skipped sample is never trained.
+    capture_retry_s: float = 600.0
 
 
 @dataclass

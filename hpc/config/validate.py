@@ -107,6 +107,7 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
                                              cfg.draft.sample_from_anchor, cfg.eval.adaptive):
                 c.fail(key, values.get(key, v.model), msg)
     c.positive("verifier.health_timeout_s", v.health_timeout_s)
+    c.positive("verifier.capture_retry_s", v.capture_retry_s)
     if v.capture_concurrency is not None:
         c.positive("verifier.capture_concurrency", v.capture_concurrency)
     norm_pairs = {

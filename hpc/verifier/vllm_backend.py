@@ -64,7 +64,10 @@ class CaptureError(RuntimeError):
         self.transient = transient
 
 
-CAPTURE_ATTEMPTS = 3  # a transient failure with the server alive: a skipped sample is never trained
+# A transient failure with the server alive is retried for verifier.capture_retry_s, pausing
+# between tries (doubling, capped): a skipped sample is never trained, and a loaded server that
+# answers one request late answers the next once the load passes.
+RETRY_PAUSE_S, RETRY_PAUSE_MAX_S = 0.5, 10.0
 
 
 def capture_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
@@ -293,10 +296,14 @@ class VLLMVerifier:
 
     def capture(self, sample_id: int, input_ids: list[int] | torch.Tensor, loss_mask) -> Capture:
         """One sample's states. A failure with the server alive and healthy is this sample's
-        (CaptureError), after CAPTURE_ATTEMPTS tries if it only ran out of time (a loaded server);
-        with the server gone or hung it is VerifierDown, which ends the stream."""
+        (CaptureError); one that only ran out of time (a loaded server) is tried again until
+        verifier.capture_retry_s has passed. With the server gone or hung it is VerifierDown,
+        which ends the stream."""
         ids = [int(i) for i in (input_ids.tolist() if torch.is_tensor(input_ids) else input_ids)]
-        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+        give_up = time.monotonic() + self.cfg.capture_retry_s
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 states = self._states(sample_id, ids)
                 break
@@ -304,10 +311,14 @@ class VLLMVerifier:
                 gone = self.down()
                 if gone is not None:
                     raise gone from err
-                if not err.transient or attempt == CAPTURE_ATTEMPTS:
+                left = give_up - time.monotonic()
+                if not err.transient or left <= 0:
                     raise
-                print(f"verifier: {err}; the server is alive, trying again ({attempt + 1} of {CAPTURE_ATTEMPTS})",
-                      flush=True)
+                pause = min(RETRY_PAUSE_S * 2 ** (attempt - 1), RETRY_PAUSE_MAX_S, left)
+                print(f"verifier: {err}; the server answers /health, trying again in {pause:.1f} s "
+                      f"(attempt {attempt + 1}; verifier.capture_retry_s={self.cfg.capture_retry_s:g} "
+                      f"leaves {left:.0f} s)", flush=True)
+                time.sleep(pause)
         col = {layer: i for i, layer in enumerate(self.layer_ids)}
         # In the capture's dtype (bf16 from a GPU vLLM): the stream casts once, when it sends, and
         # the norm below rounds where the target's own module rounds.

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from hpc.config.schema import FinalHidden, VerifierConfig
-from hpc.errors import UserError
+from hpc.errors import UserError, VerifierDown
 from hpc.model.teacher import target_transform
 from hpc.net import free_port
 from hpc.verifier import vllm_backend
@@ -80,43 +80,53 @@ def test_corrupt_or_truncated_file_is_a_clear_per_sample_error(tmp_path):
         read_capture(path, 1, list(range(6)), 2, 8)
 
 
-def test_a_capture_that_only_ran_out_of_time_is_tried_again_while_the_server_is_alive(monkeypatch):
-    """A loaded server answered late: the sample is not its fault, so it is captured again
-    rather than skipped (a skipped sample is never trained). Other failures are not retried."""
-    from hpc.verifier.vllm_backend import CAPTURE_ATTEMPTS, VLLMVerifier
-
+def test_a_capture_that_only_ran_out_of_time_is_tried_again_while_the_server_is_alive(monkeypatch, capsys):
+    """A loaded server answered late: the sample is not its fault, so it is captured again until
+    verifier.capture_retry_s has passed, rather than skipped (a skipped sample is never trained).
+    Other failures are not retried, and a server that went away ends the stream instead."""
+    clock = [0.0]
+    monkeypatch.setattr(vllm_backend.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(vllm_backend.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     v = VLLMVerifier.__new__(VLLMVerifier)  # the capture loop only; the server is what is faked
+    v.cfg = VerifierConfig(capture_retry_s=60.0)
     v.layer_ids, v.aux_layer_ids, v.n_layers, v.norm_weight = [1, 2], [1], 2, None
     monkeypatch.setattr(v, "down", lambda: None, raising=False)
-    calls: list[int] = []
+    calls: list[float] = []
 
-    def late_then_ok(sample_id, ids):
-        calls.append(sample_id)
-        if len(calls) < CAPTURE_ATTEMPTS:
-            raise CaptureError(f"sample {sample_id}: read timed out", transient=True)
-        return torch.randn(len(ids), 2, 4)
-
-    monkeypatch.setattr(v, "_states", late_then_ok, raising=False)
-    cap = v.capture(7, [1, 2, 3], [0, 1, 1])
-    assert len(calls) == CAPTURE_ATTEMPTS and cap.sample_id == 7 and cap.aux_TnH.shape == (3, 1, 4)
-
-    def failing(why: str, transient: bool):
-        def states(sample_id, ids):
-            calls.append(sample_id)
+    def states(why: str, transient: bool, ok_after: int | None = None, request_s: float = 4.8):
+        def fn(sample_id, ids):
+            calls.append(clock[0])
+            if ok_after is not None and len(calls) > ok_after:
+                return torch.randn(len(ids), 2, 4)
+            clock[0] += request_s  # the request's own timeout
             raise CaptureError(f"sample {sample_id}: {why}", transient=transient)
-        return states
+        return fn
+
+    # Late six times (more than any fixed small count of tries), then answered.
+    monkeypatch.setattr(v, "_states", states("read timed out", True, ok_after=6), raising=False)
+    cap = v.capture(7, [1, 2, 3], [0, 1, 1])
+    assert len(calls) == 7 and cap.sample_id == 7 and cap.aux_TnH.shape == (3, 1, 4)
+    assert capsys.readouterr().out.count("trying again") == 6
 
     calls.clear()
-    monkeypatch.setattr(v, "_states", failing("read timed out", True), raising=False)
-    with pytest.raises(CaptureError, match="timed out"):  # always late: given up after the attempts
+    clock[0] = 0.0
+    monkeypatch.setattr(v, "_states", states("read timed out", True), raising=False)
+    with pytest.raises(CaptureError, match="timed out"):  # always late: given up once the budget is spent
         v.capture(8, [1, 2], [0, 1])
-    assert len(calls) == CAPTURE_ATTEMPTS
+    assert 60.0 <= clock[0] <= 60.0 + 4.8 and calls[-1] <= 60.0  # no try starts past the budget
 
     calls.clear()
-    monkeypatch.setattr(v, "_states", failing("vLLM answered 400", False), raising=False)
+    monkeypatch.setattr(v, "_states", states("vLLM answered 400", False), raising=False)
     with pytest.raises(CaptureError, match="400"):  # the sample's own fault: once
         v.capture(9, [1, 2], [0, 1])
-    assert calls == [9]
+    assert len(calls) == 1
+
+    calls.clear()
+    monkeypatch.setattr(v, "down", lambda: VerifierDown("vLLM exited with code -9"), raising=False)
+    monkeypatch.setattr(v, "_states", states("unreachable", True), raising=False)
+    with pytest.raises(VerifierDown, match="-9"):  # the server died: no retry, the stream ends
+        v.capture(10, [1, 2], [0, 1])
+    assert len(calls) == 1
 
 
 def test_norm_from_safetensors_matches_hf(toy_target):
@@ -307,6 +317,7 @@ def test_a_capture_file_that_lands_after_the_wait_gave_up_is_deleted(tmp_path):
     v.file_timeout_s, v.layer_ids, v.hidden = 0.2, [1, 2], 4
     v._abandoned, v._abandoned_lock = vllm_backend.deque(maxlen=16), threading.Lock()
     v._sessions, v.owns_server = [], False
+    v.cfg = VerifierConfig(capture_retry_s=1e-6)  # one try: the late file is what is tested
     late = tmp_path / "cmpl-1-0.safetensors"
     v._prefill = lambda sid, ids: late
     v.down = lambda: None  # healthy: the sample's failure, not the server's
