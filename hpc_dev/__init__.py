@@ -7,7 +7,9 @@
 - `speculators_env`: the venv of the peer implementation the train-step bench measures against;
 - `gpu_checks`: scripts/gpu-check's checks of the data path (planes, stream buffers, capture copy).
 
-`hpc` (the production package) never imports this package; only the command-line tables
-(`hpc.cli.COMMANDS`, `hpc.bench.BENCHMARKS`) name its modules, so `dspark devcluster` and
-`dspark toy-target` keep working. tests/test_layers.py enforces both directions.
+- `cli`: the `dspark-dev` command (`demo`, `devcluster`, `toy-target`, the dev benchmarks).
+
+`hpc` (the production package) never names this package, not even as a string, and a cluster's
+`pip install .` does not install it: it is its own distribution (`hpc_dev/pyproject.toml`),
+which the repository's setup installs beside `hpc`. tests/test_layers.py enforces both.
 """

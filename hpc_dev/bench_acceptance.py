@@ -1,4 +1,4 @@
-"""`dspark bench acceptance CONFIG`: what each part of the DSpark recipe buys, at equal budget.
+"""`dspark-dev bench acceptance CONFIG`: what each part of the DSpark recipe buys, at equal budget.
 
 Three drafts train at one budget (steps), seed, dataset and learning rate, differing only in
 their heads:
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     overrides = bench_overrides(args, out)
     cfg = _resolve(args.config, overrides)  # bad input fails here, before anything trains
-    print(f"dspark bench acceptance: {len(VARIANTS)} drafts x {steps} steps (lr {cfg.train.lr:g}, seed "
+    print(f"dspark-dev bench acceptance: {len(VARIANTS)} drafts x {steps} steps (lr {cfg.train.lr:g}, seed "
           f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
           flush=True)
     client, parent = _parent_run(cfg, steps, args.quick)
@@ -425,7 +425,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help=f"training steps per draft (default {DEFAULT_STEPS}; "
                                              f"--quick: {MIN_STEPS}; at least {MIN_STEPS})")
     p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs")
-    p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark demo`")
+    p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark-dev demo`")
     p.add_argument("--rows", type=int, default=640, help="--toy: conversations to train on (default 640)")
     p.add_argument("--traffic", type=int, default=TRAFFIC,
                    help=f"--toy: conversations no training row asks that join the calibration set (default {TRAFFIC})")

@@ -1,4 +1,4 @@
-"""`dspark bench train-step`: tokens/s of OUR DSpark training step (forward + backward + AdamW)
+"""`dspark-dev bench train-step`: tokens/s of OUR DSpark training step (forward + backward + AdamW)
 against speculators 0.9.0's on the identical config, weights and batch.
 
 Both run in ONE process of the speculators venv (`hpc_dev/bench_train_step.py`, our code on

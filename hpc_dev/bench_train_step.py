@@ -1,4 +1,4 @@
-"""Worker of `dspark bench train-step`: runs inside the speculators venv (PYTHONPATH=<repo>).
+"""Worker of `dspark-dev bench train-step`: runs inside the speculators venv (PYTHONPATH=<repo>).
 
     python -m hpc_dev.bench_train_step '<json config>'  ->  one JSON line: per-iteration seconds
 

@@ -1,4 +1,4 @@
-"""`dspark bench capture`: captured tokens/s through a real vLLM capture server at several
+"""`dspark-dev bench capture`: captured tokens/s through a real vLLM capture server at several
 numbers of requests in flight, as ratios to one in flight (what `verifier.capture_concurrency`
 buys). Each level captures the same prompts; levels run in a palindrome order (1 2 4 8 8 4 2 1)
 so drift in machine load hits all alike, and medians are reported.

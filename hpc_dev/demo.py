@@ -1,4 +1,4 @@
-"""`dspark demo`: the whole pipeline on this machine, no Slurm, in minutes on 2 CPU cores.
+"""`dspark-dev demo`: the whole pipeline on this machine, no Slurm, in minutes on 2 CPU cores.
 
 The toy target is built on the fly (cached), MLflow is a SQLite file, and the stages run one
 after another through submitit's local executor, exactly the stage functions a Slurm
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()
-    print(f"dspark demo -> {out}", flush=True)
+    print(f"dspark-dev demo -> {out}", flush=True)
     target = build_toy_target(arch="qwen3", seed=0)
     print(f"[{time.monotonic() - t0:5.0f}s] toy target ready: {target}", flush=True)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=args.rows, seed=1)

@@ -1,4 +1,4 @@
-"""`dspark devcluster up|down|status`: the local multi-node Slurm cluster.
+"""`dspark-dev devcluster up|down|status`: the local multi-node Slurm cluster.
 
 The cluster itself is in hpc_dev/devcluster.py.
 """

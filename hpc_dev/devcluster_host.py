@@ -89,7 +89,7 @@ def _no_service_starts() -> Iterator[None]:
     if policy.exists():
         yield
         return
-    policy.write_text("#!/bin/sh\n# temporary, written by dspark devcluster\nexit 101\n")
+    policy.write_text("#!/bin/sh\n# temporary, written by dspark-dev devcluster\nexit 101\n")
     policy.chmod(0o755)
     try:
         yield

@@ -1,4 +1,4 @@
-"""`dspark bench toy-target`: cold build time of the toy targets against the 5-minute budget,
+"""`dspark-dev bench toy-target`: cold build time of the toy targets against the 5-minute budget,
 and the warm (cached) call beside it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`dspark toy-target`: build the CPU toy targets (see hpc_dev/toy.py)."""
+"""`dspark-dev toy-target`: build the CPU toy targets (see hpc_dev/toy.py)."""
 
 from __future__ import annotations
 

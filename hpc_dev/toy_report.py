@@ -1,4 +1,4 @@
-"""`dspark toy-target --report`: does the toy target talk, or loop? Figures on the eval fixtures.
+"""`dspark-dev toy-target --report`: does the toy target talk, or loop? Figures on the eval fixtures.
 
 A target whose greedy output repeats itself makes every draft look good (any draft that learns
 "repeat" is accepted), so before an acceptance figure means anything the target must pass:

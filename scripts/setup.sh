@@ -39,12 +39,14 @@ if [ ! -x .venv/bin/pip ]; then
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" 2>/dev/null; then
+if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" \
+    2>/dev/null || [ ! -x .venv/bin/dspark-dev ]; then
   log "installing the project into .venv (pinned by requirements/lock-cpu.txt)"
   .venv/bin/pip install -q --upgrade pip
   # The lock pins every transitive package, so pip does no resolver backtracking.
   .venv/bin/pip install -q --find-links "$WHEELS" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"} -r requirements/lock-cpu.txt
-  .venv/bin/pip install -q --no-deps -e .
+  # Two distributions: dspark-hpc (what a cluster installs) and its development tooling.
+  .venv/bin/pip install -q --no-deps -e . -e ./hpc_dev
 fi
 
 if .venv/bin/python -c "import hpc.verifier.vllm_env" 2>/dev/null; then

@@ -1,35 +1,57 @@
-"""Imports go one way: down the layers the README's Layout section draws.
+"""Imports go one way: down the dependency graph the README's Layout section draws.
 
-Every `import` in hpc/ (module level or inside a function: a lazy import is still a
-dependency) must name a module of a lower layer or of its own package. Development tooling
-(hpc_dev) sits above the production package, which never imports it.
+Every dependency of a module in hpc/ must be allowed by DEPENDS: an `import` (module level or
+inside a function: a lazy import is still a dependency) and a module named in a string (the
+command tables' "module:function", `import_module`). DEPENDS is a partial order, not a stack
+of layers: a package may use what it names and, through them, what they name; two packages
+neither reaches (stream and model, track and model) stay independent. Development tooling
+(hpc_dev, the `dspark-dev` command) sits above all of it, and hpc never names it, not even in
+a string or a comment.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Top to bottom. A package may import its own modules and any package of a LOWER layer.
-LAYERS: list[tuple[str, ...]] = [
-    ("hpc.__main__",),  # `python -m hpc`
-    ("hpc.cli", "hpc.bench"),  # the command line: tables naming every command and benchmark
-    ("hpc.launch",),  # the Slurm launcher: submit, stages, status, schedule, plan
-    ("hpc.train",),  # the trainer (online: verifier + stream + DDP)
-    ("hpc.evaluate",),  # spec-decode evaluation, compare
-    ("hpc.verifier",),  # vLLM / HF capture, regeneration
-    ("hpc.stream",),  # streamer -> trainer transport; Capture, MicroBatch
-    ("hpc.track",),  # MLflow
-    ("hpc.model",),  # the draft, its loss, export
-    ("hpc.config",),  # schema, loading, login-node validation
-    ("hpc.dist",),  # the NCCL-rules checker and the two planes
-    ("hpc.proc",),  # a server in a subprocess: spawn, health, stop (VLLMServer, MlflowServer)
-    ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard", "hpc.own_env"),  # no deps in hpc
-]
+# package -> the packages it uses directly. Its allowed dependencies are everything reachable.
+DEPENDS: dict[str, set[str]] = {
+    "hpc.__main__": {"hpc.cli"},  # `python -m hpc`
+    # the command line: tables naming every command and benchmark by module
+    "hpc.cli": {"hpc.bench", "hpc.launch"},
+    "hpc.bench": {"hpc.stream"},
+    "hpc.launch": {"hpc.train", "hpc.tables"},  # the Slurm launcher: submit, stages, status, schedule, plan
+    "hpc.train": {"hpc.evaluate", "hpc.stream", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)
+    "hpc.evaluate": {"hpc.verifier", "hpc.track"},  # spec-decode evaluation, compare
+    "hpc.verifier": {"hpc.stream", "hpc.model", "hpc.proc", "hpc.own_env"},  # vLLM / HF capture, regeneration
+    "hpc.stream": {"hpc.dist", "hpc.net", "hpc.tables"},  # streamer -> trainer transport; Capture, MicroBatch
+    "hpc.track": {"hpc.config", "hpc.proc", "hpc.net"},  # MLflow
+    "hpc.model": {"hpc.config", "hpc.tables"},  # the draft, its loss, export
+    "hpc.config": {"hpc.errors", "hpc.fsio"},  # schema, loading, login-node validation
+    "hpc.dist": {"hpc.errors", "hpc.own_env"},  # the NCCL-rules checker and the two planes
+    "hpc.proc": {"hpc.errors", "hpc.proc_guard"},  # a server in a subprocess (VLLMServer, MlflowServer)
+    **{leaf: set() for leaf in ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard",
+                                "hpc.own_env")},
+}
+MODULE_NAME = re.compile(r"^(hpc(?:_dev)?(?:\.\w+)+)(?::\w+)?$")  # "hpc.x.y" or "hpc.x.y:function"
+
+
+def reachable(depends: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for pkg in depends:
+        seen, todo = set(), list(depends[pkg])
+        while todo:
+            d = todo.pop()
+            if d not in seen:
+                seen.add(d)
+                todo += depends.get(d, set())
+        out[pkg] = seen
+    return out
 
 
 def _package(module: str) -> str:
@@ -37,16 +59,8 @@ def _package(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 else module
 
 
-def _layer(module: str) -> int:
-    pkg = _package(module)
-    for i, members in enumerate(LAYERS):
-        if pkg in members:
-            return i
-    raise AssertionError(f"{module}: no layer in tests/test_layers.py LAYERS; add its package there "
-                         f"and to the README's Layout section")
-
-
 def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """Modules `path` depends on: its imports and the module names in its strings."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -55,6 +69,8 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
             # `from hpc import x` imports the module hpc.x
             found += [(node.lineno, f"{node.module}.{a.name}" if node.module in ("hpc", "hpc_dev") else node.module)
                       for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := MODULE_NAME.match(node.value)):
+            found.append((node.lineno, m.group(1)))
     return [(line, name) for line, name in found if name.split(".")[0] in ("hpc", "hpc_dev")]
 
 
@@ -66,44 +82,76 @@ def _modules(top: str) -> list[tuple[Path, str]]:
     return out
 
 
+def _allowed(module: str) -> set[str]:
+    pkg = _package(module)
+    if pkg not in DEPENDS:
+        raise AssertionError(f"{module}: its package has no entry in tests/test_layers.py DEPENDS; add it there "
+                             f"and to the README's Layout section")
+    return reachable(DEPENDS)[pkg]
+
+
 def violations(top: str = "hpc") -> list[str]:
     bad = []
     for path, module in _modules(top):
+        rel = path.relative_to(ROOT)
+        if top == "hpc":
+            for n, text in enumerate(path.read_text().splitlines(), 1):
+                if "hpc_dev" in text:
+                    bad.append(f"{rel}:{n} names hpc_dev: production code never names development tooling")
         for line, name in _imports(path, module):
-            where = f"{path.relative_to(ROOT)}:{line} imports {name}"
-            if top == "hpc" and name.startswith("hpc_dev"):
-                bad.append(f"{where}: production code never imports development tooling")
-            elif top == "hpc" and _package(name) != _package(module) and _layer(name) <= _layer(module):
-                bad.append(f"{where}: against the layer order")
+            where = f"{rel}:{line} imports {name}"
+            if name.startswith("hpc_dev"):
+                if top == "hpc":
+                    continue  # said above, for the line
+            elif top == "hpc" and _package(name) != _package(module) and _package(name) not in _allowed(module):
+                bad.append(f"{where}: not among {_package(module)}'s dependencies (tests/test_layers.py DEPENDS)")
+            elif top == "hpc_dev" and _package(name) not in DEPENDS:
+                bad.append(f"{where}: no such package in tests/test_layers.py DEPENDS")
     return bad
 
 
-def test_production_imports_go_down_the_layers():
+def test_production_imports_follow_the_dependency_graph():
     assert violations("hpc") == []
 
 
-def test_every_module_has_a_layer():
+def test_dev_tooling_uses_only_known_packages():
+    assert violations("hpc_dev") == []
+
+
+def test_the_dependency_graph_is_a_partial_order():
+    """No package reaches itself, every named package exists, and the graph is not a chain."""
+    closure = reachable(DEPENDS)
+    assert [p for p, r in closure.items() if p in r] == []
+    assert {d for ds in DEPENDS.values() for d in ds} <= set(DEPENDS)
+    assert "hpc.model" not in closure["hpc.stream"] and "hpc.stream" not in closure["hpc.model"]
+
+
+def test_every_module_has_a_package_in_the_graph():
     for _, module in _modules("hpc"):
-        _layer(module)
+        _allowed(module)
 
 
 def test_the_check_catches_an_import_against_the_grain(tmp_path):
     (tmp_path / "hpc" / "model").mkdir(parents=True)
     (tmp_path / "hpc" / "model" / "bad.py").write_text(
-        "def f():\n    from hpc.train.loop import Trainer\n    from hpc_dev.toy import build_toy_target\n")
-    (tmp_path / "hpc" / "model" / "ok.py").write_text("from hpc.config import resolve\nimport torch\n")
+        "import importlib\n"
+        "def f():\n    from hpc.train.loop import Trainer\n    from hpc.stream.sample import Capture\n"
+        "TABLE = [('x', 'hpc.launch.submit:register')]\n"
+        "def g():\n    return importlib.import_module('hpc_dev.toy')  # the toy\n")
+    (tmp_path / "hpc" / "model" / "ok.py").write_text(
+        "from hpc.config import resolve\nimport torch\nNAME = 'hpc.tables'\nTEXT = 'hpc is the package'\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
         found = violations("hpc")
     finally:
         ROOT = saved
-    assert [v.split(": ")[-1] for v in found] == ["against the layer order",
-                                                  "production code never imports development tooling"]
+    assert [v.split(": ")[0].split(" imports ")[-1] for v in found] == [
+        "hpc/model/bad.py:7 names hpc_dev", "hpc.train.loop", "hpc.stream.sample", "hpc.launch.submit"], found
 
 
-@pytest.mark.parametrize("pkg", [p for layer in LAYERS for p in layer])
-def test_each_layer_package_exists(pkg):
+@pytest.mark.parametrize("pkg", sorted(DEPENDS))
+def test_each_package_in_the_graph_exists(pkg):
     rel = Path(*pkg.split("."))
     assert (ROOT / rel).is_dir() or (ROOT / rel).with_suffix(".py").is_file(), pkg
 

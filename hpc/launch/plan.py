@@ -31,9 +31,9 @@ LOSS_TENSORS = 8  # fp32 [Q, draft_vocab] tensors alive in the loss: logits, log
 TILE_SLOTS = 256  # hpc.model.blocks.tiled_sdpa_attention_fn's default: block slots per SDPA tile
 
 # Bytes each saved activation costs, per element of the named width, read off a training step's
-# live tensors at its peak (the end of the loss's forward) with hpc_dev.memtrack, in fp32 and under
-# bf16 autocast. Autocast keeps fp32 norms and casts each linear's input afresh (it caches weights
-# only), which is why its per-h cost is not half of fp32's.
+# live tensors at its peak (the end of the loss's forward) with the dev tools' live-tensor
+# tracker (memtrack), in fp32 and under bf16 autocast. Autocast keeps fp32 norms and casts each
+# linear's input afresh (it caches weights only), which is why its per-h cost is not half of fp32's.
 SLOT_H_BYTES = {False: 48, True: 41}  # per block slot per layer: norms, residuals, q/o, attention out
 CTX_H_BYTES = {False: 12, True: 6}  # per context token: fc out and hidden_norm (fp32: 3 x 4 B; autocast: 4 + 2 B)
 CTX_H_PER_LAYER = {False: 0, True: 4}  # autocast casts the normed context again for k_proj and v_proj

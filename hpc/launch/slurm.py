@@ -23,7 +23,7 @@ from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
 
 SINFO_MISSING = ("sinfo not found: run dspark submit on a Slurm login node "
-                 "(or `dspark devcluster up` for the local test cluster)")
+                 "(or `dspark-dev devcluster up` for the local test cluster)")
 TIMEOUT_S = 30.0
 # The keys that set each stage's node count, for messages; train spans two roles.
 NODE_KEYS = {

@@ -2,7 +2,7 @@
 
 `dspark submit` lays its Slurm jobs out from `jobs(cfg)`; inside a job, submitit's pickled
 call (`run_stage`) and `dspark stage NAME` (what sbatch/ runs) dispatch through `STAGES`;
-`dspark demo` runs the same entries in the same order on one machine (`local=True`); and
+`dspark-dev demo` runs the same entries in the same order on one machine (`local=True`); and
 `dspark status` lists a pipeline's jobs in this order. docs/pipeline-dag.md explains the
 dependency types.
 """

@@ -241,7 +241,7 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
 
 def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local: bool = False) -> int:
     """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
-    `local` (`dspark demo`, even inside an salloc) one server on this machine. A requeue resumes."""
+    `local` (`dspark-dev demo`, even inside an salloc) one server on this machine. A requeue resumes."""
     from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
     say = lambda line: print(line, flush=True)  # noqa: E731

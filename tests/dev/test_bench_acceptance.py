@@ -1,4 +1,4 @@
-"""`dspark bench acceptance`: the budget check, the table and ratios by hand, and a quick real run."""
+"""`dspark-dev bench acceptance`: the budget check, the table and ratios by hand, and a quick real run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc.cli import main
 from hpc.evaluate.harness import BenchResult
 from hpc_dev import bench_acceptance as ba
+from hpc_dev.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,7 +116,7 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "hpc", "bench", "acceptance", "configs/toy-cpu.yaml", "--toy", "--quick",
+    cmd = [sys.executable, "-m", "hpc_dev", "bench", "acceptance", "configs/toy-cpu.yaml", "--toy", "--quick",
            "--out", str(out), f"verifier.python={vllm_python}"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,11 +1,11 @@
-"""`dspark bench train-step`: the table, the missing-venv message, and a tiny real run."""
+"""`dspark-dev bench train-step`: the table, the missing-venv message, and a tiny real run."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpc.cli import main
 from hpc_dev import bench_speculators as bench
+from hpc_dev.cli import main
 from tests.fixtures.speculators import speculators_python  # noqa: F401  (fixture)
 
 

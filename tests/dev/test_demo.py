@@ -1,4 +1,4 @@
-"""`dspark demo` end to end, shrunk: the same stages through submitit's local executor."""
+"""`dspark-dev demo` end to end, shrunk: the same stages through submitit's local executor."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_demo_runs_every_stage_and_prints_the_table(toy_target, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "hpc", "demo", "--out", str(tmp_path / "demo"), "--steps", "4",
+    res = subprocess.run([sys.executable, "-m", "hpc_dev", "demo", "--out", str(tmp_path / "demo"), "--steps", "4",
                           "--rows", "24", "data.regenerate=false", "verifier.backend=hf", "eval.compare=[]",
                           "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
                           "eval.benchmarks=[gsm8k,humaneval]"],

@@ -1,0 +1,3 @@
+from hpc_dev.cli import main
+
+raise SystemExit(main())
