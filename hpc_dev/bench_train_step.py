@@ -20,18 +20,20 @@ from pathlib import Path
 
 import torch
 
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.args import ConfidenceTarget, DraftArgs, LossArgs
+from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
-from hpc.model.loss import LossWeights, PackedRow, dspark_loss
+from hpc.model.loss import PackedRow, dspark_loss
 from hpc.model.teacher import LogitTransform, VerifierHead
 
 # speculators' recipe trains the confidence head on 1 - TV: the same work as ours on greedy matches.
-WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0, confidence_target="sampling")
+WEIGHTS = LossArgs(ce_weight=0.1, tv_weight=0.9, kl_weight=0.0, decay_gamma=4.0, confidence_weight=1.0,
+                   confidence_target=ConfidenceTarget.sampling)
 LR = 1e-4
 
 
-def draft_args(c: dict) -> DSparkArgs:
-    return DSparkArgs(
+def draft_args(c: dict) -> DraftArgs:
+    return DraftArgs(
         hidden_size=c["hidden"], num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
         num_key_value_heads=c["kv_heads"], head_dim=c["hidden"] // c["heads"], intermediate_size=3 * c["hidden"],
         block_size=c["block_size"], draft_vocab_size=c["draft_vocab"], mask_token_id=c["target_vocab"] - 1,
@@ -40,7 +42,7 @@ def draft_args(c: dict) -> DSparkArgs:
     )
 
 
-def random_draft(args: DSparkArgs, g: torch.Generator) -> DSparkDraft:
+def random_draft(args: DraftArgs, g: torch.Generator) -> DSparkDraft:
     model = DSparkDraft(args)
     with torch.no_grad():
         for p in model.parameters():
@@ -108,7 +110,7 @@ def build(c: dict, tmp: Path) -> tuple[Callable[[], None], Callable[[], None], d
 
     def step_theirs() -> None:
         _, loss, _ = theirs(*inputs, loss_config=loss_config, tv_loss_fn=eager.tv_loss, gamma=WEIGHTS.decay_gamma,
-                            max_anchors=max_anchors, confidence_head_alpha=WEIGHTS.confidence)
+                            max_anchors=max_anchors, confidence_head_alpha=WEIGHTS.confidence_weight)
         loss.backward()
         opt_t.step()
         opt_t.zero_grad(set_to_none=True)

@@ -4,6 +4,7 @@ them. `scripts/gpu-check` and its two-rank checks (hpc_dev.gpu_pair) both build 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ def config_for(d: dict, seq: int):
     cfg.draft.draft_vocab_size, cfg.draft.markov_rank, cfg.draft.block_size = d["draft_vocab"], d["markov"], d["block"]
     cfg.draft.mask_token_id = d["target_vocab"] - 1
     cfg.verifier.hidden_size, cfg.verifier.vocab_size = d["hidden"], d["target_vocab"]
+    cfg.draft.target_hidden_size, cfg.draft.target_vocab_size = d["hidden"], d["target_vocab"]  # built, not loaded
     cfg.cluster.trainer_nodes, cfg.train.ranks_per_node = 1, 1
     cfg.train.global_batch_size, cfg.train.grad_accumulation = 1, 1
     cfg.train.max_anchors, cfg.train.steps, cfg.train.warmup_steps = d["anchors"], 100, 0
@@ -31,8 +33,7 @@ def config_for(d: dict, seq: int):
 
 
 def build_trainer(d: dict, dev: torch.device, out: Path, group=None, control_group=None):
-    from hpc.model.dspark import DSparkArgs, DSparkDraft
-    from hpc.model.export import speculators_config
+    from hpc.model.dspark import DSparkDraft
     from hpc.model.teacher import VerifierHead
     from hpc.train.loop import Trainer
     from hpc.train.online import autocast_dtype
@@ -40,14 +41,14 @@ def build_trainer(d: dict, dev: torch.device, out: Path, group=None, control_gro
     cfg = config_for(d, d["steps"][0][0])
     if dev.type == "cpu":
         cfg.train.device, cfg.train.dtype = "cpu", "float32"
-    args = DSparkArgs.from_config(cfg)
+    args = replace(cfg.draft)
     torch.manual_seed(0)
     with torch.device(dev):  # built in place: a Kimi draft is 7 GB in fp32
         model = DSparkDraft(args)
         model.t2d[: args.draft_vocab_size] = True
         head = VerifierHead(torch.randn(args.draft_vocab_size, args.target_hidden_size) * 0.02,
                             torch.ones(args.draft_vocab_size, dtype=torch.bool))
-    export = speculators_config(args, "gpu-check", [], args.max_n)
+    export = args.to_config_json("gpu-check", [], args.max_n)
     trainer = Trainer(cfg.train, model, head, export, out, device=dev,
                       autocast_dtype=autocast_dtype(cfg.train, dev), group=group, control_group=control_group)
     return trainer, cfg

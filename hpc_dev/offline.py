@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
-from hpc.model.dspark import DSparkArgs
-from hpc.model.export import speculators_config
 from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.loop import Trainer
 from hpc.train.online import build_draft
@@ -48,7 +47,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
     rows, held_out = split_held_out(rows, cfg.train.hold_out_every)
-    args = DSparkArgs.from_config(cfg)
+    args = replace(cfg.draft)
     import torch
 
     torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights (as online)
@@ -56,8 +55,8 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
                               train_lm_head=cfg.train.train_lm_head)
     verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,
                           trust_remote_code=cfg.verifier.trust_remote_code)
-    export = speculators_config(model.args, cfg.verifier.model, target_architectures(cfg.verifier.model),
-                                model.args.max_n)
+    export = model.args.to_config_json(cfg.verifier.model, target_architectures(cfg.verifier.model),
+                                       model.args.max_n)
     trainer = Trainer(train_cfg, model, head, export, out_dir, epoch_size=len(rows))
     trainer.resume()
     batches = local_micro_batches(verifier, rows, trainer.micro_batch_size, 0, 1, train_cfg.seed,

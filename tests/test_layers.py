@@ -31,8 +31,10 @@ DEPENDS: dict[str, set[str]] = {
     "hpc.verifier": {"hpc.stream", "hpc.model", "hpc.proc", "hpc.own_env"},  # vLLM / HF capture, regeneration
     "hpc.stream": {"hpc.dist", "hpc.net", "hpc.tables"},  # streamer -> trainer transport; Capture, MicroBatch
     "hpc.track": {"hpc.config", "hpc.proc", "hpc.net"},  # MLflow
-    "hpc.model": {"hpc.config", "hpc.tables"},  # the draft, its loss, export
-    "hpc.config": {"hpc.errors", "hpc.fsio"},  # schema, loading, login-node validation
+    "hpc.model": {"hpc.config", "hpc.tables", "hpc.model.args"},  # the draft, its loss, export
+    # the draft's and the loss's settings: the model owns them, the config's sections are them
+    "hpc.model.args": {"hpc.errors"},
+    "hpc.config": {"hpc.errors", "hpc.fsio", "hpc.model.args"},  # schema, loading, login-node validation
     "hpc.dist": {"hpc.errors", "hpc.own_env"},  # the NCCL-rules checker and the two planes
     "hpc.proc": {"hpc.errors", "hpc.proc_guard"},  # a server in a subprocess (VLLMServer, MlflowServer)
     **{leaf: set() for leaf in ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard",
@@ -55,6 +57,9 @@ def reachable(depends: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def _package(module: str) -> str:
+    """The node of DEPENDS `module` belongs to: its package, or a module that is a node itself."""
+    if any(module == n or module.startswith(f"{n}.") for n in DEPENDS if n.count(".") > 1):
+        return next(n for n in DEPENDS if n.count(".") > 1 and (module == n or module.startswith(f"{n}.")))
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 else module
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hpc.model.args import DraftArgs, LossArgs
+
 
 class FinalHidden(str, Enum):
     """Which last hidden state the verifier capture returns."""
@@ -28,15 +30,6 @@ class EvalEngine(str, Enum):
     auto = "auto"  # vLLM, except DSpark drafts where the vLLM build cannot decode them (CPU)
     vllm = "vllm"
     reference = "reference"  # hpc.evaluate.reference: exact greedy spec decoding in torch
-
-
-class ConfidenceTarget(str, Enum):
-    # The event the confidence head learns to predict, which must be the event decoding runs on:
-    # greedy = "the draft's argmax equals the target's"; sampling = the chance speculative
-    # sampling keeps the draft, 1 - TV(p, q). Trained on one and used with the other, the
-    # head is miscalibrated by construction (ECE 0.2-0.4 seen when greedy was scored on 1 - TV).
-    greedy = "greedy"
-    sampling = "sampling"
 
 
 class ConfidenceFold(str, Enum):
@@ -143,30 +136,6 @@ class VerifierConfig:
 
 
 @dataclass
-class DraftConfig:
-    """The DSpark draft: a DFlash backbone of Qwen3 layers plus Markov and confidence heads."""
-
-    num_hidden_layers: int = 3
-    # The draft embeds tokens with the target's embed_tokens, so its width is the target's.
-    hidden_size: int = "${verifier.hidden_size}"  # type: ignore[assignment]
-    # 56 x 128 = 7168 = hidden: with these dims the draft is the card's 6.3 GB in bf16.
-    num_attention_heads: int = 56
-    num_key_value_heads: int = 8
-    head_dim: int = 128
-    intermediate_size: int = 18432
-    rope_theta: float = 50000.0
-    rms_norm_eps: float = 1e-6
-    block_size: int = 8
-    draft_vocab_size: int = 32000
-    mask_token_id: int = 163608
-    sample_from_anchor: bool = True
-    markov_rank: int = 256  # 0 together with enable_confidence_head=false is plain DFlash
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-
-
-@dataclass
 class DataSource:
     path: str = ""  # a Hugging Face dataset id, or a local .jsonl/.parquet file or directory
     split: str = "train"
@@ -194,23 +163,6 @@ class DataConfig:
 
 
 @dataclass
-class LossConfig:
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    kl_weight: float = 0.0
-    decay_gamma: float = 4.0  # slot k weighs exp(-k / gamma)
-    confidence_weight: float = 1.0
-    # sampling (1 - TV) is the published recipe. Training on greedy matches would calibrate the
-    # head for greedy serving, but its loss, fed back through the shared backbone, cost the toy
-    # draft acceptance at short budgets (1.36 -> 1.12 at 60 steps): opt in until that is solved.
-    confidence_target: ConfidenceTarget = ConfidenceTarget.sampling
-    # true: the confidence loss trains the head only. Fed back through the shared backbone it cost
-    # the toy draft ~2% of tau@7 against Markov-only at equal budget (1.53 against 1.57); detached
-    # (and clipped apart, hpc.train.loop), the backbone trains bit for bit as Markov-only's does.
-    confidence_detach: bool = True
-
-
-@dataclass
 class TrainConfig:
     lr: float = 3e-4
     schedule: Schedule = Schedule.cosine
@@ -222,7 +174,7 @@ class TrainConfig:
     grad_accumulation: int = 2
     steps: int = 20000
     max_anchors: int = 3072
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossArgs = field(default_factory=LossArgs)  # the model package owns it (hpc.model.args)
     apply_verifier_norm: bool = False
     # The draft lm_head starts as the verifier's lm_head rows of the draft vocab; speculators
     # keeps it frozen there, which is the default here too.
@@ -370,12 +322,18 @@ class PlanConfig:
     avg_seq_len: int | None = None  # tokens per sample; None: data.max_seq_len / 2
 
 
+# draft.* keys that are the target's: one value each, the verifier's (validate refuses another).
+DRAFT_FROM_VERIFIER = {"hidden_size": "${verifier.hidden_size}", "target_hidden_size": "${verifier.hidden_size}",
+                       "target_vocab_size": "${verifier.vocab_size}", "aux_layer_ids": "${verifier.aux_layer_ids}"}
+
+
 @dataclass
 class DSparkConfig:
     name: str = "kimi-k2.6-dspark"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
+    # The model package's own class (hpc.model.args); here its target dims follow verifier.*.
+    draft: DraftArgs = field(default_factory=lambda: DraftArgs(**DRAFT_FROM_VERIFIER))  # type: ignore[arg-type]
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -390,7 +348,8 @@ class DSparkConfig:
     def __post_init__(self) -> None:
         # Built in code (tests, gpu-check) rather than loaded, the schema's interpolations are
         # still strings: give them the values OmegaConf would.
-        if isinstance(self.draft.hidden_size, str):
-            self.draft.hidden_size = self.verifier.hidden_size
+        for key, source in DRAFT_FROM_VERIFIER.items():
+            if isinstance(getattr(self.draft, key), str):
+                setattr(self.draft, key, getattr(self.verifier, source.removeprefix("${verifier.").rstrip("}")))
         if isinstance(self.data.draft_vocab_size, str):
             self.data.draft_vocab_size = self.draft.draft_vocab_size

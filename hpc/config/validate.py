@@ -123,6 +123,14 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
 
 def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
     d = cfg.draft
+    # The target's dims, which the draft section repeats so that the model reads one class: they
+    # follow verifier.* unless a config writes them, and then they must agree.
+    for key, source in (("target_hidden_size", "hidden_size"), ("target_vocab_size", "vocab_size"),
+                        ("aux_layer_ids", "aux_layer_ids")):
+        mine, theirs = getattr(d, key), getattr(cfg.verifier, source)
+        if (list(mine) if key == "aux_layer_ids" else mine) != (list(theirs) if key == "aux_layer_ids" else theirs):
+            c.fail(f"draft.{key}", mine, f"is the target's: leave it out (it follows verifier.{source}={theirs}) "
+                                         f"or set verifier.{source} instead")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "block_size", "draft_vocab_size"):
         c.positive(f"draft.{key}", getattr(d, key))
@@ -143,7 +151,7 @@ def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
                "needs a Markov head; set draft.markov_rank > 0 or confidence_head_with_markov=false")
     if cfg.eval.num_speculative_tokens:
         largest = max(cfg.eval.num_speculative_tokens)
-        # Without sample_from_anchor slot 0 is the bonus token (hpc.model.dspark.DSparkArgs.max_n),
+        # Without sample_from_anchor slot 0 is the bonus token (hpc.model.args.DraftArgs.max_n),
         # as in every DFlash-layout draft: the block drafts one token fewer.
         bonus = not d.sample_from_anchor
         room = d.block_size - (1 if bonus else 0)

@@ -19,12 +19,11 @@ def _human(n: float) -> str:
 
 def shapes_only(config: str, overrides: list[str]) -> int:
     from hpc.config import resolve
-    from hpc.model.dspark import DSparkArgs
     from hpc.model.export import shapes_only_inventory
     from hpc.tables import text_table
 
     cfg = resolve(config, overrides, check_tracking=False)
-    rows = shapes_only_inventory(DSparkArgs.from_config(cfg))
+    rows = shapes_only_inventory(cfg.draft)
     total = sum(r[3] for r in rows)
     # Plain print: `| head` ends it with exit 0 (a rich Console turns the broken pipe into exit 1).
     print(f"{cfg.name}: exported tensors (built on the meta device, nothing allocated)")

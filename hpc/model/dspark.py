@@ -15,20 +15,15 @@ Read top to bottom:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
+from hpc.model.args import DraftArgs
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
-
-# draft.* keys (hpc.config.schema.DraftConfig) that are not the model's, so from_config leaves them.
-NOT_MODEL_KEYS: frozenset[str] = frozenset()
-
 
 
 # What decoding asks of a confidence map. Protocols, not imports: the fitting modules
@@ -39,58 +34,6 @@ class PositionMaps(Protocol):
 
 class AffineMap(Protocol):
     def logit(self, z: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass
-class DSparkArgs:
-    hidden_size: int = 128
-    num_hidden_layers: int = 1
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 256
-    rope_theta: float = 1e6
-    rms_norm_eps: float = 1e-6
-    block_size: int = 8
-    draft_vocab_size: int = 256
-    mask_token_id: int = 0
-    sample_from_anchor: bool = True
-    markov_rank: int = 16
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    target_hidden_size: int = 128
-    target_vocab_size: int = 512
-    aux_layer_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
-    # The positions vLLM sizes the draft's RoPE cache for: the target's, set from its config.json
-    # (Kimi: 262144); a smaller one fails (CPU) or reads garbage (CUDA) on long contexts.
-    max_position_embeddings: int = 32768
-
-    @classmethod
-    def from_config(cls, cfg: DSparkConfig) -> DSparkArgs:
-        """From a resolved DSparkConfig (draft dims + the target's dims). Every draft.* key is
-        passed here by name or listed in NOT_MODEL_KEYS; tests/model/test_dspark.py holds the two
-        to DraftConfig."""
-        d, v = cfg.draft, cfg.verifier
-        return cls(
-            hidden_size=d.hidden_size, num_hidden_layers=d.num_hidden_layers,
-            num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
-            head_dim=d.head_dim, intermediate_size=d.intermediate_size, rope_theta=d.rope_theta,
-            rms_norm_eps=d.rms_norm_eps, block_size=d.block_size, draft_vocab_size=d.draft_vocab_size,
-            mask_token_id=d.mask_token_id, sample_from_anchor=d.sample_from_anchor, markov_rank=d.markov_rank,
-            markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
-            confidence_head_with_markov=d.confidence_head_with_markov,
-            target_hidden_size=v.hidden_size, target_vocab_size=v.vocab_size, aux_layer_ids=list(v.aux_layer_ids),
-        )
-
-    @property
-    def is_dflash(self) -> bool:
-        return self.markov_rank == 0 and not self.enable_confidence_head
-
-    @property
-    def max_n(self) -> int:
-        """Draft tokens one block holds: all B slots, or B - 1 when slot 0 is the bonus."""
-        return self.block_size - (0 if self.sample_from_anchor else 1)
 
 
 class MarkovHead(nn.Module):
@@ -113,7 +56,7 @@ class DSparkDraft(nn.Module):
     d2t: torch.Tensor  # buffers, registered in __init__
     t2d: torch.Tensor
 
-    def __init__(self, args: DSparkArgs):
+    def __init__(self, args: DraftArgs):
         super().__init__()
         a = self.args = args
         if not 0 <= a.mask_token_id < a.target_vocab_size:

@@ -22,9 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
 from hpc.fsio import replace_dir
+from hpc.model.args import DraftArgs
 from hpc.model.calibrate import FILE as CALIBRATION
 from hpc.model.calibrate import Calibration
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.dspark import DSparkDraft
 from hpc.model.survival import Fold
 from hpc.model.vocab import check_d2t
 
@@ -33,77 +34,6 @@ HEAD = ("confidence_head.proj.weight", "confidence_head.proj.bias")
 # vLLM holds the confidence head in fp32 (qwen3_dspark.py), and a folded a*W rounded to bf16
 # would no longer be the map that was fitted.
 KEEP_DTYPE = {"d2t": torch.int64, "t2d": torch.bool, HEAD[0]: torch.float32, HEAD[1]: torch.float32}
-
-
-def layer_config(a: DSparkArgs) -> dict:
-    """A complete Qwen3 config: vLLM fills gaps with its own defaults (rope_theta 1e6)."""
-    return {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
-        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "hidden_act": "silu",
-        "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "vocab_size": a.target_vocab_size, "max_position_embeddings": a.max_position_embeddings,
-        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    }
-
-
-def speculators_config(a: DSparkArgs, verifier: str | None, verifier_arch: list[str], n: int) -> dict:
-    if not 1 <= n <= a.max_n:  # vLLM runs the advertised n when none is asked for: never a slot not trained
-        raise UserError(f"speculative tokens n={n}: this draft proposes 1..{a.max_n} "
-                        f"(block_size {a.block_size}{', slot 0 is the bonus' if not a.sample_from_anchor else ''}); "
-                        f"pick n in that range")
-    algo = "dflash" if a.is_dflash else "dspark"
-    out = {
-        "speculators_model_type": algo,
-        "architectures": ["DFlashDraftModel"] if a.is_dflash else ["Qwen3DSparkModel"],
-        "transformer_layer_config": layer_config(a),
-        "draft_vocab_size": a.draft_vocab_size,
-        "target_hidden_size": a.target_hidden_size,
-        "block_size": a.block_size,
-        "aux_hidden_state_layer_ids": list(a.aux_layer_ids),
-        "mask_token_id": a.mask_token_id,
-        # vLLM defaults this to False and speculators to True: never leave it implicit.
-        "sample_from_anchor": a.sample_from_anchor,
-        "torch_dtype": "bfloat16",
-        "speculators_config": {
-            "algorithm": algo,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": n}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_arch)},
-        },
-    }
-    if a.is_dflash:
-        out["dflash_config"] = {"mask_token_id": a.mask_token_id,
-                                "target_layer_ids": [i - 1 for i in a.aux_layer_ids],
-                                "sample_from_anchor": False}
-    else:
-        out.update({"markov_rank": a.markov_rank, "markov_head_type": a.markov_head_type,
-                    "enable_confidence_head": a.enable_confidence_head,
-                    "confidence_head_with_markov": a.confidence_head_with_markov})
-    return out
-
-
-def args_from_export_config(cfg: dict) -> DSparkArgs:
-    t = cfg["transformer_layer_config"]
-    algo = cfg.get("speculators_model_type")
-    if algo not in ("dspark", "dflash"):
-        raise UserError(f"config.json has speculators_model_type={algo!r}; expected dspark or dflash")
-    dflash = algo == "dflash"
-    return DSparkArgs(
-        hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
-        head_dim=t["head_dim"], intermediate_size=t["intermediate_size"], rope_theta=t["rope_theta"],
-        rms_norm_eps=t["rms_norm_eps"], block_size=cfg["block_size"], draft_vocab_size=cfg["draft_vocab_size"],
-        mask_token_id=cfg["mask_token_id"], sample_from_anchor=bool(cfg.get("sample_from_anchor", not dflash)),
-        markov_rank=0 if dflash else cfg["markov_rank"], markov_head_type=cfg.get("markov_head_type", "vanilla"),
-        enable_confidence_head=False if dflash else cfg.get("enable_confidence_head", False),
-        confidence_head_with_markov=cfg.get("confidence_head_with_markov", True),
-        target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], target_vocab_size=t["vocab_size"],
-        aux_layer_ids=list(cfg["aux_hidden_state_layer_ids"]),
-        max_position_embeddings=int(t.get("max_position_embeddings", DSparkArgs.max_position_embeddings)),
-    )
 
 
 def export_tensors(model: DSparkDraft) -> dict[str, torch.Tensor]:
@@ -226,7 +156,7 @@ def export_draft(model: DSparkDraft, out: str | Path, verifier: str | None = Non
     if a.is_dflash and a.sample_from_anchor:
         raise UserError("a DFlash export needs draft.sample_from_anchor=false (vLLM's dflash layout)")
     check_d2t(model.d2t, a.target_vocab_size)
-    cfg = speculators_config(a, verifier, verifier_arch or [], a.max_n if n is None else n)
+    cfg = a.to_config_json(verifier, verifier_arch or [], a.max_n if n is None else n)
     # The model names them by what decoding asks of them; an export writes ours (their records).
     fold, calibration = cast("Fold | None", model.confidence_fold), cast("Calibration | None",
                                                                         model.confidence_calibration)
@@ -292,7 +222,7 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     weights = path / WEIGHTS
     cfg = read_export_config(path)
     try:
-        model = DSparkDraft(args_from_export_config(cfg))
+        model = DSparkDraft(DraftArgs.from_config_json(cfg))
     except KeyError as err:
         raise UserError(f"{path / 'config.json'}: missing key {err}; the file is damaged, re-export the draft") from None
     try:
@@ -323,7 +253,7 @@ def load_draft(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 or device != "cpu" else model
 
 
-def shapes_only_inventory(args: DSparkArgs) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+def shapes_only_inventory(args: DraftArgs) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
     """(name, shape, export dtype, bytes) for every exported tensor, built on the meta device."""
     with torch.device("meta"):
         model = DSparkDraft(args)

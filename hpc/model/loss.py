@@ -16,34 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from hpc.model import metrics as M
+from hpc.model.args import ConfidenceTarget, LossArgs
 from hpc.model.blocks import check_attention, flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
 from hpc.model.teacher import VerifierHead
 
 
-@dataclass
-class LossWeights:
-    ce: float = 0.1
-    tv: float = 0.9
-    kl: float = 0.0
-    decay_gamma: float = 4.0
-    confidence: float = 1.0
-    confidence_target: str = "sampling"  # sampling | greedy: see the module docstring
-    confidence_detach: bool = True  # the confidence BCE trains its head only, not the backbone
-
-    @classmethod
-    def from_config(cls, loss_cfg) -> LossWeights:
-        target = loss_cfg.confidence_target
-        return cls(ce=loss_cfg.ce_weight, tv=loss_cfg.tv_weight, kl=loss_cfg.kl_weight, decay_gamma=loss_cfg.decay_gamma,
-                   confidence=loss_cfg.confidence_weight, confidence_target=getattr(target, "value", str(target)),
-                   confidence_detach=bool(loss_cfg.confidence_detach))
-
-    def confidence_event(self, accept_NB: torch.Tensor, logits_NBD: torch.Tensor,
-                         target_logits_NBD: torch.Tensor) -> torch.Tensor:
-        """What the confidence head is trained on and scored against (detached)."""
-        if self.confidence_target == "sampling":
-            return accept_NB.detach()
-        return M.greedy_acceptance(logits_NBD.detach(), target_logits_NBD)
+def confidence_event(weights: LossArgs, accept_NB: torch.Tensor, logits_NBD: torch.Tensor,
+                     target_logits_NBD: torch.Tensor) -> torch.Tensor:
+    """What the confidence head is trained on and scored against (detached)."""
+    if weights.confidence_target == ConfidenceTarget.sampling:
+        return accept_NB.detach()
+    return M.greedy_acceptance(logits_NBD.detach(), target_logits_NBD)
 
 
 @dataclass
@@ -81,7 +65,7 @@ def slot_decay(block_size: int, gamma: float, sample_from_anchor: bool, device=N
 
 def objective(
     logits_NBD: torch.Tensor, target_logits_NBD: torch.Tensor, valid_NB: torch.Tensor,
-    conf_logits_NB: torch.Tensor | None, weights: LossWeights, sample_from_anchor: bool = True,
+    conf_logits_NB: torch.Tensor | None, weights: LossArgs, sample_from_anchor: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(total loss, unweighted parts, per-slot acceptance 1 - TV) for N blocks of B slots."""
     B = logits_NBD.shape[1]
@@ -99,12 +83,12 @@ def objective(
     ce_NB = -logp_NBD.gather(-1, logq_NBD.argmax(-1, keepdim=True)).squeeze(-1)  # hard label: target argmax
     kl_NB = (q_NBD * (logq_NBD - logp_NBD)).sum(-1)
     parts = {"ce": reduce(ce_NB), "tv": reduce(1.0 - accept_NB), "kl": reduce(kl_NB)}
-    loss = weights.ce * parts["ce"] + weights.tv * parts["tv"] + weights.kl * parts["kl"]
+    loss = weights.ce_weight * parts["ce"] + weights.tv_weight * parts["tv"] + weights.kl_weight * parts["kl"]
     if conf_logits_NB is not None:
-        event_NB = weights.confidence_event(accept_NB, logits_NBD, target_logits_NBD)
+        event_NB = confidence_event(weights, accept_NB, logits_NBD, target_logits_NBD)
         bce_NB = F.binary_cross_entropy_with_logits(conf_logits_NB.float(), event_NB, reduction="none")
         parts["confidence"] = reduce(bce_NB)
-        loss = loss + weights.confidence * parts["confidence"]
+        loss = loss + weights.confidence_weight * parts["confidence"]
     return loss, parts, accept_NB
 
 
@@ -173,7 +157,7 @@ def _empty_loss(model: DSparkDraft, head: VerifierHead) -> tuple[torch.Tensor, d
 
 
 def dspark_loss(
-    model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+    model: DSparkDraft, row: PackedRow, head: VerifierHead, weights: LossArgs, max_anchors: int,
     generator: torch.Generator | None = None, attention: str = "auto", anchors_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = model.args
@@ -188,7 +172,7 @@ def dspark_loss(
         sel = valid_NB
         conf_prob = torch.sigmoid(conf_NB.detach().float())[sel]
         # Scored against the event it is trained on, so the figure means what the name says.
-        event = weights.confidence_event(accept_NB, logits_NBD, target_NBD)[sel]
+        event = confidence_event(weights, accept_NB, logits_NBD, target_NBD)[sel]
         out["confidence_ece"] = M.expected_calibration_error(conf_prob, event)
         out["confidence_brier"] = M.brier(conf_prob, event)
 

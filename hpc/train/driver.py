@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -115,7 +116,6 @@ def write_progress(path: Path, step: int, total: int, m: dict) -> None:
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
               secret: str, parent_run_id: str | None = None) -> int:
     from hpc.dist.planes import rank_device
-    from hpc.model.dspark import DSparkArgs
     from hpc.train.online import World, build_draft, init_world, run_trainer
     from hpc.train.prepare import load_prepared, split_held_out
 
@@ -144,7 +144,7 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:
         return _stream(cfg, w, rows, planes, device, out)
-    args = DSparkArgs.from_config(cfg)
+    args = replace(cfg.draft)  # a copy: building the draft may set its positions
     torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights, run after run
     model, head = build_draft(args, cfg.verifier.model, vocab_file, cfg.train.apply_verifier_norm,
                               cfg.train.train_lm_head)

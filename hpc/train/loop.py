@@ -21,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc.config.schema import TrainConfig
 from hpc.dist.planes import broadcast_text
+from hpc.model.args import LossArgs
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
-from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss
+from hpc.model.loss import PackedRow, VerifierHead, dspark_loss
 from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from hpc.train.lr_schedule import lr_factor
@@ -53,7 +54,7 @@ class DraftLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, row: PackedRow, head: VerifierHead, weights: LossWeights, max_anchors: int,
+    def forward(self, row: PackedRow, head: VerifierHead, weights: LossArgs, max_anchors: int,
                 generator: torch.Generator, attention: str):
         return dspark_loss(self.model, row, head, weights, max_anchors, generator, attention)
 
@@ -84,7 +85,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
         self.generator = torch.Generator().manual_seed(train_cfg.seed * 1009 + self.rank)
-        self.weights = LossWeights.from_config(train_cfg.loss)
+        self.weights: LossArgs = train_cfg.loss
         self.export_config = export_config
         self.ckpt_dir = Path(out_dir) / "checkpoints"
         self.state = TrainState()

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from hpc.config.schema import StreamConfig, TrainConfig
 from hpc.dist.planes import Planes, init_planes, open_pairs
 from hpc.errors import EXIT_REQUEUE
-from hpc.model.dspark import DSparkArgs, DSparkDraft
-from hpc.model.export import speculators_config
+from hpc.model.args import DraftArgs
+from hpc.model.dspark import DSparkDraft
 from hpc.model.target_weights import load_target_tensors
 from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
@@ -77,7 +77,7 @@ def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: 
     return gen
 
 
-def build_draft(args: DSparkArgs, target_dir: str, vocab_file: str | Path, norm: bool,
+def build_draft(args: DraftArgs, target_dir: str, vocab_file: str | Path, norm: bool,
                 train_lm_head: bool = False) -> tuple[DSparkDraft, VerifierHead]:
     """The draft with the target's frozen embedding and lm_head rows, and the verifier head."""
     from hpc.verifier.target_files import text_config
@@ -110,7 +110,7 @@ def run_trainer(w: World, planes: Planes, train_cfg: TrainConfig, stream_cfg: St
                 verifier_arch: list[str] | None = None) -> int:
     """Train on `device` from the stream until the data or the step budget ends; returns the exit code."""
     device = torch.device(device)
-    export_cfg = speculators_config(model.args, verifier_name, list(verifier_arch or []), model.args.max_n)
+    export_cfg = model.args.to_config_json(verifier_name, list(verifier_arch or []), model.args.max_n)
     trainer = Trainer(train_cfg, model, head, export_cfg, out_dir, device=device,
                       autocast_dtype=autocast_dtype(train_cfg, device), group=planes.train_data,
                       control_group=planes.train_control, epoch_size=epoch_size)

@@ -81,6 +81,7 @@ BAD = {
     "negative hold out": (["train.hold_out_every=-5"], "train.hold_out_every = -5"),
     "word for enum": (["train.schedule=cosin"], "must be one of cosine, linear, constant"),
     "scalar for list": (["verifier.aux_layer_ids=3"], "must be a list"),
+    "draft target dim": (["draft.target_vocab_size=77"], "draft.target_vocab_size = 77: is the target's: leave it out"),
     # A bad item is named by its own key, not blamed on the list it is in.
     "typo inside a source": (["data.sources=[{path: org/data, max_row: 100}]"],
                              "data.sources[0].max_row: unknown key; did you mean `data.sources[0].max_rows`?"),

@@ -77,6 +77,8 @@ def _aliases(scope: ast.AST, section: str, cls_name: str) -> set[str]:
     """Expressions (as source text) that hold the section, or one item of a list section:
     `st` after `st = cfg.stream`, `self.cfg` after `self.cfg = train_cfg`, a loop variable."""
     found: set[str] = set()
+    if isinstance(scope, ast.ClassDef) and scope.name == cls_name:  # the section's own methods (DraftArgs)
+        found |= {"self", "cls"}
 
     def holds(value: ast.AST) -> bool:
         return _ends_in(value, section) or ast.unparse(value) in found

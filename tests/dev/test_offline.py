@@ -9,7 +9,6 @@ import torch
 
 from hpc.config import resolve
 from hpc.evaluate.reference import mean_acceptance_length
-from hpc.model.dspark import DSparkArgs
 from hpc.model.export import load_draft
 from hpc.train.online import build_draft
 from hpc_dev.toy_data import write_toy_conversations
@@ -51,7 +50,7 @@ def test_short_training_beats_the_untrained_draft(toy_target, tmp_path):
     assert load_draft(ckpt).confidence_calibration is not None
 
     trained = load_draft(ckpt).eval()
-    untrained, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), tmp_path / "run" / "data" / "vocab.safetensors",
+    untrained, _ = build_draft(cfg.draft, str(toy_target), tmp_path / "run" / "data" / "vocab.safetensors",
                                norm=False)
     target = AutoModelForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(toy_target)

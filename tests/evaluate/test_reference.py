@@ -7,7 +7,8 @@ import torch
 
 from hpc.errors import UserError
 from hpc.evaluate.reference import greedy_generate, plain_generate, speculative_generate
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.dspark import DSparkDraft
+from tests.fixtures.draft import toy_draft_args
 
 V, H = 96, 32
 
@@ -24,7 +25,7 @@ def random_target(seed: int = 0, vocab: int = V):
 def random_draft(target, aux, sample_from_anchor=True, markov_rank=8, seed=1) -> DSparkDraft:
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
-    args = DSparkArgs(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    args = toy_draft_args(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, block_size=8, draft_vocab_size=vocab, mask_token_id=vocab - 1,
                       sample_from_anchor=sample_from_anchor, markov_rank=markov_rank,
                       enable_confidence_head=markov_rank > 0, target_hidden_size=H, target_vocab_size=vocab,

@@ -319,12 +319,13 @@ def test_a_value_that_would_break_its_scrontab_line_is_refused(field_name, value
 def register_champion(uri: str, experiment: str, model_name: str, tmp: Path) -> str:
     from mlflow.tracking import MlflowClient
 
-    from hpc.model.dspark import DSparkArgs, DSparkDraft
+    from hpc.model.dspark import DSparkDraft
     from hpc.model.export import export_draft
     from hpc.track.registry import promote_if_better, register_draft
+    from tests.fixtures.draft import toy_draft_args
 
     client = MlflowClient(uri)
-    export = export_draft(DSparkDraft(DSparkArgs()), tmp / "export", "toy", [], 7)
+    export = export_draft(DSparkDraft(toy_draft_args()), tmp / "export", "toy", [], 7)
     exp = client.get_experiment_by_name(experiment)
     run_id = client.create_run(exp.experiment_id).info.run_id
     client.log_artifacts(run_id, str(export), "draft")

@@ -59,7 +59,8 @@ def fitted():
     """A draft fitted to the target's greedy answer for a few steps, so that blocks accept runs of
     drafts (a random draft accepts almost none, and every anchor is then visited)."""
     from hpc.evaluate.reference import greedy_generate
-    from hpc.model.loss import LossWeights, dspark_loss
+    from hpc.model.args import LossArgs
+    from hpc.model.loss import dspark_loss
 
     target, aux, prompt = random_target(), [1, 2, 3], [5, 17, 33, 2]
     row = _captured_row(target, aux, prompt, greedy_generate(target, prompt, 40))
@@ -67,7 +68,7 @@ def fitted():
     draft = random_draft(target, aux).train()
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     for step in range(60):
-        loss, _ = dspark_loss(draft, row, head, LossWeights(), 512, torch.Generator().manual_seed(step))
+        loss, _ = dspark_loss(draft, row, head, LossArgs(), 512, torch.Generator().manual_seed(step))
         opt.zero_grad()
         loss.backward()
         opt.step()

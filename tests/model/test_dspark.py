@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import warnings
 from enum import Enum
@@ -10,19 +11,21 @@ from enum import Enum
 import pytest
 import torch
 
+from hpc.model.args import ConfidenceTarget, DraftArgs, LossArgs
 from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, training_mask
-from hpc.model.dspark import NOT_MODEL_KEYS, DSparkArgs, DSparkDraft, sdpa_attention
-from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss, objective
+from hpc.model.dspark import DSparkDraft, sdpa_attention
+from hpc.model.loss import PackedRow, VerifierHead, dspark_loss, objective
+from tests.fixtures.draft import toy_draft_args
 
 V, H, D = 64, 32, 48
 
 
-def tiny_args(**kw) -> DSparkArgs:
+def tiny_args(**kw) -> DraftArgs:
     base = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=64, block_size=4, draft_vocab_size=D, mask_token_id=V - 1, markov_rank=8,
                 target_hidden_size=H, target_vocab_size=V, aux_layer_ids=[1, 2, 3], rope_theta=10000.0)
     base.update(kw)
-    return DSparkArgs(**base)
+    return toy_draft_args(**base)
 
 
 def tiny_model(seed: int = 0, **kw) -> DSparkDraft:
@@ -154,7 +157,7 @@ def test_objective_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
     target = torch.tensor([[[0.0, 0.0], [50.0, 0.0]]])
     valid = torch.tensor([[True, True]])
-    w = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0)
+    w = LossArgs(ce_weight=0.1, tv_weight=0.9, kl_weight=0.0, decay_gamma=4.0, confidence_weight=1.0)
     conf = torch.tensor([[0.0, 0.0]])
     loss, parts, accept = objective(logits, target, valid, conf, w)
     # accept = sum min(p, q): slot0 = 1/4 + 1/2 = 3/4 ; slot1 = 1/4
@@ -177,7 +180,7 @@ def test_loss_backward_and_metrics_on_a_packed_row():
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.arange(D) + model.d2t] = True
     head = VerifierHead(lm_head, t2d, keep_full=True)
-    loss, m = dspark_loss(model, row, head, LossWeights(), max_anchors=5, generator=torch.Generator().manual_seed(0),
+    loss, m = dspark_loss(model, row, head, LossArgs(), max_anchors=5, generator=torch.Generator().manual_seed(0),
                           attention="sdpa")
     loss.backward()
     assert torch.isfinite(loss) and model.fc.weight.grad is not None
@@ -200,7 +203,7 @@ def test_accept_rate_of_a_constant_acceptance_is_that_constant(monkeypatch, samp
     lm_head = torch.randn(V, H)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.arange(D) + model.d2t] = True
-    _, m = dspark_loss(model, packed_row(), VerifierHead(lm_head, t2d), LossWeights(), max_anchors=5,
+    _, m = dspark_loss(model, packed_row(), VerifierHead(lm_head, t2d), LossArgs(), max_anchors=5,
                        generator=torch.Generator().manual_seed(0), attention="sdpa")
     assert m["accept_rate"].item() == pytest.approx(0.5)
 
@@ -212,7 +215,7 @@ def test_confidence_is_trained_on_the_event_decoding_accepts_on(event):
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
     target = torch.tensor([[[0.0, 0.0], [50.0, 0.0]]])
     conf = torch.full((1, 2), math.log(3.0))
-    w = LossWeights(decay_gamma=4.0, confidence_target=event)
+    w = LossArgs(decay_gamma=4.0, confidence_target=ConfidenceTarget(event))
     _, parts, _ = objective(logits, target, torch.tensor([[True, True]]), conf, w)
     c = [0.0, 0.0] if event == "greedy" else [0.75, 0.25]
     d1 = math.exp(-1 / 4.0)
@@ -220,65 +223,54 @@ def test_confidence_is_trained_on_the_event_decoding_accepts_on(event):
     assert parts["confidence"].item() == pytest.approx((bce[0] + bce[1] * d1) / 2, rel=1e-5)
 
 
-def test_loss_weights_come_from_the_config_by_name():
-    from hpc.config.schema import LossConfig
-
-    w = LossWeights.from_config(LossConfig(ce_weight=0.2, tv_weight=0.8, kl_weight=0.05, decay_gamma=7.0,
-                                           confidence_weight=0.5, confidence_target="greedy", confidence_detach=True))
-    assert w == LossWeights(ce=0.2, tv=0.8, kl=0.05, decay_gamma=7.0, confidence=0.5, confidence_target="greedy",
-                            confidence_detach=True)
-
-
 def _distinct(cls) -> dict:
-    """A value for every field of the config dataclass `cls`: none its default, no two alike."""
-    out = {}
+    """A value for every field of the dataclass `cls`: none its default, no two alike."""
+    out: dict = {}
     for i, f in enumerate(dataclasses.fields(cls)):
-        d = f.default
+        d = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if isinstance(d, Enum):
             out[f.name] = next(m for m in type(d) if m != d)
         elif isinstance(d, bool):
             out[f.name] = not d
         elif isinstance(d, (int, float)):
             out[f.name] = type(d)(1000 + i)
+        elif isinstance(d, list):
+            out[f.name] = [1000 + i, 2000 + i]
         else:
             out[f.name] = f"value-{i}"
     return out
 
 
-def _draft_keys_not_passed(draft_cls) -> list[str]:
-    from hpc.config.schema import DSparkConfig
+def test_the_config_sections_are_the_model_classes():
+    """One class per concept: what `draft:` and `train.loss:` load is what the model and the
+    objective take, with the target's dims following verifier.*."""
+    from hpc.config.load import load_config, to_object
 
-    draft = draft_cls(**_distinct(draft_cls))
-    args = DSparkArgs.from_config(DSparkConfig(draft=draft))
-    return [f.name for f in dataclasses.fields(draft_cls)
-            if f.name not in NOT_MODEL_KEYS and getattr(args, f.name, None) != getattr(draft, f.name)]
+    cfg = to_object(load_config("configs/kimi-k2.6-dspark.yaml", [
+        "verifier.hidden_size=96", "verifier.vocab_size=4096", "verifier.aux_layer_ids=[1,3]",
+        "train.loss.ce_weight=0.25", "train.loss.confidence_target=greedy"]))
+    assert type(cfg.draft) is DraftArgs and type(cfg.train.loss) is LossArgs
+    assert (cfg.draft.hidden_size, cfg.draft.target_hidden_size, cfg.draft.target_vocab_size,
+            cfg.draft.aux_layer_ids) == (96, 96, 4096, [1, 3])
+    assert cfg.train.loss == LossArgs(ce_weight=0.25, confidence_target=ConfidenceTarget.greedy)
 
 
-def test_every_draft_key_reaches_the_model_or_is_listed_as_not_its():
-    from hpc.config.schema import DraftConfig, DSparkConfig
-
-    assert _draft_keys_not_passed(DraftConfig) == [], "pass it in DSparkArgs.from_config or list it in NOT_MODEL_KEYS"
-    assert NOT_MODEL_KEYS <= {f.name for f in dataclasses.fields(DraftConfig)}
-    v, args = DSparkConfig().verifier, DSparkArgs.from_config(DSparkConfig())
-    assert (args.target_hidden_size, args.target_vocab_size, args.aux_layer_ids) == (
-        v.hidden_size, v.vocab_size, list(v.aux_layer_ids))
+@pytest.mark.parametrize("dflash", [False, True])
+def test_config_json_carries_every_draft_key_and_reads_back_the_same(dflash):
+    args = DraftArgs(**_distinct(DraftArgs))
+    if dflash:  # DFlash's own layout: no Markov or confidence head, slot 0 the bonus
+        args = dataclasses.replace(args, markov_rank=0, enable_confidence_head=False, sample_from_anchor=False,
+                                   markov_head_type="vanilla", confidence_head_with_markov=True)
+    back = DraftArgs.from_config_json(json.loads(json.dumps(args.to_config_json("acme/target", ["X"], 1))))
+    assert back == args
 
     @dataclasses.dataclass
-    class _Draft(DraftConfig):
+    class _Draft(DraftArgs):
         new_knob: int = 0
 
-    assert _draft_keys_not_passed(_Draft) == ["new_knob"]  # the check sees a key nothing passes
-
-
-def test_every_loss_key_reaches_one_weight_and_the_defaults_agree():
-    from hpc.config.schema import LossConfig
-
-    cfg = LossConfig(**_distinct(LossConfig))
-    w = LossWeights.from_config(cfg)
-    given = [v.value if isinstance(v, Enum) else v for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg))]
-    got = [getattr(w, f.name) for f in dataclasses.fields(w)]
-    assert sorted(map(repr, got)) == sorted(map(repr, given))  # one weight per key, none dropped or doubled
-    assert LossWeights.from_config(LossConfig()) == LossWeights()
+    grown = _Draft(**_distinct(_Draft))  # the check sees a key config.json does not carry
+    assert grown.new_knob != 0 and not hasattr(DraftArgs.from_config_json(grown.to_config_json(None, [], 1)),
+                                               "new_knob")
 
 
 @pytest.mark.parametrize("detach", [False, True])
@@ -287,7 +279,8 @@ def test_a_detached_confidence_loss_trains_its_head_and_nothing_else(detach):
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.arange(D) + model.d2t] = True
     head = VerifierHead(torch.randn(V, H), t2d)
-    only_confidence = LossWeights(ce=0.0, tv=0.0, kl=0.0, confidence=1.0, confidence_detach=detach)
+    only_confidence = LossArgs(ce_weight=0.0, tv_weight=0.0, kl_weight=0.0, confidence_weight=1.0,
+                               confidence_detach=detach)
     loss, _ = dspark_loss(model, packed_row(), head, only_confidence, max_anchors=5,
                           generator=torch.Generator().manual_seed(0), attention="sdpa")
     loss.backward()
@@ -307,12 +300,12 @@ def test_a_row_with_no_anchor_reports_the_same_metrics_and_reaches_every_paramet
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.arange(D) + model.d2t] = True
     head = VerifierHead(lm_head, t2d, keep_full=keep_full)
-    _, full = dspark_loss(model, packed_row(), head, LossWeights(), max_anchors=5,
+    _, full = dspark_loss(model, packed_row(), head, LossArgs(), max_anchors=5,
                           generator=torch.Generator().manual_seed(0), attention="sdpa")
     row = packed_row()
     row.loss_mask_T.zero_()
     row.loss_mask_T[-3:] = 1  # three reply tokens at the row's end: no block fits
-    loss, empty = dspark_loss(model, row, head, LossWeights(), max_anchors=5, attention="sdpa")
+    loss, empty = dspark_loss(model, row, head, LossArgs(), max_anchors=5, attention="sdpa")
     assert set(empty) == set(full)
     assert {k: v.shape for k, v in empty.items()} == {k: v.shape for k, v in full.items()}
     assert empty["supervised_slots"].item() == 0 and loss.item() == 0.0

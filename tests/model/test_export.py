@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
-from hpc.model.dspark import DSparkArgs
 from hpc.model.export import as_served, export_draft, load_draft, shapes_only_inventory
 from tests.model.test_dspark import tiny_model
 
@@ -104,7 +103,7 @@ def test_kimi_inventory_is_the_published_44_tensors_6_3_gb():
     from hpc.config import resolve
 
     cfg = resolve(ROOT / "configs" / "kimi-k2.6-dspark.yaml", check_tracking=False)
-    rows = shapes_only_inventory(DSparkArgs.from_config(cfg))
+    rows = shapes_only_inventory(cfg.draft)
     assert len(rows) == 44
     total = sum(r[3] for r in rows)
     assert 6.25e9 < total < 6.35e9

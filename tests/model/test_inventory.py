@@ -7,7 +7,6 @@ import math
 import pytest
 
 from hpc.config import load_config, to_object
-from hpc.model.dspark import DSparkArgs
 from hpc.model.export import shapes_only_inventory
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 
@@ -27,7 +26,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_table_is_the_drafts_state_dict(recipe, layout):
     cfg = to_object(load_config(recipe, LAYOUTS[layout]))
-    truth = {name: (shape, nbytes) for name, shape, _, nbytes in shapes_only_inventory(DSparkArgs.from_config(cfg))}
+    truth = {name: (shape, nbytes) for name, shape, _, nbytes in shapes_only_inventory(cfg.draft)}
     mine = draft_shapes(cfg)
     assert list(mine) == list(truth)  # names, and in the state_dict's order
     assert {k: s for k, s in mine.items()} == {k: s for k, (s, _) in truth.items()}

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft
 from hpc.model.vocab import mapping_from_selected
+from tests.fixtures.draft import toy_draft_args
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "peers" / "vllm_dspark_loader.py"
@@ -33,7 +34,7 @@ VLLM_PLACEHOLDERS = {"model.mask_embedding"}
 def random_toy_draft() -> DSparkDraft:
     """Sized for the toy target (hidden 128, vocab 3072, 4 layers); pruned vocab, both heads."""
     torch.manual_seed(7)
-    args = DSparkArgs(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    args = toy_draft_args(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, intermediate_size=256, block_size=8, draft_vocab_size=DRAFT_VOCAB,
                       mask_token_id=6, markov_rank=16, target_hidden_size=128, target_vocab_size=TARGET_VOCAB,
                       aux_layer_ids=[1, 2, 3])

@@ -25,13 +25,15 @@ from speculators.losses import eager as spec_eager
 from speculators.losses import resolve_loss_config
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
+from hpc.model.args import ConfidenceTarget, LossArgs
 from hpc.model.blocks import make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import load_draft
-from hpc.model.loss import LossWeights, PackedRow, VerifierHead, dspark_loss, objective
+from hpc.model.loss import PackedRow, VerifierHead, dspark_loss, objective
 
 # speculators trains the confidence head on 1 - TV: compare against our "sampling" target.
-WEIGHTS = LossWeights(ce=0.1, tv=0.9, kl=0.0, decay_gamma=4.0, confidence=1.0, confidence_target="sampling")
+WEIGHTS = LossArgs(ce_weight=0.1, tv_weight=0.9, kl_weight=0.0, decay_gamma=4.0, confidence_weight=1.0,
+                   confidence_target=ConfidenceTarget.sampling)
 
 
 def load_theirs(export: Path) -> DSparkDraftModel:
@@ -93,7 +95,7 @@ def run_case(export: Path, docs: list[int], seed: int = 0) -> dict:
                 row.aux_TnH.flatten(1)[None], row.input_ids_T[None], row.loss_mask_T[None],
                 row.last_hidden_TH[None], row.doc_ids_T[None], row.position_ids_T[None],
                 loss_config=resolve_loss_config('{"ce": 0.1, "tv": 0.9}', "eager"), tv_loss_fn=spec_eager.tv_loss,
-                gamma=WEIGHTS.decay_gamma, max_anchors=n_valid, confidence_head_alpha=WEIGHTS.confidence)
+                gamma=WEIGHTS.decay_gamma, max_anchors=n_valid, confidence_head_alpha=WEIGHTS.confidence_weight)
     finally:
         spec_core.compute_metrics = real_metrics
 

@@ -11,12 +11,13 @@ import torch
 from hpc.config.schema import DSparkConfig, VerifierBackend
 from hpc.errors import UserError
 from hpc.model.calibrate import FILE, Calibration
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.target_weights import load_target_tensors
 from hpc.model.vocab import mapping_from_selected
 from hpc.train.calibrate_stage import calibrate_export
 from hpc.train.prepare import split_held_out
+from tests.fixtures.draft import toy_draft_args
 from tests.train.test_resume import H, V, target_dir  # noqa: F401 - the tiny random Qwen3 target, a fixture
 
 D = 64
@@ -24,7 +25,7 @@ D = 64
 
 def _draft(target_dir, confidence: bool = True) -> DSparkDraft:
     torch.manual_seed(1)
-    args = DSparkArgs(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    args = toy_draft_args(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, block_size=4, draft_vocab_size=D, mask_token_id=V - 1, markov_rank=8,
                       target_hidden_size=H, target_vocab_size=V, aux_layer_ids=[1, 2, 3],
                       enable_confidence_head=confidence, confidence_head_with_markov=confidence)

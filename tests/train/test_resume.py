@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from hpc.config.schema import TrainConfig
-from hpc.model.dspark import DSparkArgs, DSparkDraft
-from hpc.model.export import speculators_config
+from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import VerifierHead
 from hpc.model.target_weights import load_target_tensors
 from hpc.model.vocab import mapping_from_selected
@@ -19,6 +18,7 @@ from hpc.train.checkpoint import list_checkpoints
 from hpc.train.loop import RequeueRequested, Trainer
 from hpc.train.sources import local_micro_batches
 from hpc.verifier.hf_backend import HFVerifier
+from tests.fixtures.draft import toy_draft_args
 
 V, H = 96, 32
 
@@ -59,7 +59,7 @@ def make_parts(target_dir, init_seed: int, **kw):
     """(train config, draft, verifier head, export config) for the random target."""
     tensors = load_target_tensors(target_dir)
     torch.manual_seed(init_seed)
-    args = DSparkArgs(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    args = toy_draft_args(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, block_size=4, draft_vocab_size=64, mask_token_id=V - 1, markov_rank=8,
                       target_hidden_size=H, target_vocab_size=V, aux_layer_ids=[1, 2, 3])
     model = DSparkDraft(args)
@@ -68,7 +68,7 @@ def make_parts(target_dir, init_seed: int, **kw):
     model.t2d.copy_(t2d)
     model.embed_tokens.weight.data.copy_(tensors["embed_tokens"])
     head = VerifierHead(tensors["lm_head"], t2d)
-    return train_cfg(**kw), model, head, speculators_config(args, None, [], 4)
+    return train_cfg(**kw), model, head, args.to_config_json(None, [], 4)
 
 
 def make_trainer(target_dir, out_dir, init_seed: int, group=None, control_group=None, **kw) -> tuple[Trainer, HFVerifier]:

@@ -54,7 +54,6 @@ def rank0(tmp_path, monkeypatch):
     monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # the test process keeps its handlers
     monkeypatch.setattr(hpc.train.online, "init_world", lambda *a, **k: None)
     monkeypatch.setattr(hpc.train.prepare, "load_prepared", lambda out: ([], None))
-    monkeypatch.setattr(hpc.model.dspark.DSparkArgs, "from_config", classmethod(lambda cls, cfg: None))
     monkeypatch.setattr(hpc.train.online, "build_draft", lambda *a: (torch.nn.Linear(2, 2), None))
     monkeypatch.setattr(hpc.track.logger, "RunLogger", FakeLogger)
     monkeypatch.setattr(hpc.track.pipeline, "common_tags", lambda cfg: {})

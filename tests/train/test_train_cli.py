@@ -60,14 +60,13 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
 
     from hpc.config import resolve
     from hpc.evaluate.reference import mean_acceptance_length
-    from hpc.model.dspark import DSparkArgs
     from hpc.model.export import load_draft
     from hpc.train.online import build_draft
     from tests.dev.test_offline import chat_prompts
 
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]"],
                   check_tracking=False)
-    untrained, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), out / "data" / "vocab.safetensors",
+    untrained, _ = build_draft(cfg.draft, str(toy_target), out / "data" / "vocab.safetensors",
                                norm=False)
     target = AutoModelForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
     prompts = chat_prompts(AutoTokenizer.from_pretrained(toy_target), 8, tmp_path / "eval.jsonl")

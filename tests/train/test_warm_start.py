@@ -11,15 +11,17 @@ import torch
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
-from hpc.model.dspark import DSparkArgs, DSparkDraft
+from hpc.model.args import DraftArgs
+from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.vocab import mapping_from_selected
 from hpc.train.warm_start import warm_start
+from tests.fixtures.draft import toy_draft_args
 
-ARGS = DSparkArgs(draft_vocab_size=64, target_vocab_size=128, intermediate_size=96)
+ARGS = toy_draft_args(draft_vocab_size=64, target_vocab_size=128, intermediate_size=96)
 
 
-def draft(seed: int, args: DSparkArgs = ARGS, selected: torch.Tensor | None = None) -> DSparkDraft:
+def draft(seed: int, args: DraftArgs = ARGS, selected: torch.Tensor | None = None) -> DSparkDraft:
     torch.manual_seed(seed)
     model = DSparkDraft(args)
     with torch.no_grad():

@@ -58,7 +58,6 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(r
 
     from hpc.evaluate.calibration_set import write_calibration_set
     from hpc.model.calibrate import Calibration
-    from hpc.model.dspark import DSparkArgs
     from hpc.model.export import export_draft
     from hpc.train.calibrate_stage import calibrate_export
     from hpc.train.online import build_draft
@@ -94,7 +93,7 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(r
     assert ids[:len(first)] == list(first) and not any(mask[:len(first)])
 
     prepare_data(cfg)  # the draft vocabulary an (untrained) draft needs
-    model, _ = build_draft(DSparkArgs.from_config(cfg), str(toy_target), tmp_path / "run" / "data" / "vocab.safetensors",
+    model, _ = build_draft(cfg.draft, str(toy_target), tmp_path / "run" / "data" / "vocab.safetensors",
                            norm=False)
     export_draft(model, tmp_path / "run" / "export")
     metrics = calibrate_export(cfg, quiet=True)
