@@ -25,6 +25,9 @@ SACCT_FIELDS = "JobID,JobName,State,Elapsed,ExitCode,NodeList"
 TIMEOUT_S = 30.0
 STALE_S = 60.0  # progress.json is rewritten every ~2 s: older than this, say how old
 # Summary order: what is done, what is moving, what waits, then the ways a job ends badly.
+# What sacct reports for a job that will not run again (a requeued job reads PENDING/REQUEUED).
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+                   "BOOT_FAIL", "DEADLINE", "REVOKED"})
 STATE_ORDER = ("completed", "running", "pending", "requeued", "suspended", "failed", "timeout",
                "out_of_memory", "node_fail", "preempted", "cancelled", "unknown")
 # A pending array's not-yet-split tasks, as sacct prints them: 12_[0-3], 12_[0,2-5%2].
@@ -272,6 +275,11 @@ def summary(rows: list[tuple[str, ...]]) -> str:
 
 def status(pipeline_file: Path | str) -> str:
     """The status report: one row per job or array task, the MLflow link, a summary line."""
+    return report(pipeline_file)[0]
+
+
+def report(pipeline_file: Path | str) -> tuple[str, list[tuple[str, ...]]]:
+    """The status report and its rows (stage, job, variant, state, ...)."""
     from hpc.tables import text_table
 
     state_file = Path(pipeline_file)
@@ -283,7 +291,33 @@ def status(pipeline_file: Path | str) -> str:
     # progress column. A long row runs past the edge (or wraps) whole.
     table = text_table(["stage", "job", "variant", "state", "elapsed", "exit", "nodes", "progress"], rows)
     lines = [head, *table, mlflow_link(state), summary(rows)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", rows
+
+
+def finished(rows: list[tuple[str, ...]]) -> bool:
+    """Every job and array task has ended (a requeued or not-yet-listed one has not)."""
+    return bool(rows) and all(r[3].upper() in ENDED for r in rows)
+
+
+def wait(pipeline_file: Path | str, interval_s: float = 15.0, out=print) -> int:
+    """Block until every job of the pipeline has ended, a line each time the summary changes;
+    then the full report. 0 when every job COMPLETED, else 1."""
+    last = ""
+    while True:
+        text, rows = report(pipeline_file)
+        if finished(rows):
+            break
+        line = summary(rows)
+        if line != last:
+            out(f"{time.strftime('%H:%M:%S')}  {line}", flush=True)
+            last = line
+        time.sleep(interval_s)
+    out(text, end="", flush=True)
+    bad = [f"{r[0]} {r[1]} {r[3]}" for r in rows if r[3].upper() != "COMPLETED"]
+    if bad:
+        out(f"not every job completed: {', '.join(bad)}; their logs are under the config's cluster.log_dir",
+            flush=True)
+    return 1 if bad else 0
 
 
 def cancel(pipeline_file: Path | str) -> list[str]:
@@ -326,7 +360,12 @@ def _end_cancelled(state: dict) -> None:
 
 
 def _status_cmd(args) -> int:
-    print(status(find_pipeline(args.pipeline, args.log_dir)), end="")
+    pipeline = find_pipeline(args.pipeline, args.log_dir)
+    if getattr(args, "wait", False):
+        if not args.interval > 0:
+            raise UserError(f"--interval {args.interval:g}: give the seconds between sacct calls, > 0")
+        return wait(pipeline, args.interval)
+    print(status(pipeline), end="")
     return 0
 
 
@@ -341,6 +380,10 @@ def _register(sub, name: str) -> None:
                    help="pipeline.json, its directory, a pipeline id, or latest (the default)")
     p.add_argument("--log-dir", default=DEFAULT_LOG_DIR,
                    help=f"the config's cluster.log_dir (default {DEFAULT_LOG_DIR})")
+    if name == "status":
+        p.add_argument("--wait", action="store_true",
+                       help="block until every job has ended, a line per change; exit 1 unless all COMPLETED")
+        p.add_argument("--interval", type=float, default=15.0, help="seconds between sacct calls with --wait")
     p.set_defaults(func=_status_cmd if name == "status" else _cancel_cmd)
 
 

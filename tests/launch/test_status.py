@@ -283,3 +283,36 @@ def test_cli_builds_each_command(command: str, tmp_path: Path, capsys) -> None:
     assert cli.main([command, "nope", "--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no pipeline 'nope'")
+
+
+def test_wait_blocks_until_every_job_ended_and_says_whether_all_completed(monkeypatch, tmp_path: Path) -> None:
+    """`dspark status --wait`: a line per change of the summary, the full report at the end, and
+    the exit code a script can branch on. A requeued job, or one sacct does not list yet, has not ended."""
+    def js(i: str, state: str) -> JobState:
+        return JobState(i, "x", state, "00:00:01", "0:0", "node1")
+
+    sequence = [
+        {"12": js("12", "PENDING")},  # the report is not in sacct yet
+        {"12": js("12", "RUNNING"), "15": js("15", "PENDING")},
+        {"12": js("12", "RUNNING"), "15": js("15", "PENDING")},  # unchanged: no new line
+        {"12": js("12", "REQUEUED"), "15": js("15", "PENDING")},  # preempted and requeued: not over
+        {"12": js("12", "COMPLETED"), "15": js("15", "COMPLETED")},
+    ]
+    calls: list[int] = []
+    monkeypatch.setattr(st, "job_states", lambda ids: sequence[min(len(calls), len(sequence) - 1)])
+    monkeypatch.setattr(st.time, "sleep", lambda s: calls.append(1))
+    pf = _write_pipeline(tmp_path, "toy", {"train": "12", "report": "15"}, [])
+    lines: list[str] = []
+    assert st.wait(pf, 0.1, out=lambda text, **kw: lines.append(text)) == 0
+    assert len(calls) == 4  # slept between the five reads, and not after the last
+    changes = [ln.split("  ", 1)[1] for ln in lines[:-1]]
+    assert changes == ["1 pending, 1 unknown", "1 running, 1 pending", "1 pending, 1 requeued"]
+    assert lines[-1].splitlines()[-1] == "2 completed"
+
+    sequence[:] = [{"12": js("12", "FAILED"), "15": js("15", "CANCELLED")}]
+    lines.clear()
+    assert st.wait(pf, 0.1, out=lambda text, **kw: lines.append(text)) == 1
+    assert lines[-1].startswith("not every job completed: train 12 FAILED, report 15 CANCELLED")
+
+    with pytest.raises(UserError, match="--interval 0"):
+        st._status_cmd(SimpleNamespace(pipeline=str(pf), log_dir=str(tmp_path), wait=True, interval=0.0))
