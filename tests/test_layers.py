@@ -58,8 +58,9 @@ def reachable(depends: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def _package(module: str) -> str:
     """The node of DEPENDS `module` belongs to: its package, or a module that is a node itself."""
-    if any(module == n or module.startswith(f"{n}.") for n in DEPENDS if n.count(".") > 1):
-        return next(n for n in DEPENDS if n.count(".") > 1 and (module == n or module.startswith(f"{n}.")))
+    node = next((n for n in DEPENDS if n.count(".") > 1 and (module == n or module.startswith(f"{n}."))), None)
+    if node is not None:
+        return node
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 else module
 

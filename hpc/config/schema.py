@@ -322,9 +322,10 @@ class PlanConfig:
     avg_seq_len: int | None = None  # tokens per sample; None: data.max_seq_len / 2
 
 
-# draft.* keys that are the target's: one value each, the verifier's (validate refuses another).
-DRAFT_FROM_VERIFIER = {"hidden_size": "${verifier.hidden_size}", "target_hidden_size": "${verifier.hidden_size}",
-                       "target_vocab_size": "${verifier.vocab_size}", "aux_layer_ids": "${verifier.aux_layer_ids}"}
+# draft.* key -> the verifier.* key it follows: the target's dims, one value each (validate
+# refuses another).
+DRAFT_FROM_VERIFIER = {"hidden_size": "hidden_size", "target_hidden_size": "hidden_size",
+                       "target_vocab_size": "vocab_size", "aux_layer_ids": "aux_layer_ids"}
 
 
 @dataclass
@@ -333,7 +334,8 @@ class DSparkConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     # The model package's own class (hpc.model.args); here its target dims follow verifier.*.
-    draft: DraftArgs = field(default_factory=lambda: DraftArgs(**DRAFT_FROM_VERIFIER))  # type: ignore[arg-type]
+    draft: DraftArgs = field(default_factory=lambda: DraftArgs(
+        **{key: f"${{verifier.{source}}}" for key, source in DRAFT_FROM_VERIFIER.items()}))  # type: ignore[arg-type]
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -350,6 +352,6 @@ class DSparkConfig:
         # still strings: give them the values OmegaConf would.
         for key, source in DRAFT_FROM_VERIFIER.items():
             if isinstance(getattr(self.draft, key), str):
-                setattr(self.draft, key, getattr(self.verifier, source.removeprefix("${verifier.").rstrip("}")))
+                setattr(self.draft, key, getattr(self.verifier, source))
         if isinstance(self.data.draft_vocab_size, str):
             self.data.draft_vocab_size = self.draft.draft_vocab_size

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
-from hpc.config.schema import DSparkConfig, FinalHidden
+from hpc.config.schema import DRAFT_FROM_VERIFIER, DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.config.target import is_local, looks_like_hub_id
 from hpc.config.validate_target import TargetShape, check_target, shape_once
@@ -125,10 +125,10 @@ def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
     d = cfg.draft
     # The target's dims, which the draft section repeats so that the model reads one class: they
     # follow verifier.* unless a config writes them, and then they must agree.
-    for key, source in (("target_hidden_size", "hidden_size"), ("target_vocab_size", "vocab_size"),
-                        ("aux_layer_ids", "aux_layer_ids")):
+    # (draft.hidden_size is held to the target's config.json in validate_target.py.)
+    for key, source in DRAFT_FROM_VERIFIER.items():
         mine, theirs = getattr(d, key), getattr(cfg.verifier, source)
-        if (list(mine) if key == "aux_layer_ids" else mine) != (list(theirs) if key == "aux_layer_ids" else theirs):
+        if key != "hidden_size" and mine != theirs:
             c.fail(f"draft.{key}", mine, f"is the target's: leave it out (it follows verifier.{source}={theirs}) "
                                          f"or set verifier.{source} instead")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",

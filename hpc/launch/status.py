@@ -24,10 +24,10 @@ DEFAULT_LOG_DIR = "runs/slurm"
 SACCT_FIELDS = "JobID,JobName,State,Elapsed,ExitCode,NodeList"
 TIMEOUT_S = 30.0
 STALE_S = 60.0  # progress.json is rewritten every ~2 s: older than this, say how old
-# Summary order: what is done, what is moving, what waits, then the ways a job ends badly.
 # What sacct reports for a job that will not run again (a requeued job reads PENDING/REQUEUED).
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
                    "BOOT_FAIL", "DEADLINE", "REVOKED"})
+# Summary order: what is done, what is moving, what waits, then the ways a job ends badly.
 STATE_ORDER = ("completed", "running", "pending", "requeued", "suspended", "failed", "timeout",
                "out_of_memory", "node_fail", "preempted", "cancelled", "unknown")
 # A pending array's not-yet-split tasks, as sacct prints them: 12_[0-3], 12_[0,2-5%2].
