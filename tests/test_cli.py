@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc.cli import main
+from tests.fixtures.recipes import NO_VLLM
 
 KIMI = str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.6-dspark.yaml")
 
@@ -16,7 +17,7 @@ def test_an_unexpected_error_prints_its_traceback_scrubbed(monkeypatch, capsys):
         raise RuntimeError("API request to http://alice:PW14@mlflow:5000/api failed")
 
     monkeypatch.setattr(plan, "capacity_plan", broken)
-    assert main(["plan", KIMI]) == 1
+    assert main(["plan", KIMI, *NO_VLLM]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "in broken" in err
     assert "PW14" not in err and "http://alice:***@mlflow:5000/api" in err

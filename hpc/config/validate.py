@@ -92,20 +92,7 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         (f"eval.engine={engine}", engine != "reference"),
         ("eval.compare", any(d.method not in ("dspark", "dflash") for d in cfg.eval.compare))) if on]
     if users:
-        found = Path(v.python).expanduser().is_file() if "/" in v.python else shutil.which(v.python)
-        if not found:
-            c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({users[0]}); "
-                   "point it at the venv vLLM is installed in (bin/python)")
-        elif "/" in v.python and check_vllm and v.backend.value == "vllm":
-            # A path names one venv on a shared filesystem: ask its vLLM whether it serves and
-            # captures this target. A bare name is looked up on each node's PATH, which the login
-            # node cannot speak for.
-            from hpc.config.vllm_support import support_problems
-
-            values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
-            for key, msg in support_problems(v.python, v.model, list(shape.architectures),
-                                             cfg.draft.sample_from_anchor, cfg.eval.adaptive):
-                c.fail(key, values.get(key, v.model), msg)
+        _check_interpreter(c, cfg, shape, users[0], check_vllm)
     c.positive("verifier.health_timeout_s", v.health_timeout_s)
     c.positive("verifier.capture_retry_s", v.capture_retry_s)
     if v.capture_concurrency is not None:
@@ -119,6 +106,30 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
     norm_msg = norm_pairs.get((v.final_hidden, cfg.train.apply_verifier_norm))
     if norm_msg:
         c.fail("verifier.final_hidden", v.final_hidden.value, norm_msg)
+
+
+def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: str, check_vllm: bool) -> None:
+    """verifier.python names the venv vLLM runs from; ask that very vLLM what it serves."""
+    v = cfg.verifier
+    bare = "/" not in v.python
+    if bare and cfg.cluster.executor == "slurm":
+        # Each node would look the name up on its own PATH: the login node can vouch for none of them.
+        c.fail("verifier.python", v.python, f"a bare name is looked up on each node's PATH, which this login node "
+               f"cannot check, and vLLM runs from it ({user}); give the absolute path of its venv's interpreter "
+               "(.../bin/python) on a filesystem every node mounts")
+        return
+    found = shutil.which(v.python) if bare else (str(Path(v.python).expanduser())
+                                                 if Path(v.python).expanduser().is_file() else None)
+    if not found:
+        c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({user}); "
+               "point it at the venv vLLM is installed in (bin/python)")
+    elif check_vllm and v.probe and v.backend.value == "vllm":
+        from hpc.config.vllm_support import support_problems
+
+        values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
+        for key, msg in support_problems(found, v.model, list(shape.architectures), cfg.draft.sample_from_anchor,
+                                         cfg.eval.adaptive):
+            c.fail(key, values.get(key, v.model), msg)
 
 
 def _check_draft(c: Checker, cfg: DSparkConfig) -> None:

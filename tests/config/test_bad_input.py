@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, resolve
+from hpc.config import ConfigError
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
@@ -17,7 +18,7 @@ KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
 
 def problems_for(overrides: list[str], path: Path = KIMI) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        resolve(path, overrides, check_tracking=False)
+        resolve_recipe(path, overrides)
     assert all("\n" not in p for p in info.value.problems)  # one line each, even for a value with newlines
     return info.value.problems
 
@@ -120,7 +121,7 @@ def test_an_old_yaml_with_removed_keys_is_told_they_were_removed(tmp_path):
 
 
 def test_a_good_sweep_over_training_keys_passes():
-    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["sweep={train.lr: [1e-4, 3e-4]}"])
     assert cfg.sweep == {"train.lr": [1e-4, 3e-4]}
 
 
@@ -134,18 +135,16 @@ def test_a_sweep_over_the_cap_is_one_line_counted_not_expanded(monkeypatch):
     values = "[" + ", ".join(str(i) for i in range(1, 9)) + "]"
     sweep = f"sweep={{train.lr: {values}, train.warmup_steps: {values}, train.max_anchors: {values}}}"
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, [sweep], check_tracking=False)
+        resolve_recipe(KIMI, [sweep])
     assert err.value.problems == ["sweep: 8 x 8 x 8 = 512 variants, over submit.max_variants = 256; sweep fewer "
                                   "values, or raise submit.max_variants if 512 trainings are meant"]
     monkeypatch.undo()
-    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=4"],
-                  check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=4"])
     assert cfg.submit.max_variants == 4
     with pytest.raises(ConfigError, match="4 variants, over submit.max_variants = 3"):
-        resolve(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=3"],
-                check_tracking=False)
+        resolve_recipe(KIMI, ["sweep={train.lr: [1e-4, 3e-4], train.seed: [0, 1]}", "submit.max_variants=3"])
     with pytest.raises(ConfigError, match="submit.max_variants = 0: must be at least 1"):
-        resolve(KIMI, ["submit.max_variants=0"], check_tracking=False)
+        resolve_recipe(KIMI, ["submit.max_variants=0"])
 
 
 def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monkeypatch):
@@ -153,15 +152,14 @@ def test_a_tracking_store_beside_the_pipelines_own_output_passes(tmp_path, monke
     the pipeline writes runs/train there anyway, so it is not a typo."""
     monkeypatch.chdir(tmp_path)
     for uri in ("sqlite:///runs/mlflow.db", f"sqlite:///{tmp_path}/runs/mlflow.db", "sqlite:///mlflow.db"):
-        resolve(KIMI, [f"tracking.uri={uri}"], check_tracking=False)
+        resolve_recipe(KIMI, [f"tracking.uri={uri}"])
     assert not (tmp_path / "runs").exists()
 
 
 def test_ranks_per_node_null_resolves_to_one_number_everywhere():
     from hpc.launch.stages import node_ranks
 
-    cfg = resolve(KIMI, ["cluster.trainer_nodes=2", "train.ranks_per_node=null", "train.global_batch_size=32"],
-                  check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["cluster.trainer_nodes=2", "train.ranks_per_node=null", "train.global_batch_size=32"])
     assert cfg.train.ranks_per_node == 8  # null in the recipe: one rank per GPU
     assert node_ranks(cfg, 2) == (list(range(8, 16)), 16, 1)
     cfg.train.ranks_per_node = None  # a config object built without resolve() still works
@@ -245,7 +243,7 @@ def test_a_sweep_reads_the_yaml_and_the_target_once(monkeypatch):
 
     monkeypatch.setattr(load, "_read_yaml", counted("yaml", load._read_yaml))
     monkeypatch.setattr(validate_target, "target_shape", counted("shape", validate_target.target_shape))
-    cfg = resolve(KIMI, ["sweep={train.lr: [1e-4, 2e-4, 3e-4], train.seed: [0, 1, 2]}"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["sweep={train.lr: [1e-4, 2e-4, 3e-4], train.seed: [0, 1, 2]}"])
     assert cfg.sweep == {"train.lr": [1e-4, 2e-4, 3e-4], "train.seed": [0, 1, 2]}
     assert calls == {"yaml": 1, "shape": 1}
 
@@ -263,4 +261,4 @@ def test_the_vllm_interpreter_is_checked_wherever_vllm_runs():
     assert any("vLLM runs from it (data.regenerate=true)" in p for p in problems_for(hf))
     assert any("vLLM runs from it (eval.compare)" in p
                for p in problems_for([*hf, "data.regenerate=false", "eval.engine=reference"]))
-    resolve(KIMI, [*hf, "data.regenerate=false", "eval.engine=reference", "eval.compare=[]"], check_tracking=False)
+    resolve_recipe(KIMI, [*hf, "data.regenerate=false", "eval.engine=reference", "eval.compare=[]"])

@@ -26,6 +26,8 @@ NOT_READERS = {"config/schema.py", "config/validate.py", "config/validate_ops.py
 UNREAD_ON_PURPOSE = {
     # Relaxes the check that our vLLM servers listen on loopback only.
     "verifier.allow_remote_host",
+    # Says whether `dspark validate` asks the vLLM at verifier.python what it serves.
+    "verifier.probe",
     # Says whether `dspark validate` runs where the work runs, so it checks this machine's devices
     # (the demo sets it; its stages resolve with runs_here=True themselves).
     "cluster.executor",

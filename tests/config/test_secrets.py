@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, resolve
+from hpc.config import ConfigError
 from hpc.config.secrets import MASK, redact_uri, redacted
+from tests.fixtures.recipes import NO_VLLM, resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
@@ -25,8 +26,8 @@ def test_uris_lose_their_credentials(uri, shown):
 
 
 def test_a_logged_config_has_no_secrets_and_the_job_keeps_them():
-    cfg = resolve(KIMI, ["verifier.env={HF_TOKEN: hf_abc, VLLM_CPU_KVCACHE_SPACE: '4'}",
-                         "tracking.uri=https://alice:s3cret@mlflow.example.org"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["verifier.env={HF_TOKEN: hf_abc, VLLM_CPU_KVCACHE_SPACE: '4'}",
+                                "tracking.uri=https://alice:s3cret@mlflow.example.org"])
     shown = redacted(cfg)
     assert shown.verifier.env == {"HF_TOKEN": MASK, "VLLM_CPU_KVCACHE_SPACE": MASK}  # every env value
     assert "s3cret" not in shown.tracking.uri
@@ -35,8 +36,7 @@ def test_a_logged_config_has_no_secrets_and_the_job_keeps_them():
 
 def test_validate_errors_do_not_print_secrets():
     with pytest.raises(ConfigError) as info:
-        resolve(KIMI, ["verifier.env={HF_TOKEN: \"hf_abc\\n\"}", "tracking.uri=htps://alice:s3cret@host"],
-                check_tracking=False)
+        resolve_recipe(KIMI, ["verifier.env={HF_TOKEN: \"hf_abc\\n\"}", "tracking.uri=htps://alice:s3cret@host"])
     text = str(info.value)
     assert "verifier.env.HF_TOKEN" in text and "tracking.uri" in text
     assert "hf_abc" not in text and "s3cret" not in text
@@ -64,8 +64,7 @@ def test_flags_our_servers_own_are_refused_in_extra_args():
     verifier.host refuses, --api-key replaced the job's own key (our clients then got 401), and
     vLLM prints a --hf-token into its log with its other arguments."""
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, ["verifier.extra_args=[--host, 0.0.0.0, --hf_token=hf_9, --api-key, k, --max-num-seqs, '64']"],
-                check_tracking=False)
+        resolve_recipe(KIMI, ["verifier.extra_args=[--host, 0.0.0.0, --hf_token=hf_9, --api-key, k, --max-num-seqs, '64']"])
     lines = str(err.value).splitlines()
     assert "verifier.extra_args = '--host': set verifier.host instead" in lines
     assert any(line.startswith("verifier.extra_args = '--hf-token': set verifier.env.HF_TOKEN") for line in lines)
@@ -101,14 +100,14 @@ def test_an_error_message_quoting_the_uri_loses_its_password():
 @pytest.mark.parametrize("override", ["verifier.env.HF_TOKEN.x=S3CRET", "verifier.env.HF_TOKEN=[S3CRET, b]"])
 def test_a_type_error_under_verifier_env_does_not_print_the_value(override):
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, [override], check_tracking=False)
+        resolve_recipe(KIMI, [override])
     assert "S3CRET" not in str(err.value) and "verifier.env = '***': must be a mapping" in str(err.value)
 
 
 @pytest.mark.parametrize("uri", ["http://h:abc", "http://h:99999", "http://u:pw@[::1"])
 def test_a_malformed_tracking_uri_is_one_line_not_a_traceback(uri):
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, [f"tracking.uri={uri}"], check_tracking=False)
+        resolve_recipe(KIMI, [f"tracking.uri={uri}"])
     (line,) = [ln for ln in str(err.value).splitlines() if ln.startswith("tracking.uri")]
     assert "not a valid URI" in line and "pw" not in line
 
@@ -134,20 +133,20 @@ def test_unpinned_remote_code_is_a_login_node_warning(capsys):
     """trust_remote_code runs the hub's *.py on every node: unpinned, whatever main holds at job time."""
     from hpc.config.cli import run
 
-    args = type("A", (), {"config": str(KIMI), "overrides": [], "offline": True, "print": False})()
+    args = type("A", (), {"config": str(KIMI), "overrides": NO_VLLM, "offline": True, "print": False})()
     assert run(args) == 0
     err = capsys.readouterr().err
     assert "warning: verifier.revision is unset with verifier.trust_remote_code=true" in err
     # The recipe's EAGLE-3 rival is a hub draft too: vLLM loads whatever its main branch holds.
     assert "warning: eval.compare[0].revision is unset: eagle3 is loaded from lightseekorg/" in err
-    args.overrides = ["verifier.revision=" + "a" * 40, "eval.compare.0.revision=" + "b" * 40]
+    args.overrides = [*NO_VLLM, "verifier.revision=" + "a" * 40, "eval.compare.0.revision=" + "b" * 40]
     assert run(args) == 0
     assert "warning" not in capsys.readouterr().err
 
 
 def test_an_extra_args_value_in_an_error_line_is_masked():
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, ['verifier.extra_args=[--hf-token, "hf_S16\t"]'], check_tracking=False)
+        resolve_recipe(KIMI, ['verifier.extra_args=[--hf-token, "hf_S16\t"]'])
     assert "hf_S16" not in str(err.value) and "verifier.extra_args[1] = '***'" in str(err.value)
 
 
@@ -159,7 +158,7 @@ def test_an_abbreviated_owned_flag_is_refused_as_the_flag_it_abbreviates(flag, o
     """vLLM's argument parser takes any unambiguous prefix of a long flag: `--hos 0.0.0.0` is
     `--host 0.0.0.0`, which undid the 127.0.0.1 bind."""
     with pytest.raises(ConfigError) as err:
-        resolve(KIMI, [f"verifier.extra_args=[{flag}, v]"], check_tracking=False)
+        resolve_recipe(KIMI, [f"verifier.extra_args=[{flag}, v]"])
     line = next(x for x in str(err.value).splitlines() if x.startswith("verifier.extra_args"))
     assert f"reads it as {owned} (an abbreviation)" in line
 

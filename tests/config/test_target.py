@@ -11,6 +11,7 @@ import pytest
 from hpc.config import ConfigError, resolve
 from hpc.config.target import localize, offline_mode, resolve_target
 from hpc.errors import UserError
+from tests.fixtures.recipes import resolve_recipe
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -53,9 +54,8 @@ def test_an_unknown_id_offline_is_one_line_naming_the_id_and_the_mode(hub_cache,
 
 
 def test_localize_keeps_the_hub_id_as_the_name(hub_cache, toy_target):
-    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
-                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
-                  check_tracking=False)
+    cfg = resolve_recipe("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                                  "data.sources=[{path: toy/chat}]"])
     local = localize(cfg)
     assert local.verifier.model == str(hub_cache) and local.verifier.name == "acme/toy"
     assert cfg.verifier.model == "acme/toy"  # the caller's config is unchanged
@@ -64,9 +64,8 @@ def test_localize_keeps_the_hub_id_as_the_name(hub_cache, toy_target):
 def test_validate_reads_a_cached_hub_target_and_checks_it(hub_cache):
     # The toy target has 4 layers: its cached config.json is read (no network) and an aux id past it caught.
     with pytest.raises(ConfigError) as info:
-        resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.aux_layer_ids=[1,2,9]",
-                                         "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
-                check_tracking=False)
+        resolve_recipe("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.aux_layer_ids=[1,2,9]",
+                                                "data.sources=[{path: toy/chat}]"])
     assert any("id 9 outside 0..4" in p and str(hub_cache / "config.json") in p for p in info.value.problems)
 
 
@@ -84,10 +83,9 @@ def test_in_a_job_node_0_resolves_and_the_other_nodes_read_its_path(hub_cache, t
     from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
 
-    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
-                                           f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
-                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
-                  check_tracking=False)
+    cfg = resolve_recipe("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                                  f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
+                                                  "data.sources=[{path: toy/chat}]"])
     node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
     marker = tmp_path / "logs" / ".target-42"
     first = localize_in_job(cfg, node(0))
@@ -106,10 +104,9 @@ def test_a_stale_marker_of_a_reused_job_id_is_not_taken(hub_cache, tmp_path):
     from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
 
-    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
-                                           f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
-                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
-                  check_tracking=False)
+    cfg = resolve_recipe("configs/toy-cpu.yaml", ["verifier.model=acme/toy", "verifier.offline=true",
+                                                  f"cluster.log_dir={tmp_path / 'logs'}", "verifier.health_timeout_s=1",
+                                                  "data.sources=[{path: toy/chat}]"])
     node = lambda i: SlurmEnv(job_id=42, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="42")  # noqa: E731
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / ".target-42").write_text(json.dumps({"model": "acme/toy", "revision": None,
@@ -132,10 +129,9 @@ def test_a_node_0_failure_stops_the_other_nodes_at_once(hub_cache, tmp_path):
     from hpc.launch.node_setup import localize_in_job
     from hpc.launch.slurm_env import SlurmEnv
 
-    cfg = resolve("configs/toy-cpu.yaml", ["verifier.model=acme/missing", "verifier.offline=true",
-                                           f"cluster.log_dir={tmp_path / 'logs'}",
-                                           "data.sources=[{path: toy/chat}]", "verifier.python=python3"],
-                  check_tracking=False)
+    cfg = resolve_recipe("configs/toy-cpu.yaml", ["verifier.model=acme/missing", "verifier.offline=true",
+                                                  f"cluster.log_dir={tmp_path / 'logs'}",
+                                                  "data.sources=[{path: toy/chat}]"])
     node = lambda i: SlurmEnv(job_id=7, node_index=i, n_nodes=2, hostnames=["a", "b"], requeue_id="7")  # noqa: E731
     with pytest.raises(UserError, match="cannot resolve the hub id"):
         localize_in_job(cfg, node(0))

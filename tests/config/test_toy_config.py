@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc_dev.toy_data import write_toy_conversations
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_toy_config_validates_against_the_built_toy(toy_target, tmp_path):
     data = write_toy_conversations(tmp_path / "train.jsonl", n=8)
-    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
-                  [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3"],
-                  check_tracking=False)
+    cfg = resolve_recipe(ROOT / "configs" / "toy-cpu.yaml",
+                         [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]"])
     real = json.loads((Path(toy_target) / "config.json").read_text())
     assert (cfg.verifier.num_hidden_layers, cfg.verifier.hidden_size, cfg.verifier.vocab_size) == (
         real["num_hidden_layers"], real["hidden_size"], real["vocab_size"])

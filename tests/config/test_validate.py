@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, config_hash, load_config, resolve, sweep_overrides, to_object
+from hpc.config import ConfigError, config_hash, load_config, sweep_overrides, to_object
 from hpc.config.validate import trainer_ranks
+from tests.fixtures.recipes import NO_VLLM, resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
@@ -19,12 +20,12 @@ KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
 
 def problems_for(overrides: list[str], path: Path = KIMI) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        resolve(path, overrides, check_tracking=False)
+        resolve_recipe(path, overrides)
     return info.value.problems
 
 
 def test_kimi_recipe_is_valid_and_matches_the_card():
-    cfg = resolve(KIMI, check_tracking=False)
+    cfg = resolve_recipe(KIMI)
     d, t, v = cfg.draft, cfg.train, cfg.verifier
     assert (d.draft_vocab_size, v.vocab_size, d.markov_rank, d.mask_token_id) == (32000, 163840, 256, 163608)
     assert v.aux_layer_ids == [1, 29, 57] and v.final_hidden.value == "post_norm"
@@ -41,8 +42,7 @@ def test_kimi_recipe_is_valid_and_matches_the_card():
 
 
 def test_dotlist_overrides_apply_with_types():
-    cfg = resolve(KIMI, ["train.lr=1e-4", "verifier.aux_layer_ids=[2,30,58]", "cluster.account=abc"],
-                  check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["train.lr=1e-4", "verifier.aux_layer_ids=[2,30,58]", "cluster.account=abc"])
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
     assert cfg.verifier.aux_layer_ids == [2, 30, 58]
     assert cfg.cluster.account == "abc"
@@ -55,25 +55,25 @@ def test_an_unquoted_slurm_time_is_a_time_not_a_base_60_number(tmp_path):
     text = KIMI.read_text().replace('time: "48:00:00"', "time: 2:00:00")
     assert "time: 2:00:00" in text
     (tmp_path / "c.yaml").write_text(text)
-    assert resolve(tmp_path / "c.yaml", [], check_tracking=False).cluster.time == "2:00:00"
-    cfg = resolve(KIMI, ["cluster.time=1:00:00"], check_tracking=False)
+    assert resolve_recipe(tmp_path / "c.yaml").cluster.time == "2:00:00"
+    cfg = resolve_recipe(KIMI, ["cluster.time=1:00:00"])
     assert cfg.cluster.time == "1:00:00" and parse_slurm_time(cfg.cluster.time) == 60
-    assert resolve(KIMI, ["train.steps=1200", "train.lr=3e-4"], check_tracking=False).train.steps == 1200  # numbers stay
+    assert resolve_recipe(KIMI, ["train.steps=1200", "train.lr=3e-4"]).train.steps == 1200  # numbers stay
 
 
 def test_free_dicts_are_replaced_not_merged():
-    cfg = resolve(KIMI, ["verifier.compilation_config={}", "verifier.env={A: '1'}"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["verifier.compilation_config={}", "verifier.env={A: '1'}"])
     assert cfg.verifier.compilation_config == {} and cfg.verifier.env == {"A": "1"}
 
 
 def test_one_key_inside_a_free_dict_keeps_the_others():
     # Replacing the dict here dropped fuse_allreduce_rms: false, which breaks CUDA-graph capture.
-    cfg = resolve(KIMI, ["verifier.compilation_config.level=3", "verifier.env.A=1"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["verifier.compilation_config.level=3", "verifier.env.A=1"])
     assert cfg.verifier.compilation_config == {"pass_config": {"fuse_allreduce_rms": False}, "level": 3}
-    cfg2 = resolve(KIMI, ["verifier.env={B: '2'}", "verifier.env.A=1"], check_tracking=False)
+    cfg2 = resolve_recipe(KIMI, ["verifier.env={B: '2'}", "verifier.env.A=1"])
     assert cfg2.verifier.env == {"B": "2", "A": "1"}  # env values are strings
     # A dict written whole at a key inside one is replaced there, not merged into the old one.
-    cfg3 = resolve(KIMI, ["verifier.compilation_config.pass_config={}"], check_tracking=False)
+    cfg3 = resolve_recipe(KIMI, ["verifier.compilation_config.pass_config={}"])
     assert cfg3.verifier.compilation_config == {"pass_config": {}}
 
 
@@ -194,7 +194,7 @@ def test_a_calibration_set_of_prompts_needs_regeneration(tmp_path):
     assert [p for p in got if "calibration_sources" in p] == [
         f"data.calibration_sources[0].path = '{prompts}': its rows have no assistant turn (prompts, as "
         "`dspark calibration-set` writes); set data.regenerate=true so the target answers them"]
-    resolve(KIMI, [f"data.calibration_sources=[{{path: {prompts}}}]"], check_tracking=False)  # regenerated: fine
+    resolve_recipe(KIMI, [f"data.calibration_sources=[{{path: {prompts}}}]"])  # regenerated: fine
 
 
 def test_a_gpu_config_is_fine_on_a_login_node_without_cuda():
@@ -202,10 +202,10 @@ def test_a_gpu_config_is_fine_on_a_login_node_without_cuda():
     import torch
 
     assert not torch.cuda.is_available()
-    cfg = resolve(KIMI, check_tracking=False)
+    cfg = resolve_recipe(KIMI)
     assert cfg.train.device == "cuda" and cfg.cluster.executor == "slurm"
     with pytest.raises(ConfigError, match="no CUDA device"):
-        resolve(KIMI, check_tracking=False, runs_here=True)  # what a job's own node checks
+        resolve_recipe(KIMI, runs_here=True)  # what a job's own node checks
 
 
 def test_all_problems_are_reported_at_once():
@@ -233,7 +233,7 @@ def test_trainer_ranks_and_sweep_expansion():
     assert variants == [["train.lr=0.0003", "train.warmup_steps=100"],
                         ["train.lr=0.0001", "train.warmup_steps=100"]]
     for v in variants:
-        resolve(KIMI, v, check_tracking=False)
+        resolve_recipe(KIMI, v)
     assert trainer_ranks(to_object(cfg)) == 4
 
 
@@ -242,9 +242,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_validate_exit_codes_and_no_traceback():
-    ok = run_cli("validate", str(KIMI), "--offline")
+    ok = run_cli("validate", str(KIMI), "--offline", *NO_VLLM)
     assert ok.returncode == 0, ok.stderr
-    bad = run_cli("validate", str(KIMI), "train.lr=-1", "draft.block_size=2", "--offline")
+    bad = run_cli("validate", str(KIMI), "train.lr=-1", "draft.block_size=2", "--offline", *NO_VLLM)
     assert bad.returncode == 2
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and "Traceback" not in bad.stderr
@@ -305,15 +305,15 @@ def test_a_tracking_uri_with_credentials_is_reachable_and_sends_them():
 def test_a_path_with_a_hash_survives_an_override():
     """` #` opened a YAML comment: the generated output_dir overrides of `dspark submit` cut a user's
     `runs/exp #2` to `runs/exp`, and every sweep variant wrote into the one directory."""
-    cfg = resolve(KIMI, ["train.output_dir=runs/exp #2/v0/train", "eval.output_dir='runs/q #1'"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["train.output_dir=runs/exp #2/v0/train", "eval.output_dir='runs/q #1'"])
     assert cfg.train.output_dir == "runs/exp #2/v0/train" and cfg.eval.output_dir == "runs/q #1"
 
 
 def test_yaml_11_octal_and_dotted_sweep_keys_read_as_written():
     """`0123` was the octal 83 (a Slurm account, an env value); `sweep.train.lr=[...]` nested a
     section under sweep instead of adding the key train.lr."""
-    cfg = resolve(KIMI, ["cluster.account=0123", "verifier.env={B: 0777}", "train.steps=03000",
-                         "sweep={draft.markov_rank: [4, 8]}", "sweep.train.lr=[1e-4, 3e-4]"], check_tracking=False)
+    cfg = resolve_recipe(KIMI, ["cluster.account=0123", "verifier.env={B: 0777}", "train.steps=03000",
+                                "sweep={draft.markov_rank: [4, 8]}", "sweep.train.lr=[1e-4, 3e-4]"])
     assert cfg.cluster.account == "0123" and cfg.verifier.env == {"B": "0777"} and cfg.train.steps == 3000
     assert cfg.sweep == {"draft.markov_rank": [4, 8], "train.lr": [1e-4, 3e-4]}
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, load_config, resolve, to_object
+from hpc.config import ConfigError, load_config, to_object
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs" / "kimi-k2.6-dspark.yaml"
@@ -27,7 +28,7 @@ def _target(tmp_path: Path, arch: str = "GraniteForCausalLM", **extra) -> Path:
 
 def _problems(overrides: list[str], path: Path = KIMI) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        resolve(path, overrides, check_tracking=False)
+        resolve_recipe(path, overrides)
     assert all("\n" not in p for p in info.value.problems)
     return info.value.problems
 
@@ -49,7 +50,7 @@ def test_one_run_names_every_shape_mismatch_and_the_overrides_that_fix_them_all(
     assert {"verifier.num_hidden_layers=6", "verifier.hidden_size=256", "draft.hidden_size=256",
             "draft.num_attention_heads=2"} <= set(fix)
     # The fixes are enough: applied together, the recipe validates on this target.
-    cfg = resolve(KIMI, [f"verifier.model={target}", "verifier.aux_layer_ids=[1,3,5]", *fix], check_tracking=False)
+    cfg = resolve_recipe(KIMI, [f"verifier.model={target}", "verifier.aux_layer_ids=[1,3,5]", *fix])
     assert (cfg.draft.hidden_size, cfg.draft.num_attention_heads * cfg.draft.head_dim) == (256, 256)
 
 

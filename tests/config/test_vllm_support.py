@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 
 import pytest
@@ -108,3 +109,47 @@ def test_capture_requests_in_flight_fill_a_prefill_batch():
 
     assert default_capture_concurrency(10000) == 3  # Kimi's average sample: two fill 16k batched tokens
     assert default_capture_concurrency(256) == 8 and default_capture_concurrency(40000) == 2  # clamped to 2..8
+
+
+KIMI = "configs/kimi-k2.6-dspark.yaml"
+NO_FILES = ["verifier.model=toy/qwen3", "data.sources=[{path: toy/chat}]"]
+
+
+def test_a_bare_interpreter_name_on_slurm_is_one_line_naming_the_key():
+    """Each node looks a bare name up on its own PATH: the login node cannot ask that vLLM anything."""
+    with pytest.raises(ConfigError) as info:
+        resolve("configs/toy-cpu.yaml", [*NO_FILES, "verifier.python=python3"], check_tracking=False)
+    [line] = [p for p in info.value.problems if "verifier.python" in p]
+    assert line.startswith("verifier.python = 'python3': a bare name is looked up on each node's PATH")
+    assert "absolute path" in line and "\n" not in line
+
+
+def test_the_shipped_kimi_recipe_asks_for_its_venv_until_it_is_named(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        resolve(KIMI, check_tracking=False)
+    assert info.value.problems == [p for p in info.value.problems if p.startswith("verifier.python")]
+    assert len(info.value.problems) == 1 and "interpreter not found" in info.value.problems[0]
+    # Named, it is the venv's vLLM that answers: here one without the dspark method.
+    py = fake_python(tmp_path, "0.20.0", dspark=False)
+    with pytest.raises(ConfigError) as info:
+        resolve(KIMI, [f"verifier.python={py}"], check_tracking=False)
+    assert [p.split(":")[0] for p in info.value.problems] == [f"verifier.python = '{py}'"]
+    assert "has no `dspark` speculative method" in info.value.problems[0]
+    ok = fake_python(tmp_path / "ok", "0.33.0")
+    assert resolve(KIMI, [f"verifier.python={ok}"], check_tracking=False).verifier.python == ok
+    # Where the login node cannot run the venv, verifier.probe=false skips the question, not the path check.
+    assert resolve(KIMI, [f"verifier.python={py}", "verifier.probe=false"], check_tracking=False).verifier.probe is False
+
+
+def test_a_local_bare_name_is_resolved_on_this_path_and_that_vllm_is_asked(tmp_path, monkeypatch):
+    py = fake_python(tmp_path, "0.26.0", anchor=False)
+    monkeypatch.setenv("PATH", f"{os.path.dirname(py)}:{os.environ['PATH']}")
+    with pytest.raises(ConfigError) as info:
+        resolve("configs/toy-cpu.yaml", [*NO_FILES, "cluster.executor=local", "verifier.python=python"],
+                check_tracking=False, runs_here=False)
+    [line] = [p for p in info.value.problems if p.startswith("verifier.python")]
+    assert line.startswith("verifier.python = 'python': its vLLM 0.26.0 ignores")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="verifier.python = 'python': interpreter not found"):
+        resolve("configs/toy-cpu.yaml", [*NO_FILES, "cluster.executor=local", "verifier.python=python"],
+                check_tracking=False, runs_here=False)

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc.config import resolve
 from hpc.evaluate.reference import mean_acceptance_length
 from hpc.model.export import load_draft
 from hpc.train.online import build_draft
 from hpc_dev.toy_data import write_toy_conversations
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 # The toy target talks, so a draft has a real distribution to learn, not a repeat loop: 60 steps
@@ -22,9 +22,9 @@ MARGIN = 0.2
 
 
 def toy_cfg(toy_target, data, out, *extra):
-    return resolve(ROOT / "configs" / "toy-cpu.yaml",
-                   [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                    f"train.output_dir={out}", *extra], check_tracking=False)
+    return resolve_recipe(ROOT / "configs" / "toy-cpu.yaml",
+                          [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]",
+                           f"train.output_dir={out}", *extra])
 
 
 def chat_prompts(tok, n: int, path: Path) -> list[list[int]]:

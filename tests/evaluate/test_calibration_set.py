@@ -12,6 +12,7 @@ from hpc.errors import UserError
 from hpc.evaluate.benchmarks import load_benchmark, spare_prompts
 from hpc.evaluate.calibration_set import write_calibration_set
 from hpc.verifier.data import read_rows, to_messages
+from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def test_the_command_prints_what_it_wrote_and_the_key_to_set(tmp_path, capsys):
     # The config may already name the file it is about to write.
     code = main(["calibration-set", str(ROOT / "configs" / "kimi-k2.6-dspark.yaml"), str(out), "--rows", "3",
                  "eval.fixtures=true", "eval.benchmarks=[aime,speedbench_coding]",
-                 f"data.calibration_sources=[{{path: {out}}}]"])
+                 f"data.calibration_sources=[{{path: {out}}}]", *NO_VLLM])
     printed = capsys.readouterr().out
     assert code == 0 and len(out.read_text().splitlines()) == 3
     assert "aime: 3 rows" in printed and "speedbench_coding: 0 rows (evaluated in full" in printed

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from hpc.config import resolve
 from hpc_dev.toy_data import write_toy_conversations
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
@@ -27,9 +28,9 @@ def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Pa
     from hpc_dev.offline import target_architectures, train_in_process
 
     data = write_toy_conversations(tmp / f"{name}.jsonl", n=64, seed=1)
-    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
-                  [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / name}", "train.hold_out_every=0", *extra], check_tracking=False)
+    cfg = resolve_recipe(ROOT / "configs" / "toy-cpu.yaml",
+                         [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]",
+                          f"train.output_dir={tmp / name}", "train.hold_out_every=0", *extra])
     ckpt = train_in_process(cfg, steps=20)
     return export_draft(load_draft(ckpt), tmp / f"{name}-export", str(toy_target),
                         target_architectures(str(toy_target)), 7)

@@ -11,6 +11,7 @@ from hpc.config.schema import DSparkConfig
 from hpc.config.verifier_gpu import streamer_items
 from hpc.errors import UserError
 from hpc.launch.plan import capacity_plan, format_plan
+from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = "configs/kimi-k2.6-dspark.yaml"
@@ -115,7 +116,7 @@ def test_bad_knob_names_the_key(knob):
 
 def test_cli_prints_the_kimi_plan(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["plan", KIMI]) == 0
+    assert main(["plan", KIMI, *NO_VLLM]) == 0
     out = capsys.readouterr().out
     for line in ("kimi-k2.6-dspark: capacity plan", "bytes per captured token", "57.36 KB", "573.60 MB",
                  "supply", "demand", "trainer nodes per verifier node", "1 verifier : 1 trainer",
@@ -127,7 +128,7 @@ def test_cli_prints_the_kimi_plan(capsys, monkeypatch):
 
 def test_cli_bad_knob_exits_2_naming_the_key(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["plan", KIMI, "plan.link_gbps=0"]) == 2
+    assert main(["plan", KIMI, *NO_VLLM, "plan.link_gbps=0"]) == 2
     err = capsys.readouterr().err
     assert "plan.link_gbps" in err and len(err.strip().splitlines()) == 1
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from hpc.config import resolve
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.launch import slurm
@@ -28,20 +27,20 @@ from hpc.launch.slurm import (
     partitions,
     requests_for,
 )
+from tests.fixtures.recipes import resolve_recipe
 from tests.fixtures.slurm import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 # Hub-id style names are not looked up on a login node, so the toy config resolves without
-# the built toy target or its data.
-NO_FILES = ["verifier.model=toy/qwen3", "data.sources=[{path: toy/data}]", "verifier.python=python3"]
+# the built toy target or its data (and, through resolve_recipe, without asking a vLLM).
+NO_FILES = ["verifier.model=toy/qwen3", "data.sources=[{path: toy/data}]"]
 # The validator wants the batch to split over every trainer rank; 120 does for 1, 3 and 10 nodes
 # (and each trainer's stream buffer to hold its micro-batch).
 SPLITS = ("train.global_batch_size=120", "stream.buffer_per_trainer=30")
 
 
 def _toy(partition: str, *overrides: str) -> DSparkConfig:
-    return resolve(ROOT / "configs" / "toy-cpu.yaml",
-                   [*NO_FILES, f"cluster.partition={partition}", *overrides], check_tracking=False)
+    return resolve_recipe(ROOT / "configs" / "toy-cpu.yaml", [*NO_FILES, f"cluster.partition={partition}", *overrides])
 
 
 def _with_key(problems: list[str], key: str) -> list[str]:

@@ -11,13 +11,14 @@ import pytest
 from hpc.errors import UserError
 from hpc.launch.submit import plan_pipeline
 from hpc.launch.variants import check_variant_file
+from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = str(ROOT / "configs" / "kimi-k2.6-dspark.yaml")
 
 
 def _plan(tmp_path: Path, *extra: str):
-    return plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+    return plan_pipeline(KIMI, [*NO_VLLM, f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
                                 "sweep={train.lr: [1e-4, 3e-4]}", "tracking.allow_file_store=true", *extra])[1]
 
 
@@ -58,7 +59,7 @@ def test_a_job_refuses_a_variant_file_edited_after_submit(tmp_path):
 ])
 def test_a_sweep_over_what_the_array_shares_is_refused_before_any_file(tmp_path, sweep, needle):
     with pytest.raises(UserError, match=re.escape(needle)):
-        plan_pipeline(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+        plan_pipeline(KIMI, [*NO_VLLM, f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
                              f"sweep={sweep}", "tracking.allow_file_store=true"])
     assert not any((tmp_path / "slurm" / "pipelines").iterdir())  # nothing written, no empty pipeline
 
@@ -104,7 +105,7 @@ def test_a_submit_refused_before_any_job_leaves_no_pipeline_behind(tmp_path, mon
 
         monkeypatch.setattr(pipeline, "create_pipeline_run", unreachable)
     with pytest.raises((UserError, ConnectionError)):
-        submit(KIMI, [f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
+        submit(KIMI, [*NO_VLLM, f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
                       f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.allow_file_store=true"])
     assert list((tmp_path / "slurm" / "pipelines").iterdir()) == []
     assert list((tmp_path / "train").iterdir()) == []

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
 from hpc.model.export import as_served, export_draft, load_draft, shapes_only_inventory
+from tests.fixtures.recipes import resolve_recipe
 from tests.model.test_dspark import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,9 +101,8 @@ def test_d2t_outside_target_vocab_is_rejected(tmp_path):
 
 
 def test_kimi_inventory_is_the_published_44_tensors_6_3_gb():
-    from hpc.config import resolve
 
-    cfg = resolve(ROOT / "configs" / "kimi-k2.6-dspark.yaml", check_tracking=False)
+    cfg = resolve_recipe(ROOT / "configs" / "kimi-k2.6-dspark.yaml")
     rows = shapes_only_inventory(cfg.draft)
     assert len(rows) == 44
     total = sum(r[3] for r in rows)

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc.config import resolve
 from hpc.evaluate.reference import SpecStats, greedy_generate, speculative_generate
 from hpc.model.export import export_draft, load_draft
 from hpc_dev.toy_data import toy_conversations
+from tests.fixtures.recipes import resolve_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "peers" / "vllm_dflash_spec.py"
@@ -79,10 +79,9 @@ def onpolicy_conversations(target, tok, out: Path, n: int, seed: int) -> Path:
 def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
     from hpc_dev.offline import target_architectures, train_in_process
 
-    cfg = resolve(REPO / "configs" / "toy-cpu.yaml",
-                  [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / 'run'}", "train.lr=3e-3", "train.hold_out_every=0", *DFLASH_OVERRIDES],
-                  check_tracking=False)
+    cfg = resolve_recipe(REPO / "configs" / "toy-cpu.yaml",
+                         [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]",
+                          f"train.output_dir={tmp / 'run'}", "train.lr=3e-3", "train.hold_out_every=0", *DFLASH_OVERRIDES])
     ckpt = train_in_process(cfg, steps=STEPS)
     draft = load_draft(ckpt)
     assert draft.args.is_dflash and not draft.args.sample_from_anchor

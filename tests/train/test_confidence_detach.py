@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hpc.config import resolve
 from hpc_dev.offline import train_in_process
 from hpc_dev.toy_data import write_toy_conversations
+from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKOV_ONLY = ["draft.enable_confidence_head=false", "draft.confidence_head_with_markov=false"]
@@ -22,10 +22,10 @@ MARKOV_ONLY = ["draft.enable_confidence_head=false", "draft.confidence_head_with
 
 def _weights(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> dict[str, torch.Tensor]:
     data = write_toy_conversations(tmp / "train.jsonl", n=24, seed=3)
-    cfg = resolve(ROOT / "configs" / "toy-cpu.yaml",
-                  [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]", "verifier.python=python3",
-                   f"train.output_dir={tmp / name}", "train.hold_out_every=0", "train.grad_clip=0.5",
-                   "data.regenerate=false", "train.loss.confidence_detach=true", *extra], check_tracking=False)
+    cfg = resolve_recipe(ROOT / "configs" / "toy-cpu.yaml",
+                         [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]",
+                          f"train.output_dir={tmp / name}", "train.hold_out_every=0", "train.grad_clip=0.5",
+                          "data.regenerate=false", "train.loss.confidence_detach=true", *extra])
     ckpt = train_in_process(cfg, steps=6)
     return load_file(str(ckpt / "model.safetensors"))
 
