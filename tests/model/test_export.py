@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hpc.errors import UserError
 from hpc.model.export import as_served, export_draft, load_draft, shapes_only_inventory
-from tests.fixtures.recipes import resolve_recipe
+from tests.fixtures.recipes import NO_VLLM, resolve_recipe
 from tests.model.test_dspark import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,11 +118,12 @@ def test_cli_export_and_shapes_only(tmp_path):
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
     shapes = subprocess.run([sys.executable, "-m", "hpc", "export", "--shapes-only",
-                             "configs/kimi-k2.6-dspark.yaml"], capture_output=True, text=True, cwd=ROOT)
+                             "configs/kimi-k2.6-dspark.yaml", *NO_VLLM], capture_output=True, text=True, cwd=ROOT)
     assert shapes.returncode == 0 and "44 tensors, 6.30 GB" in shapes.stdout
     # A reader that leaves early is no error (a rich Console made it exit 1 with nothing said).
     piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m hpc export --shapes-only "
-                            "configs/kimi-k2.6-dspark.yaml | head -1"], capture_output=True, text=True, cwd=ROOT)
+                            f"configs/kimi-k2.6-dspark.yaml {' '.join(NO_VLLM)} | head -1"],
+                           capture_output=True, text=True, cwd=ROOT)
     assert piped.returncode == 0 and piped.stdout.startswith("kimi-k2.6-dspark: exported tensors"), piped.stderr
     missing = subprocess.run([sys.executable, "-m", "hpc", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
                              capture_output=True, text=True, cwd=ROOT)
