@@ -118,8 +118,8 @@ def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: 
                f"cannot check, and vLLM runs from it ({user}); give the absolute path of its venv's interpreter "
                "(.../bin/python) on a filesystem every node mounts")
         return
-    found = shutil.which(v.python) if bare else (str(Path(v.python).expanduser())
-                                                 if Path(v.python).expanduser().is_file() else None)
+    path = Path(v.python).expanduser()
+    found = shutil.which(v.python) if bare else (str(path) if path.is_file() else None)
     if not found:
         c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({user}); "
                "point it at the venv vLLM is installed in (bin/python)")
