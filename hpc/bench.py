@@ -16,7 +16,7 @@ HELP = "benchmarks that print figures (ratios against a peer run)"
 
 # name -> (module with add_args/run, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "stream": ("hpc.stream.bench", "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
+    "stream": ("hpc.stream.stream_bench", "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
 }
 
 

@@ -18,13 +18,13 @@ from hpc.errors import UserError
 # help); a module is imported only when its command runs, so the top-level help never pays for
 # torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("validate", "hpc.config.cli", "check a config on the login node before submitting"),
+    ("validate", "hpc.config.validate_cli", "check a config on the login node before submitting"),
     ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("calibration-set", "hpc.evaluate.calibration_set",
      "benchmark rows no evaluation reads, to calibrate the draft's confidence on (data.calibration_sources)"),
-    ("train", "hpc.train.cli", "online training on this machine: verifier, streamer and DDP trainers"),
-    ("export", "hpc.model.cli", "write a draft checkpoint in the format vLLM serves"),
-    ("evaluate", "hpc.evaluate.cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
+    ("train", "hpc.train.train_cli", "online training on this machine: verifier, streamer and DDP trainers"),
+    ("export", "hpc.model.export_cli", "write a draft checkpoint in the format vLLM serves"),
+    ("evaluate", "hpc.evaluate.evaluate_cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
     ("tracking", "hpc.track.serve_cli", "run the MLflow tracking server (with auth) that the cluster's jobs log to"),
     ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
     ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),

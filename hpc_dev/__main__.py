@@ -1,3 +1,3 @@
-from hpc_dev.cli import main
+from hpc_dev.dev_cli import main
 
 raise SystemExit(main())

@@ -118,7 +118,7 @@ def check_ddp_pair(d: dict, dev: torch.device) -> Row:
 
 def check_stream_pair(dev: torch.device, small: bool) -> Row:
     """The stream over two ranks' data plane against a raw send of the same bytes (medians)."""
-    from hpc.stream import bench
+    from hpc.stream import stream_bench as bench
 
     p = argparse.ArgumentParser()
     bench.add_args(p)

@@ -229,3 +229,33 @@ def test_the_cycle_check_finds_a_loop_through_a_function_level_import(tmp_path):
     finally:
         ROOT = saved
     assert found == [["hpc.model.a", "hpc.model.b", "hpc.model.c"]]
+
+
+def shared_module_names(tops: tuple[str, ...] = ("hpc", "hpc_dev")) -> dict[str, list[str]]:
+    """File names that more than one package uses (`__init__`/`__main__` aside): a name must say
+    what its module holds, and `cli.py` in six packages says only that it parses arguments."""
+    where: dict[str, list[str]] = {}
+    for top in tops:
+        for path, module in _modules(top):
+            if path.stem not in ("__init__", "__main__"):
+                where.setdefault(path.stem, []).append(module)
+    return {name: mods for name, mods in sorted(where.items()) if len(mods) > 1}
+
+
+def test_no_two_modules_share_a_name():
+    assert shared_module_names() == {}
+
+
+def test_the_name_check_finds_a_shared_name(tmp_path):
+    for pkg in ("model", "train"):
+        (tmp_path / "hpc" / pkg).mkdir(parents=True)
+        (tmp_path / "hpc" / pkg / "cli.py").write_text("")
+    (tmp_path / "hpc" / "train" / "__init__.py").write_text("")
+    (tmp_path / "hpc" / "__init__.py").write_text("")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = shared_module_names(("hpc",))
+    finally:
+        ROOT = saved
+    assert found == {"cli": ["hpc.model.cli", "hpc.train.cli"]}

@@ -44,16 +44,16 @@ def test_a_cluster_install_ships_hpc_and_the_dev_tools_are_their_own_distributio
 
     dev = build_wheel(src / "hpc_dev", tmp_path / "wheels")
     names = dev.namelist()
-    assert "hpc_dev/cli.py" in names and "hpc_dev/devcluster.py" in names
+    assert "hpc_dev/dev_cli.py" in names and "hpc_dev/devcluster.py" in names
     assert [n for n in names if n.startswith("hpc/")] == []
-    assert "dspark-dev = hpc_dev.cli:main" in entry_points(dev)
+    assert "dspark-dev = hpc_dev.dev_cli:main" in entry_points(dev)
 
 
 def test_the_dev_command_holds_the_dev_tools_and_dspark_does_not():
     from hpc.bench import BENCHMARKS
     from hpc.cli import COMMANDS
-    from hpc_dev.cli import BENCHMARKS as DEV_BENCHMARKS
-    from hpc_dev.cli import COMMANDS as DEV_COMMANDS
+    from hpc_dev.dev_cli import BENCHMARKS as DEV_BENCHMARKS
+    from hpc_dev.dev_cli import COMMANDS as DEV_COMMANDS
 
     dev = {name for name, _, _ in DEV_COMMANDS}
     assert {"demo", "devcluster", "toy-target", "bench"} <= dev

@@ -13,7 +13,7 @@ from tests.fixtures.walkthrough import walkthrough, with_overrides
 
 def test_every_walkthrough_command_exists_and_the_cluster_is_left_down():
     from hpc.cli import COMMANDS
-    from hpc_dev.cli import COMMANDS as DEV_COMMANDS
+    from hpc_dev.dev_cli import COMMANDS as DEV_COMMANDS
 
     tables = {"dspark": {c for c, _, _ in COMMANDS}, "dspark-dev": {c for c, _, _ in DEV_COMMANDS}}
     used = []

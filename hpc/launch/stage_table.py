@@ -41,7 +41,7 @@ def _regenerate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, loc
 
 def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     if local:  # one machine: every rank a local process, no allocation
-        from hpc.train.cli import train_local
+        from hpc.train.train_cli import train_local
 
         return train_local(cfg, parent_run_id)
     from hpc.launch.stages import train_allocation

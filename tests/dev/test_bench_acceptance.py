@@ -10,7 +10,7 @@ import pytest
 
 from hpc.evaluate.harness import BenchResult
 from hpc_dev import bench_acceptance as ba
-from hpc_dev.cli import main
+from hpc_dev.dev_cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

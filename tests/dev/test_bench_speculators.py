@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_dev import bench_speculators as bench
-from hpc_dev.cli import main
+from hpc_dev.dev_cli import main
 from tests.fixtures.speculators import speculators_python  # noqa: F401  (fixture)
 
 

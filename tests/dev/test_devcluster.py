@@ -23,7 +23,7 @@ from submitit.core.utils import FailedJobError
 
 from hpc.errors import UserError
 from hpc_dev import devcluster, devcluster_host
-from hpc_dev.cli import main
+from hpc_dev.dev_cli import main
 from hpc_dev.devcluster import DevCluster
 from hpc_dev.devcluster_conf import DevClusterSpec, render_slurm_conf
 from tests.fixtures.slurm import SlurmCluster

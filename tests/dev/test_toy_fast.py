@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc_dev import toy, toy_config, toy_corpus, toy_train
-from hpc_dev.cli import build_parser
+from hpc_dev.dev_cli import build_parser
 from hpc_dev.toy_config import ToyConfig
 
 

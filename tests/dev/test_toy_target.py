@@ -119,7 +119,7 @@ def test_report_figures_by_hand():
 
 
 def test_cli_copies_cached_build(toy_target, tmp_path, capsys):
-    from hpc_dev.cli import main
+    from hpc_dev.dev_cli import main
 
     assert main(["toy-target", str(tmp_path / "out"), "--arch", "qwen3", "--report"]) == 0
     printed = capsys.readouterr().out

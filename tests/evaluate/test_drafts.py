@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hpc.errors import UserError
-from hpc.evaluate.cli import parse_ns
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, our_draft
+from hpc.evaluate.evaluate_cli import parse_ns
 
 ROOT = Path(__file__).resolve().parents[2]
 

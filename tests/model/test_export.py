@@ -249,7 +249,7 @@ def test_only_plain_files_make_an_export(tmp_path):
 
 
 def test_export_into_its_own_tree_is_one_line_before_any_copy(tmp_path, monkeypatch):
-    from hpc.model.cli import export
+    from hpc.model.export_cli import export
 
     ckpt = export_draft(tiny_model(), tmp_path / "ckpt")
     out = export_draft(tiny_model(seed=1), tmp_path / "export")

@@ -20,7 +20,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "hpc_dev.demo", "the whole pipeline on this machine, no Slurm: toy target, train, evaluate, table"),
     ("devcluster", "hpc_dev.devcluster_cli", "a local 3-node Slurm cluster for tests and demos"),
     ("toy-target", "hpc_dev.toy_cli", "build the tiny CPU target model (tokenizer + Qwen3/DeepseekV3)"),
-    ("bench", "hpc_dev.cli:register_bench", BENCH_HELP),
+    ("bench", "hpc_dev.dev_cli:register_bench", BENCH_HELP),
 ]
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
