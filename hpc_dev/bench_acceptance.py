@@ -96,7 +96,8 @@ def _toy_overrides(out: Path, rows: int) -> list[str]:
 def train_variant(config: str, overrides: list[str], name: str, out: Path, steps: int) -> Trained:
     from hpc.config.target import localize
     from hpc.model.export import export_draft, load_draft
-    from hpc_dev.offline import target_architectures, train_in_process
+    from hpc.verifier.target_files import architectures
+    from hpc_dev.offline import train_in_process
 
     cfg = localize(_resolve(config, [*overrides, *VARIANTS[name], f"train.output_dir={out / name}"]))
     t = Trained(name, out / name / "export")
@@ -108,7 +109,7 @@ def train_variant(config: str, overrides: list[str], name: str, out: Path, steps
     draft = load_draft(ckpt)
     # The export serves the head with its fold, as the calibrate stage writes it.
     draft.confidence_fold = t.fitted.fold.fold if t.fitted is not None and t.fitted.fold is not None else None
-    export_draft(draft, t.export, verifier=cfg.verifier.name or model, verifier_arch=target_architectures(model),
+    export_draft(draft, t.export, verifier=cfg.verifier.name or model, verifier_arch=architectures(model),
                  n=max(NS))
     return t
 

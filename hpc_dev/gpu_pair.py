@@ -38,8 +38,7 @@ def _ddp_rank(rank: int, d: dict, dev_type: str, port: int, secret: str, out: st
     planes = init_planes(rank, 2, [0, 1], backend, device, "127.0.0.1", port, secret, timeout_s=300)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer, cfg = build_trainer(d, device, Path(tmp), group=planes.train_data,
-                                         control_group=planes.train_control)
+            trainer, cfg = build_trainer(d, device, Path(tmp), planes=planes)
             held = receive_pool(cfg, device)  # as the plan counts it
             before = _digest(trainer.model)
             seq, anchors = d["steps"][0]

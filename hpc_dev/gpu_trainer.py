@@ -32,11 +32,10 @@ def config_for(d: dict, seq: int):
     return cfg
 
 
-def build_trainer(d: dict, dev: torch.device, out: Path, group=None, control_group=None):
+def build_trainer(d: dict, dev: torch.device, out: Path, planes=None):
     from hpc.model.dspark import DSparkDraft
     from hpc.model.teacher import VerifierHead
-    from hpc.train.loop import Trainer
-    from hpc.train.online import autocast_dtype
+    from hpc.train.trainer import Trainer
 
     cfg = config_for(d, d["steps"][0][0])
     if dev.type == "cpu":
@@ -48,9 +47,8 @@ def build_trainer(d: dict, dev: torch.device, out: Path, group=None, control_gro
         model.t2d[: args.draft_vocab_size] = True
         head = VerifierHead(torch.randn(args.draft_vocab_size, args.target_hidden_size) * 0.02,
                             torch.ones(args.draft_vocab_size, dtype=torch.bool))
-    export = args.to_config_json("gpu-check", [], args.max_n)
-    trainer = Trainer(cfg.train, model, head, export, out, device=dev,
-                      autocast_dtype=autocast_dtype(cfg.train, dev), group=group, control_group=control_group)
+    cfg.verifier.name = "gpu-check"
+    trainer = Trainer.from_config(cfg, out, draft=(model, head), device=dev, planes=planes, resume=False)
     return trainer, cfg
 
 

@@ -1,32 +1,24 @@
 """Single-process training with an in-process verifier: for tests, quick CPU runs and the
-DFlash/vLLM parity checks. The online pipeline (`hpc.train.online`) shares every piece."""
+DFlash/vLLM parity checks. The trainer is the online pipeline's (`Trainer.from_config`); only
+the samples come from an HF verifier in this process instead of the stream."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.train.checkpoint import latest_checkpoint
-from hpc.train.loop import Trainer
-from hpc.train.online import build_draft
 from hpc.train.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
 from hpc.train.sources import local_micro_batches
+from hpc.train.trainer import Trainer
 from hpc.verifier.hf_backend import HFVerifier
 
 if TYPE_CHECKING:
     from hpc.train.calibrate_stage import Fitted
-
-
-def target_architectures(model_dir: str) -> list[str]:
-    import json
-
-    cfg = Path(model_dir) / "config.json"
-    return json.loads(cfg.read_text()).get("architectures", []) if cfg.is_file() else []
 
 
 def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
@@ -47,18 +39,10 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
     rows, held_out = split_held_out(rows, cfg.train.hold_out_every)
-    args = replace(cfg.draft)
-    import torch
-
-    torch.manual_seed(cfg.train.seed)  # the same recipe starts from the same weights (as online)
-    model, head = build_draft(args, cfg.verifier.model, vocab_file, norm=cfg.train.apply_verifier_norm,
-                              train_lm_head=cfg.train.train_lm_head)
+    trainer = Trainer.from_config(cfg, out_dir, vocab_file=vocab_file, train=train_cfg, epoch_size=len(rows))
+    model, head = trainer.model, trainer.head
     verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,
                           trust_remote_code=cfg.verifier.trust_remote_code)
-    export = model.args.to_config_json(cfg.verifier.model, target_architectures(cfg.verifier.model),
-                                       model.args.max_n)
-    trainer = Trainer(train_cfg, model, head, export, out_dir, epoch_size=len(rows))
-    trainer.resume()
     batches = local_micro_batches(verifier, rows, trainer.micro_batch_size, 0, 1, train_cfg.seed,
                                   trainer.state.ledger, trainer.state.epoch)
     trainer.run(batches, on_step=on_step)

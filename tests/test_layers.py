@@ -141,7 +141,7 @@ def test_the_check_catches_an_import_against_the_grain(tmp_path):
     (tmp_path / "hpc" / "model").mkdir(parents=True)
     (tmp_path / "hpc" / "model" / "bad.py").write_text(
         "import importlib\n"
-        "def f():\n    from hpc.train.loop import Trainer\n    from hpc.stream.sample import Capture\n"
+        "def f():\n    from hpc.train.trainer import Trainer\n    from hpc.stream.sample import Capture\n"
         "TABLE = [('x', 'hpc.launch.submit:register')]\n"
         "def g():\n    return importlib.import_module('hpc_dev.toy')  # the toy\n")
     (tmp_path / "hpc" / "model" / "ok.py").write_text(
@@ -153,7 +153,7 @@ def test_the_check_catches_an_import_against_the_grain(tmp_path):
     finally:
         ROOT = saved
     assert [v.split(": ")[0].split(" imports ")[-1] for v in found] == [
-        "hpc/model/bad.py:7 names hpc_dev", "hpc.train.loop", "hpc.stream.sample", "hpc.launch.submit"], found
+        "hpc/model/bad.py:7 names hpc_dev", "hpc.train.trainer", "hpc.stream.sample", "hpc.launch.submit"], found
 
 
 @pytest.mark.parametrize("pkg", sorted(DEPENDS))

@@ -22,7 +22,7 @@ NCCL_PEER_BYTES = 0.05 * GB  # p2p buffers per trainer rank (NCCL_BUFFSIZE x cha
 
 
 def stream_dtype_name(cfg: DSparkConfig) -> str:
-    """As hpc.train.driver.stream_dtype, without importing torch."""
+    """As hpc.train.streamer_rank.stream_dtype, without importing torch."""
     if cfg.stream.dtype != "auto":
         return cfg.stream.dtype
     return "bfloat16" if cfg.train.dist_backend == "nccl" else "float32"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,9 +68,8 @@ def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tupl
 
 def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """One node's share of a training allocation; returns the node's exit code."""
-    import torch.multiprocessing as mp
-
-    from hpc.train.driver import rank_process
+    # torch: never on the login node, which imports this module to submit it
+    from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
 
     env = SlurmEnv.from_environ()
     V, Tn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes
@@ -83,16 +81,12 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
     master, port, secret = _rendezvous(cfg.cluster, env, master_node=V if env.n_nodes > V else 0)
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
-    ctx = mp.get_context("spawn")
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
     # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
     locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
     if role == "verifier" and cfg.train.dist_backend == "nccl":
         check_shared_gpu(locals_[0])
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, master, port, secret, parent_run_id, local),
-                         name=f"rank{r}") for local, r in zip(locals_, ranks)]
-    for p in procs:
-        p.start()
+    procs = spawn_ranks(cfg, ranks, locals_, T, V, master, port, secret, parent_run_id)
     stop = {"requested": False}
 
     def forward(signum, _frame):  # trainer ranks checkpoint at their next step boundary
@@ -103,7 +97,7 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
                     os.kill(p.pid, signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
-        code, own = _supervise(procs)
+        code, own = supervise(procs, grace_s(cfg))
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -112,8 +106,6 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
             requeue(env)
         return EXIT_REQUEUE
     if code != 0:  # one line naming the cause, as `dspark train` ends: not "see the lines above"
-        from hpc.train.driver import exit_status, failure_line
-
         codes: list[int | None] = [None] * (T + V)
         for r, c in zip(ranks, own):
             codes[r] = c
@@ -129,33 +121,6 @@ def _training_done(train: TrainConfig) -> bool:
 
     ckpt = latest_checkpoint(Path(train.output_dir) / "checkpoints")
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= train.steps
-
-
-def _supervise(procs) -> tuple[int, list[int | None]]:
-    """Wait for every rank; the first failure stops the others (no half-alive world). Returns the
-    node's code and each rank's own exit code, None for a rank stopped here: a SIGKILL we sent
-    is not the cause to report."""
-    while True:
-        codes = [p.exitcode for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            killed = set()
-            for i, p in enumerate(procs):
-                if p.is_alive():
-                    time.sleep(5)  # a moment to checkpoint on their own (they saw the same peer die)
-                    if p.is_alive():
-                        p.kill()
-                        killed.add(i)
-            for p in procs:
-                p.join(10)
-            own = [None if i in killed else p.exitcode for i, p in enumerate(procs)]
-            if not killed and all(c in (0, EXIT_REQUEUE) for c in own):
-                return EXIT_REQUEUE, own
-            causes = [c for c in own if c not in (0, EXIT_REQUEUE, None)] or [-9]  # only ours: killed
-            return causes[0], own
-        if all(c == 0 for c in codes):
-            return 0, codes
-        time.sleep(0.5)
 
 
 def requeue(env: SlurmEnv) -> None:

@@ -154,5 +154,5 @@ class LossArgs:
     confidence_target: ConfidenceTarget = ConfidenceTarget.sampling
     # true: the confidence loss trains the head only. Fed back through the shared backbone it cost
     # the toy draft ~2% of tau@7 against Markov-only at equal budget (1.53 against 1.57); detached
-    # (and clipped apart, hpc.train.loop), the backbone trains bit for bit as Markov-only's does.
+    # (and clipped apart, hpc.train.trainer), the backbone trains bit for bit as Markov-only's does.
     confidence_detach: bool = True

@@ -60,7 +60,7 @@ def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device
             advance: Callable[[], None]) -> Iterator[PackedRow]:
     from hpc.errors import VerifierDown
     from hpc.stream.streamer import MAX_CONSECUTIVE_FAILURES  # the stream's rule for a broken verifier
-    from hpc.train.loop import pack
+    from hpc.train.trainer import pack
 
     streak = 0
     for i in ids:
@@ -241,8 +241,8 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     from hpc.model.calibrate import FILE as CALIBRATION
     from hpc.model.export import is_export, load_draft, refold_export
     from hpc.model.teacher import target_head
-    from hpc.train.driver import make_capture
-    from hpc.train.online import autocast_dtype
+    from hpc.train.trainer import autocast_dtype
+    from hpc.verifier.backend import make_capture
 
     out = Path(cfg.train.output_dir)
     export = out / "export"

@@ -9,7 +9,7 @@ import torch
 
 from hpc.evaluate.reference import mean_acceptance_length
 from hpc.model.export import load_draft
-from hpc.train.online import build_draft
+from hpc.train.trainer import build_draft
 from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.recipes import resolve_recipe
 

@@ -25,7 +25,8 @@ BENCHES = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench
 
 def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Path:
     from hpc.model.export import export_draft, load_draft
-    from hpc_dev.offline import target_architectures, train_in_process
+    from hpc.verifier.target_files import architectures
+    from hpc_dev.offline import train_in_process
 
     data = write_toy_conversations(tmp / f"{name}.jsonl", n=64, seed=1)
     cfg = resolve_recipe(ROOT / "configs" / "toy-cpu.yaml",
@@ -33,7 +34,7 @@ def train_export(toy_target: Path, tmp: Path, name: str, extra: list[str]) -> Pa
                           f"train.output_dir={tmp / name}", "train.hold_out_every=0", *extra])
     ckpt = train_in_process(cfg, steps=20)
     return export_draft(load_draft(ckpt), tmp / f"{name}-export", str(toy_target),
-                        target_architectures(str(toy_target)), 7)
+                        architectures(str(toy_target)), 7)
 
 
 def dspark(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:

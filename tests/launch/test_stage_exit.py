@@ -1,5 +1,6 @@
-"""A Slurm training node that fails ends with one line naming the cause (as `dspark train`
-does), with the ranks' exit codes simulated: no ranks, no Slurm, no torch world."""
+"""A Slurm training node that fails ends with one line naming the cause, and `dspark train` ends
+the same way through the same supervision (`hpc.train.ranks`), with the ranks' exit codes
+simulated: no ranks, no Slurm, no torch world."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
 from hpc.launch import node_setup, stages
 from hpc.launch.slurm_env import SlurmEnv
+from hpc.train import ranks as rank_supervision
+from hpc.train import train_cli
+
+
+class FakeClock:
+    """`time` as the supervisor reads it: a sleep moves the clock instead of waiting."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
 
 
 class FakeRank:
@@ -42,7 +58,8 @@ def node(tmp_path, monkeypatch):
     monkeypatch.setattr(SlurmEnv, "from_environ", classmethod(lambda cls: SlurmEnv(7, 1, 2, ["a", "b"], "7")))
     monkeypatch.setattr(stages, "prepare_once", lambda cfg, env: None)
     monkeypatch.setattr(stages, "_rendezvous", lambda cfg, env, master_node: ("127.0.0.1", 1, "s" * 64))
-    monkeypatch.setattr(stages.time, "sleep", lambda s: None)
+    clock = FakeClock()
+    monkeypatch.setattr(rank_supervision, "time", clock)
     ranks: list[FakeRank] = []
 
     class Context:
@@ -77,6 +94,7 @@ def test_a_rank_this_node_stopped_is_not_blamed_and_the_resume_is_said(node, tmp
         stages.train_allocation(cfg)
     line = str(info.value)
     assert ranks[1].killed and "SIGKILL" not in line, line
+    assert rank_supervision.time.now >= rank_supervision.grace_s(cfg)  # it had the grace to stop on its own
     assert "a rank failed" in line and "checkpoint step_00000005 is saved and a re-run resumes from it" in line, line
     assert info.value.exit_code == 1
 
@@ -99,9 +117,24 @@ def test_the_requeue_code_is_the_trainers_and_the_launcher_loads_without_torch()
     import subprocess
     import sys
 
-    from hpc.train import online
+    from hpc.train import trainer_rank
 
-    assert stages.EXIT_REQUEUE == online.EXIT_REQUEUE == 75
+    assert stages.EXIT_REQUEUE == trainer_rank.EXIT_REQUEUE == 75
     probe = "import sys, hpc.launch.stages; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_dspark_train_ends_a_failure_as_a_slurm_node_does(node, monkeypatch, capsys):
+    """The local launcher supervises with the same code: the first failure stops the rest, and
+    the one error line names the rank the kernel killed."""
+    cfg, ranks = node
+    ranks += [FakeRank([None, -9]), FakeRank([None]), FakeRank([None, None, 3])]  # 2 trainers + 1 streamer
+    monkeypatch.setattr(train_cli, "localize", lambda c: c)
+    monkeypatch.setattr(train_cli, "prepare_data", lambda c: type("P", (), {"stats": type("S", (), {
+        "summary": lambda self: "3 rows kept"})(), "filled": 0})())
+    cfg.tracking.uri = "sqlite:///unused.db"
+    assert train_cli.train_local(cfg) == 137
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: rank 0 (trainer 0) was killed by SIGKILL"), err
+    assert ranks[1].killed and not ranks[2].killed  # the hung trainer was stopped; the streamer had exited

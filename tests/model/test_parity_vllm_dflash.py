@@ -77,7 +77,8 @@ def onpolicy_conversations(target, tok, out: Path, n: int, seed: int) -> Path:
 
 
 def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
-    from hpc_dev.offline import target_architectures, train_in_process
+    from hpc.verifier.target_files import architectures
+    from hpc_dev.offline import train_in_process
 
     cfg = resolve_recipe(REPO / "configs" / "toy-cpu.yaml",
                          [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]",
@@ -86,7 +87,7 @@ def train_dflash_export(toy_target: Path, data: Path, tmp: Path) -> Path:
     draft = load_draft(ckpt)
     assert draft.args.is_dflash and not draft.args.sample_from_anchor
     return export_draft(draft, tmp / "export", verifier=str(toy_target),
-                        verifier_arch=target_architectures(str(toy_target)), n=max(NS))
+                        verifier_arch=architectures(str(toy_target)), n=max(NS))
 
 
 def run_vllm(vllm_python: Path, toy_target: Path, export: Path, prompts: list[list[int]], tmp: Path) -> dict:

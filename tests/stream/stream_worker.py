@@ -16,7 +16,10 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
          nccl_timeout_s: float | None = None, stall_after: int = -1) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.config.schema import StreamConfig
-    from hpc.train.online import World, init_world, run_trainer, streamer_rows
+    from hpc.dist.world import World, init_world
+    from hpc.train.streamer_rank import streamer_rows
+    from hpc.train.trainer import Trainer
+    from hpc.train.trainer_rank import run_trainer
     from tests.train.test_resume import make_parts, rows
 
     w = World(rank, n_trainers, n_streamers)
@@ -27,15 +30,17 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
     data = rows(n_rows)
     code = 0
     if w.is_trainer:
-        cfg, model, head, _ = make_parts(target_dir, init_seed=0, steps=steps, checkpoint_interval=2)
+        cfg, model, head, export = make_parts(target_dir, init_seed=0, steps=steps, checkpoint_interval=2)
         depth = []
 
         def on_step(step, metrics):
             depth.append(metrics["stream_buffered"])
             write_text(out / f"progress{rank}", str(step))  # atomic: the test polls it
 
-        code = run_trainer(w, planes, cfg, stream_cfg, model, head, out_dir, None,
-                           on_step=on_step)  # no epoch_size: the ledger keeps every pair
+        # no epoch_size: the ledger keeps every pair
+        trainer = Trainer(cfg, model, head, export, out_dir, group=planes.train_data, control_group=planes.train_control)
+        trainer.resume()
+        code = run_trainer(w, planes, trainer, stream_cfg, out_dir, on_step=on_step)
         from hpc.train.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
         state = json.loads((ckpt / "state.json").read_text()) if ckpt else {}

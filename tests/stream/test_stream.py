@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hpc.net import free_port
-from hpc.train.online import EXIT_PEER_DIED
 from hpc.train.sources import epoch_order
+from hpc.train.trainer_rank import EXIT_PEER_DIED
 from tests.fixtures.wait import wait_until
 from tests.stream import stream_worker
 from tests.train.test_resume import target_dir  # noqa: F401 - module fixture: a random Qwen3 target

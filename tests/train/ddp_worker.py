@@ -65,7 +65,8 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
     filesystem is stale and shows only step 2. Both must resume step 4, rank 0's choice."""
     torch.set_num_threads(1)
     from hpc.dist.planes import init_planes
-    from hpc.train import checkpoint, loop
+    from hpc.train import checkpoint
+    from hpc.train import trainer as loop
 
     planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET,
                          timeout_s=60)
@@ -88,7 +89,7 @@ def _tiny_trainer(planes, out_dir: str):
     """A Trainer of the tiny test draft on the trainers' two groups: 2 samples per step, no checkpoints."""
     from hpc.config.schema import TrainConfig
     from hpc.model.teacher import VerifierHead
-    from hpc.train.loop import Trainer
+    from hpc.train.trainer import Trainer
     from tests.model.test_dspark import D, H, V, tiny_model
 
     model = tiny_model(seed=0)

@@ -15,7 +15,7 @@ def test_the_draft_takes_the_targets_context_length_into_its_export(tmp_path):
     was too small for a long context."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from hpc.train.online import build_draft
+    from hpc.train.trainer import build_draft
     from tests.fixtures.draft import toy_draft_args
 
     V, H = 96, 32

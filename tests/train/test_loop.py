@@ -9,7 +9,7 @@ def test_a_packed_row_lives_where_its_captures_do():
     """gpu-check's calibrate pass packs GPU captures and reads the row as is: document ids and
     positions made on the CPU beside CUDA tokens failed its first comparison. (meta stands in.)"""
     from hpc.stream.sample import Capture
-    from hpc.train.loop import pack
+    from hpc.train.trainer import pack
 
     caps = [Capture(i, torch.zeros(5, dtype=torch.long, device="meta"), torch.ones(5, dtype=torch.long, device="meta"),
                     torch.zeros(5, 3, 4, device="meta"), torch.zeros(5, 4, device="meta")) for i in range(2)]

@@ -9,15 +9,8 @@ import signal
 import pytest
 import torch
 
-import hpc.dist.planes
-import hpc.model.dspark
-import hpc.track.logger
-import hpc.track.pipeline
-import hpc.train.online
-import hpc.train.prepare
-import hpc.verifier.target_files
 from hpc.config.schema import DSparkConfig
-from hpc.train import driver
+from hpc.train import ranks, report, trainer_rank
 
 
 class FakeLogger:
@@ -44,21 +37,21 @@ class FakeLogger:
 
 @pytest.fixture
 def rank0(tmp_path, monkeypatch):
-    """rank_main on trainer rank 0 of a 1 + 1 world, up to run_trainer (which the test sets)."""
+    """rank_main on trainer rank 0 of a 1 + 1 world, up to run_trainer (which the test sets); the
+    trainer itself is not built."""
     FakeLogger.made.clear()
     cfg = DSparkConfig()
     cfg.train.output_dir = str(tmp_path / "train")
     (tmp_path / "train").mkdir()
-    monkeypatch.setattr(hpc.dist.planes, "rank_device", lambda device, exclusive: torch.device("cpu"))
+    monkeypatch.setattr(ranks, "rank_device", lambda device, exclusive: torch.device("cpu"))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # the test process keeps its handlers
-    monkeypatch.setattr(hpc.train.online, "init_world", lambda *a, **k: None)
-    monkeypatch.setattr(hpc.train.prepare, "load_prepared", lambda out: ([], None))
-    monkeypatch.setattr(hpc.train.online, "build_draft", lambda *a: (torch.nn.Linear(2, 2), None))
-    monkeypatch.setattr(hpc.track.logger, "RunLogger", FakeLogger)
-    monkeypatch.setattr(hpc.track.pipeline, "common_tags", lambda cfg: {})
-    monkeypatch.setattr(hpc.verifier.target_files, "architectures", lambda model: [])
-    monkeypatch.setattr(driver, "Progress", lambda *a: type("P", (), {"close": lambda self: None})())
+    monkeypatch.setattr(ranks, "init_world", lambda *a, **k: None)
+    monkeypatch.setattr(ranks, "load_prepared", lambda out: ({}, None))
+    monkeypatch.setattr(trainer_rank.Trainer, "from_config", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr(report, "RunLogger", FakeLogger)
+    monkeypatch.setattr(report, "common_tags", lambda cfg: {})
+    monkeypatch.setattr(report, "Progress", lambda *a: type("P", (), {"close": lambda self: None})())
     return cfg
 
 
@@ -70,29 +63,29 @@ def _trainer_raising(err: BaseException):
 
 @pytest.mark.parametrize("err,status", [(RuntimeError("a peer died"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
 def test_an_exception_on_rank_0_ends_its_run(rank0, monkeypatch, err, status):
-    monkeypatch.setattr(hpc.train.online, "run_trainer", _trainer_raising(err))
+    monkeypatch.setattr(trainer_rank, "run_trainer", _trainer_raising(err))
     with pytest.raises(type(err)):
-        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
+        ranks.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
     assert [log.statuses for log in FakeLogger.made] == [[status]]
 
 
 def test_an_error_after_the_run_was_closed_does_not_end_it_twice(rank0, monkeypatch):
-    monkeypatch.setattr(hpc.train.online, "run_trainer", lambda *a, **k: 0)
+    monkeypatch.setattr(trainer_rank, "run_trainer", lambda *a, **k: 0)
 
-    def finish(cfg, out, logger, export=True, status="FINISHED"):
-        logger.close(status=status)
+    def finish(self, export=True, status="FINISHED"):
+        self.logger.close(status=status)
         raise OSError("disk full while printing")
-    monkeypatch.setattr(driver, "_finish", finish)
+    monkeypatch.setattr(report.TrainReport, "finish", finish)
     with pytest.raises(OSError):
-        driver.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
+        ranks.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
     assert [log.statuses for log in FakeLogger.made] == [["FINISHED"]]
 
 
 def test_progress_counts_from_the_step_this_job_resumed_at(monkeypatch):
-    p = driver.Progress(10_000, 64)
+    p = report.Progress(10_000, 64)
     try:
         t0 = p.t0
-        monkeypatch.setattr(driver.time, "monotonic", lambda: t0 + 2.0)  # the clock Progress reads, frozen
+        monkeypatch.setattr(report.time, "monotonic", lambda: t0 + 2.0)  # the clock Progress reads, frozen
         first = p.update(5001, {})  # two seconds in, the first step after resuming from step 5000 ends
         assert first["samples_per_s"] == pytest.approx(32.0)  # one step of 64 samples in 2 s
         assert first["eta_s"] == pytest.approx(2.0 * 4999)  # not 5000 steps in 2 s

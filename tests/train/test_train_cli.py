@@ -61,7 +61,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     from hpc.config import resolve
     from hpc.evaluate.reference import mean_acceptance_length
     from hpc.model.export import load_draft
-    from hpc.train.online import build_draft
+    from hpc.train.trainer import build_draft
     from tests.dev.test_offline import chat_prompts
 
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [f"verifier.model={toy_target}", f"data.sources=[{{path: {data}}}]"],

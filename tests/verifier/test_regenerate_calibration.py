@@ -60,8 +60,8 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(r
     from hpc.model.calibrate import Calibration
     from hpc.model.export import export_draft
     from hpc.train.calibrate_stage import calibrate_export
-    from hpc.train.online import build_draft
     from hpc.train.prepare import calibration_rows, prepare_data
+    from hpc.train.trainer import build_draft
     from hpc.verifier.regenerate import regenerate_all
 
     url, over, key = regen_server

@@ -1,6 +1,10 @@
 """The trainer: DDP over trainer ranks, gradient accumulation, warmup + cosine LR, atomic
 checkpoints with exact resume, and a clean stop on SIGUSR2/SIGTERM.
 
+`Trainer.from_config` is the one assembly: online training's trainer ranks, the in-process
+trainer of the CPU proving ground and gpu-check all build their trainer there, so a draft trained
+any of those ways starts from the same weights, seed and precision.
+
 Each optimizer step consumes `global_batch_size` samples: every rank runs `grad_accumulation`
 micro-steps of `global / (ranks * accumulation)` samples packed into one row. The ledger of
 consumed sample ids is identical on every rank (gathered each micro-step), so a checkpoint
@@ -12,22 +16,28 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc.config.schema import TrainConfig
-from hpc.dist.planes import broadcast_text
-from hpc.model.args import LossArgs
+from hpc.config.schema import DSparkConfig, TrainConfig
+from hpc.dist.planes import Planes, broadcast_text
+from hpc.model.args import DraftArgs, LossArgs
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
-from hpc.model.loss import PackedRow, VerifierHead, dspark_loss
+from hpc.model.loss import PackedRow, dspark_loss
+from hpc.model.target_weights import load_target_tensors
+from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from hpc.train.lr_schedule import lr_factor
+from hpc.train.warm_start import warm_start
+from hpc.verifier.target_files import architectures, text_config
 
 
 class RequeueRequested(Exception):
@@ -57,6 +67,31 @@ class DraftLoss(nn.Module):
     def forward(self, row: PackedRow, head: VerifierHead, weights: LossArgs, max_anchors: int,
                 generator: torch.Generator, attention: str):
         return dspark_loss(self.model, row, head, weights, max_anchors, generator, attention)
+
+
+def build_draft(args: DraftArgs, target_dir: str, vocab_file: str | Path, norm: bool,
+                train_lm_head: bool = False) -> tuple[DSparkDraft, VerifierHead]:
+    """The draft with the target's frozen embedding and lm_head rows, and the verifier head."""
+    tensors = load_target_tensors(target_dir, ("embed_tokens", *TEACHER_ROLES))
+    vocab = load_file(str(vocab_file))
+    positions = text_config(target_dir).get("max_position_embeddings")
+    model = DSparkDraft(replace(args, max_position_embeddings=int(positions)) if positions else args)
+    model.d2t.copy_(vocab["d2t"])
+    model.t2d.copy_(vocab["t2d"])
+    model.embed_tokens.weight.data.copy_(tensors["embed_tokens"].float())
+    # Start from what the verifier would say about the draft's own hidden state: far better
+    # than random, and what speculators does.
+    model.lm_head.weight.data.copy_(tensors["lm_head"].float()[vocab["t2d"]])
+    model.lm_head.weight.requires_grad_(train_lm_head)
+    head = target_head(target_dir, vocab["t2d"], pre_norm=norm, tensors=tensors)
+    return model, head
+
+
+def autocast_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 (or fp16) autocast over fp32 master weights on GPU; CPU runs stay fp32."""
+    if device.type != "cuda" or train_cfg.dtype == "float32":
+        return None
+    return getattr(torch, train_cfg.dtype)
 
 
 def _dist(group) -> tuple[int, int]:
@@ -92,6 +127,41 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self.attention = check_attention(train_cfg.attention, self.device)  # fails here, not at step 1
         self.stop_requested = False
+
+    @classmethod
+    def from_config(cls, cfg: DSparkConfig, out_dir: str | Path, *, vocab_file: str | Path | None = None,
+                    draft: tuple[DSparkDraft, VerifierHead] | None = None, train: TrainConfig | None = None,
+                    device: torch.device | str = "cpu", planes: Planes | None = None,
+                    epoch_size: int | None = None, resume: bool = True) -> Trainer:
+        """The trainer a config describes, resumed from `out_dir`'s newest checkpoint if any.
+
+        Without `draft`, the draft is built from the target (`verifier.model`) and the prepared
+        vocab, seeded by `train.seed` so that the same recipe starts from the same weights, and
+        warm-started from `train.init_from` unless a checkpoint of its own is there to resume.
+        gpu-check hands in a draft it built in place on the device (`draft`). `train` replaces
+        `cfg.train` (a shortened run); `planes` are the trainer ranks' groups of an online world.
+        """
+        device = torch.device(device)
+        train_cfg = train or cfg.train
+        if draft is None:
+            if vocab_file is None:
+                raise ValueError("Trainer.from_config builds the draft from the prepared vocab: pass vocab_file")
+            torch.manual_seed(train_cfg.seed)
+            model, head = build_draft(replace(cfg.draft), cfg.verifier.model, vocab_file,
+                                      train_cfg.apply_verifier_norm, train_cfg.train_lm_head)
+            if train_cfg.init_from and latest_checkpoint(Path(out_dir) / "checkpoints", say=lambda _: None) is None:
+                warm_start(model, cfg)
+            archs = architectures(cfg.verifier.model)
+        else:
+            (model, head), archs = draft, []
+        export = model.args.to_config_json(cfg.verifier.name or cfg.verifier.model, archs, model.args.max_n)
+        trainer = cls(train_cfg, model, head, export, out_dir, device=device,
+                      autocast_dtype=autocast_dtype(train_cfg, device),
+                      group=planes.train_data if planes is not None else None,
+                      control_group=planes.train_control if planes is not None else None, epoch_size=epoch_size)
+        if resume:
+            trainer.resume()
+        return trainer
 
     # -- resume / checkpoint -----------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:

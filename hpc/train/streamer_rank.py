@@ -1,0 +1,64 @@
+"""A streamer rank of an online world, one per verifier node: start the verifier inside the
+stream (heartbeating while vLLM loads), push each sample's hidden states to the trainers
+(`hpc.stream.streamer`), stop the verifier. Its rows are every V-th id of each epoch's seeded
+order, minus what the trainers' ledger says is done.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hpc.config.schema import DSparkConfig
+from hpc.config.verifier_gpu import samples_in_flight
+from hpc.dist.planes import Planes
+from hpc.dist.world import World
+from hpc.stream.streamer import run_streamer
+from hpc.train.sources import epoch_sequence
+from hpc.verifier.backend import capture_concurrency, make_capture
+
+EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never started
+
+
+def stream_dtype(cfg: DSparkConfig) -> torch.dtype:
+    if cfg.stream.dtype != "auto":
+        return getattr(torch, cfg.stream.dtype)
+    return torch.bfloat16 if cfg.train.dist_backend == "nccl" else torch.float32
+
+
+def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: int, epochs: int):
+    """Streamer v takes every V-th id of each epoch's seeded order, minus the ledger's (epoch, id) pairs."""
+    v = w.rank - w.n_trainers
+
+    def gen(ledger: list[list[int]], start_epoch: int):
+        for epoch, i in epoch_sequence(rows, seed, ledger, start_epoch, epochs, v, w.n_streamers):
+            yield epoch, i, *rows[i]
+    return gen
+
+
+def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: torch.device, out: Path) -> int:
+    """Start the verifier, stream, stop the verifier; non-zero if it failed."""
+    closers = []
+
+    def start_capture():
+        capture, closer = make_capture(cfg, str(device), out)  # cuda:N: capture threads have no current device
+        closers.append(closer)
+        return capture
+    try:
+        stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), None, planes, stream_dtype(cfg),
+                             cfg.stream.prefetch, cfg.stream.heartbeat_s, capture_concurrency(cfg),
+                             start_capture=start_capture, in_flight=cfg.stream.in_flight,
+                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)))
+    finally:
+        for closer in closers:
+            if closer is not None:
+                closer.close()
+    print(f"streamer {w.rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
+          f"skipped {stats.failed} bad captures", flush=True)
+    if stats.fatal:
+        print(f"error: streamer {w.rank} (verifier node {w.rank - w.n_trainers}): {stats.fatal}",
+              file=sys.stderr, flush=True)
+        return EXIT_VERIFIER_FAILED
+    return 0
