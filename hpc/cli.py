@@ -19,8 +19,8 @@ from hpc.errors import UserError
 # torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
     ("validate", "hpc.config.validate_cli", "check a config on the login node before submitting"),
-    ("regenerate", "hpc.verifier.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
-    ("calibration-set", "hpc.evaluate.calibration_set",
+    ("regenerate", "hpc.data.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
+    ("calibration-set", "hpc.data.calibration_set",
      "benchmark rows no evaluation reads, to calibrate the draft's confidence on (data.calibration_sources)"),
     ("train", "hpc.train.train_cli", "online training on this machine: verifier, streamer and DDP trainers"),
     ("export", "hpc.model.export_cli", "write a draft checkpoint in the format vLLM serves"),

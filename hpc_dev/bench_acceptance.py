@@ -12,7 +12,7 @@ length) per benchmark and the mean; the ratios DSpark/DFlash and DSpark/ngram at
 what the recipe claims (goals: >= 1.15 and >= 1.3). A miss prints with its figures: the
 loss curves and the per-position acceptance, as PNGs and in MLflow.
 
-The confidence calibration of the drafts with a confidence head is fitted (`hpc.model.calibrate`)
+The confidence calibration of the drafts with a confidence head is fitted (`hpc.calibration.fit`)
 on `data.calibration_sources` when the config has them (with --toy, the benchmark rows no
 evaluation reads, `dspark calibration-set`, and --traffic toy conversations no training row
 asks), else on every 10th training row, held out of all three trainings. DSpark's ECE per
@@ -37,7 +37,7 @@ from hpc.errors import UserError
 from hpc.tables import text_table
 
 if TYPE_CHECKING:
-    from hpc.train.calibrate_stage import Fitted
+    from hpc.calibration.stage import Fitted
 
 DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
           "draft.confidence_head_with_markov=false"]
@@ -190,7 +190,7 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
                       fitted_on: str = "held-out rows", reading: str = "side_file") -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them;
     `reading` (eval.confidence) names how they were read, and prefixes the metrics of `served`."""
-    from hpc.evaluate.calibration import position_report, reached, survival
+    from hpc.calibration.report import position_report, reached, survival
 
     if not steps:
         return [], {}
@@ -223,7 +223,7 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
 
 def _judged(ece: float, confs: list[float], what: str) -> tuple[float, str]:
     """(the floor, the verdict) of one ECE against the goal."""
-    from hpc.evaluate.calibration import perfect_head_eces
+    from hpc.calibration.report import perfect_head_eces
 
     null = perfect_head_eces(confs)
     floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
@@ -238,7 +238,7 @@ def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
     """The goal judged per position on the calibration rows, each half scored by the map fitted
     on the other (the calibrate stage's figure): there the slot counts can tell 0.05 from noise,
     which the benchmarks' few prompts cannot past position 2."""
-    from hpc.train.calibrate_stage import metrics
+    from hpc.calibration.stage import metrics
 
     if fitted is None or fitted.ece is None:
         return [], {}

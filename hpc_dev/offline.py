@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.config.schema import DSparkConfig
+from hpc.data.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
 from hpc.errors import UserError
 from hpc.train.checkpoint import latest_checkpoint
-from hpc.train.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
-from hpc.train.sources import local_micro_batches
+from hpc.train.epochs import local_micro_batches
 from hpc.train.trainer import Trainer
 from hpc.verifier.hf_backend import HFVerifier
 
 if TYPE_CHECKING:
-    from hpc.train.calibrate_stage import Fitted
+    from hpc.calibration.stage import Fitted
 
 
 def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps: int | None = None,
@@ -28,7 +28,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
 
     With `train.hold_out_every` > 0 those rows train nobody. Afterwards the confidence head's
     calibration is fitted on the calibration rows (`data.calibration_sources`, else the held-out
-    ones) as the calibrate stage fits it (`hpc.train.calibrate_stage`), and saved beside the last
+    ones) as the calibrate stage fits it (`hpc.calibration.stage`), and saved beside the last
     checkpoint so that its export carries it, and handed to `on_calibrated` with its figures."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
@@ -54,8 +54,8 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
         else (held_out, "held-out rows")
     if cal_rows:
+        from hpc.calibration.stage import fit_held_out, format_fitted
         from hpc.model.export import as_served
-        from hpc.train.calibrate_stage import fit_held_out, format_fitted
 
         # Fitted on the weights the export serves, as the calibrate stage fits on the export.
         fitted = fit_held_out(as_served(model), head, verifier.capture, cal_rows, quiet=True, where=where,

@@ -68,7 +68,7 @@ def calibration_overrides(config: str, out: Path, overrides: list[str], traffic:
     to fit or judge a map past position 3 (on them 19 slots reached position 4, none position 6;
     3,000 traffic rows gave 772 at position 7)."""
     from hpc.config import load_config, to_object
-    from hpc.evaluate.calibration_set import write_calibration_set
+    from hpc.data.calibration_set import write_calibration_set
 
     cfg = to_object(load_config(config, overrides))
     if not cfg.data.regenerate or cfg.data.calibration_sources:

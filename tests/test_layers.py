@@ -25,13 +25,23 @@ DEPENDS: dict[str, set[str]] = {
     # the command line: tables naming every command and benchmark by module
     "hpc.cli": {"hpc.bench", "hpc.launch"},
     "hpc.bench": {"hpc.stream"},
-    "hpc.launch": {"hpc.train", "hpc.tables"},  # the Slurm launcher: submit, stages, status, schedule, plan
-    "hpc.train": {"hpc.evaluate", "hpc.stream", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)
-    "hpc.evaluate": {"hpc.verifier", "hpc.track"},  # spec-decode evaluation, compare
-    "hpc.verifier": {"hpc.stream", "hpc.model", "hpc.proc", "hpc.own_env"},  # vLLM / HF capture, regeneration
+    # the Slurm launcher: submit, stages, status, schedule, plan
+    "hpc.launch": {"hpc.calibration", "hpc.train", "hpc.tables"},
+    # the calibrate stage and the fits it runs: the draft over captured rows, as training runs it
+    "hpc.calibration": {"hpc.train", "hpc.calibration.maps"},
+    "hpc.train": {"hpc.data", "hpc.stream", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)
+    # the training data: sources, tokenising, vocab, regeneration by the target, calibration rows
+    "hpc.data": {"hpc.evaluate", "hpc.verifier", "hpc.train.checkpoint", "hpc.data.vocab"},
+    "hpc.train.checkpoint": {"hpc.fsio"},  # below the data: a resume keeps the data its checkpoint names
+    "hpc.evaluate": {"hpc.verifier", "hpc.track", "hpc.calibration.report"},  # spec-decode evaluation, compare
+    "hpc.calibration.report": {"hpc.errors", "hpc.tables", "hpc.track"},  # the served confidences' report
+    "hpc.verifier": {"hpc.stream", "hpc.model", "hpc.proc", "hpc.own_env"},  # vLLM / HF capture
     "hpc.stream": {"hpc.dist", "hpc.net", "hpc.tables"},  # streamer -> trainer transport; Capture, MicroBatch
     "hpc.track": {"hpc.config", "hpc.proc", "hpc.net"},  # MLflow
-    "hpc.model": {"hpc.config", "hpc.tables", "hpc.model.args"},  # the draft, its loss, export
+    # the draft, its loss, export; it reads the vocab map and the calibration maps it is served with
+    "hpc.model": {"hpc.config", "hpc.tables", "hpc.model.args", "hpc.data.vocab", "hpc.calibration.maps"},
+    "hpc.data.vocab": {"hpc.errors"},
+    "hpc.calibration.maps": {"hpc.errors", "hpc.fsio"},
     # the draft's and the loss's settings: the model owns them, the config's sections are them
     "hpc.model.args": {"hpc.errors"},
     "hpc.config": {"hpc.errors", "hpc.fsio", "hpc.model.args"},  # schema, loading, login-node validation

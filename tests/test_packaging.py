@@ -38,7 +38,7 @@ def test_a_cluster_install_ships_hpc_and_the_dev_tools_are_their_own_distributio
 
     cluster = build_wheel(src, tmp_path / "wheels")
     names = cluster.namelist()
-    assert "hpc/cli.py" in names and "hpc/train/loop.py" in names
+    assert "hpc/cli.py" in names and "hpc/train/trainer.py" in names
     assert [n for n in names if n.startswith("hpc_dev")] == []
     assert "dspark = hpc.cli:main" in entry_points(cluster) and "dspark-dev" not in entry_points(cluster)
 

@@ -179,7 +179,7 @@ def check_side_file(path: Path, cfg: DSparkConfig) -> None:
     """A side file that belongs to another head is one line here, before any engine starts; and
     eval.confidence=side_file reads the per-position maps beside a DSpark export: without them
     the reference engine would read the served head and call it the side file's."""
-    from hpc.model.calibrate import FILE
+    from hpc.calibration.maps import FILE
     from hpc.model.export import side_file_problem
 
     if (problem := side_file_problem(path)) is not None:
@@ -387,7 +387,7 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig
                          title=f"{label} n={job.n}{temp} ({job.engine})")
     steps = {r.benchmark: r.calibration_steps for r in res if r.calibration_steps}
     if steps:
-        from hpc.evaluate.calibration import calibration_png, calibration_report, format_report
+        from hpc.calibration.report import calibration_png, calibration_report, format_report
 
         report = calibration_report(steps, eval_cfg.draft_token_cost)
         write_json_atomic(run_dir / "calibration.json.report", report)

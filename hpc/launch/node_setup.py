@@ -99,8 +99,8 @@ def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
 
 def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
+    from hpc.data.prepare import data_settings, prepare_data
     from hpc.launch.job_files import publish
-    from hpc.train.prepare import data_settings, prepare_data
 
     marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")

@@ -32,12 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc.data.regen_ray import REGEN_RESOURCE
 from hpc.errors import UserError
 from hpc.launch.job_files import attempt as job_attempt
 from hpc.launch.job_files import job_file, publish, visible, wait_published
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, node_ip
 from hpc.net import free_port
-from hpc.verifier.regen_ray import REGEN_RESOURCE
 
 TAG = "DSPARK_RAY_NODE"  # in the environment of everything a node's raylet starts, vLLM included
 

@@ -57,7 +57,7 @@ def data_fingerprint(data: DataConfig) -> str:
     """sha256 over the configured data sources: files by path, size, mtime and content (directories
     file by file in sorted order), hub ids by id, split and revision.
 
-    These are the sources a pipeline trains on (hpc.train.prepare.training_sources). When data
+    These are the sources a pipeline trains on (hpc.data.prepare.training_sources). When data
     is regenerated, the regenerated shards are our own output, so the inputs are what counts.
     """
     h = hashlib.sha256()

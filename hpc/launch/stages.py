@@ -135,7 +135,7 @@ def requeue(env: SlurmEnv) -> None:
 
 def calibrate_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """Fit the confidence calibration of the training task's export on its held-out rows."""
-    from hpc.train.calibrate_stage import calibrate_export
+    from hpc.calibration.stage import calibrate_export
 
     metrics = calibrate_export(cfg)
     if metrics and parent_run_id:
@@ -207,7 +207,7 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
 def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local: bool = False) -> int:
     """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
     `local` (`dspark-dev demo`, even inside an salloc) one server on this machine. A requeue resumes."""
-    from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
+    from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
     say = lambda line: print(line, flush=True)  # noqa: E731
     if not local:
@@ -242,9 +242,8 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
     server per node and returns (stats, calibration rows' stats or None, servers, requests served per server);
     the other nodes host a server
     until node 0 is done, and return None."""
-    from hpc.launch.ray_cluster import RayNode, done_marker
-    from hpc.verifier.regen_ray import start_servers, stop_servers
-    from hpc.verifier.regenerate import (
+    from hpc.data.regen_ray import start_servers, stop_servers
+    from hpc.data.regenerate import (
         RegenStats,
         calibration_data,
         regenerate,
@@ -252,6 +251,7 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
         regenerated_dir,
         regeneration_complete,
     )
+    from hpc.launch.ray_cluster import RayNode, done_marker
 
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"

@@ -27,7 +27,7 @@ from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
 
 # What decoding asks of a confidence map. Protocols, not imports: the fitting modules
-# (hpc.model.calibrate, hpc.model.survival) import this one, and imports go one way.
+# (hpc.calibration.fit, hpc.calibration.fold) import this one, and imports go one way.
 class PositionMaps(Protocol):
     def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor: ...
 
@@ -82,10 +82,10 @@ class DSparkDraft(nn.Module):
         )
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
-        # hpc.model.calibrate.Calibration, fitted after training: the confidences decoding reads
+        # hpc.calibration.maps.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
         self.confidence_calibration: PositionMaps | None = None
-        # hpc.model.survival.Fold: the affine map the export folds into the head's weights, which
+        # hpc.calibration.maps.Fold: the affine map the export folds into the head's weights, which
         # is what vLLM serves. The weights here stay the raw head's (training, calibration and warm
         # starts read those); `hpc.model.export` folds on the way out and unfolds on the way in.
         self.confidence_fold: AffineMap | None = None

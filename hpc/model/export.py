@@ -20,14 +20,13 @@ from typing import cast
 import torch
 from safetensors.torch import load_file, save_file
 
+from hpc.calibration.maps import FILE as CALIBRATION
+from hpc.calibration.maps import Calibration, Fold
+from hpc.data.vocab import check_d2t
 from hpc.errors import UserError
 from hpc.fsio import replace_dir
 from hpc.model.args import DraftArgs
-from hpc.model.calibrate import FILE as CALIBRATION
-from hpc.model.calibrate import Calibration
 from hpc.model.dspark import DSparkDraft
-from hpc.model.survival import Fold
-from hpc.model.vocab import check_d2t
 
 WEIGHTS = "model.safetensors"
 HEAD = ("confidence_head.proj.weight", "confidence_head.proj.bias")

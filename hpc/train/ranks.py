@@ -23,12 +23,12 @@ from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import scrub, scrubbed_traceback
 from hpc.config.validate import control_timeout_s
 from hpc.config.verifier_gpu import largest_sample_bytes
+from hpc.data.prepare import load_prepared, split_held_out
 from hpc.dist.planes import flight_recorder_env, rank_device
 from hpc.dist.world import World, init_world
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.own_env import set_own
 from hpc.train.checkpoint import latest_checkpoint
-from hpc.train.prepare import load_prepared, split_held_out
 from hpc.train.streamer_rank import streamer_rank
 from hpc.train.trainer_rank import stop_summary, trainer_rank
 

@@ -16,7 +16,7 @@ from hpc.config.verifier_gpu import samples_in_flight
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.stream.streamer import run_streamer
-from hpc.train.sources import epoch_sequence
+from hpc.train.epochs import epoch_sequence
 from hpc.verifier.backend import capture_concurrency, make_capture
 
 EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never started

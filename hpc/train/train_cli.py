@@ -15,10 +15,10 @@ from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redact_uri
 from hpc.config.target import localize
 from hpc.config.validate import trainer_ranks
+from hpc.data.prepare import prepare_data
 from hpc.dist.rendezvous import new_secret
 from hpc.net import free_port
 from hpc.track.server import is_healthy
-from hpc.train.prepare import prepare_data
 from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
 
 

@@ -1,7 +1,7 @@
 """A trainer rank of an online world: train on what the streamers send until the step budget
 or the data ends, checkpoint whatever stopped it, and say why in one line (`stopped.json`).
 
-Rank 0 also reports (`hpc.train.report`). Exit codes: 0, EXIT_REQUEUE (checkpointed on a stop
+Rank 0 also reports (`hpc.train.train_report`). Exit codes: 0, EXIT_REQUEUE (checkpointed on a stop
 signal), EXIT_PEER_DIED (a streamer or another trainer is gone; checkpointed, resumable).
 """
 
@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 
 from hpc.config.schema import DSparkConfig, StreamConfig
+from hpc.data.prepare import prepared_hash
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.errors import EXIT_REQUEUE
 from hpc.fsio import write_text
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.train.checkpoint import latest_checkpoint
-from hpc.train.prepare import prepared_hash
-from hpc.train.report import TrainReport
+from hpc.train.train_report import TrainReport
 from hpc.train.trainer import RequeueRequested, Trainer
 
 EXIT_PEER_DIED = 3  # a trainer whose streamer (or another trainer) is gone: checkpointed, resumable

@@ -15,9 +15,9 @@ import torch
 
 from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.config.secrets import redact_uri, scrub
+from hpc.data.vocab import selected_from_d2t
 from hpc.errors import UserError
 from hpc.model.dspark import DSparkDraft
-from hpc.model.vocab import selected_from_d2t
 
 CHAMPION = "champion"
 VOCAB = ("d2t", "t2d")  # this run's mapping, from this run's data

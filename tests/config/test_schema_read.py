@@ -35,7 +35,7 @@ UNREAD_ON_PURPOSE = {
     # vocabulary pruning used; the code reads the draft's copy.
     "data.draft_vocab_size",
     # Read as the `sources` of the calibration rows' own data config (`calibration_data` in
-    # hpc/verifier/regenerate.py), which this static trace does not follow.
+    # hpc/data/regenerate.py), which this static trace does not follow.
     "data.calibration_sources.path", "data.calibration_sources.split", "data.calibration_sources.max_rows",
 }
 

@@ -34,7 +34,7 @@ def job(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = _config(tmp_path / "run")
     calls = []
-    import hpc.train.prepare as prepare
+    import hpc.data.prepare as prepare
 
     monkeypatch.setattr(prepare, "prepare_data", lambda c: calls.append(c) or SimpleNamespace(
         stats=SimpleNamespace(summary=lambda: "ok")))
@@ -76,7 +76,7 @@ def test_a_requeued_attempt_reuses_its_own_marker_but_not_one_for_other_data(job
 def test_an_old_failure_does_not_stop_the_other_nodes_but_a_new_one_does(job):
     failed = job.marker.with_name(".prepared-42.error")
     failed.parent.mkdir(parents=True)
-    from hpc.train.prepare import data_settings
+    from hpc.data.prepare import data_settings
 
     settings = json.loads(json.dumps(data_settings(job.cfg)))
     failed.write_text(json.dumps({"settings": settings, "attempt": 0, "error": "disk full"}))
@@ -115,7 +115,7 @@ def test_a_first_attempt_takes_a_fresh_directory_and_a_requeue_its_own(tmp_path)
 def test_a_requeue_after_a_first_attempt_cut_short_while_preparing_prepares(job, monkeypatch):
     """Job 42's first attempt ignored last month's marker, then was preempted mid-preparation:
     its requeue must not take that marker as its own."""
-    import hpc.train.prepare as prepare
+    import hpc.data.prepare as prepare
 
     job.marker.parent.mkdir(parents=True)
     job.marker.write_text(json.dumps({"settings": json.loads(json.dumps(prepare.data_settings(job.cfg)))}))
@@ -135,7 +135,7 @@ def test_a_requeue_after_a_first_attempt_cut_short_while_preparing_prepares(job,
 
 
 def test_the_last_attempts_failure_does_not_stop_a_requeue(job):
-    from hpc.train.prepare import data_settings
+    from hpc.data.prepare import data_settings
 
     failed = job.marker.with_name(".prepared-42.error")
     failed.parent.mkdir(parents=True)

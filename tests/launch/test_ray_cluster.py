@@ -9,11 +9,11 @@ import random
 import psutil
 import pytest
 
+from hpc.data.regen_ray import REGEN_RESOURCE
 from hpc.errors import UserError
 from hpc.launch.job_files import job_file, publish, read_published
 from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_start_command
 from hpc.launch.slurm_env import SlurmEnv
-from hpc.verifier.regen_ray import REGEN_RESOURCE
 from tests.fixtures.wait import still_running
 
 # The tests that start real Ray workers are slow and host-wide (one Ray per host at a time);

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from hpc.data.vocab import mapping_from_selected
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft
-from hpc.model.vocab import mapping_from_selected
 from tests.fixtures.draft import toy_draft_args
 
 REPO = Path(__file__).resolve().parents[2]

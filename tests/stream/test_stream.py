@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hpc.net import free_port
-from hpc.train.sources import epoch_order
+from hpc.train.epochs import epoch_order
 from hpc.train.trainer_rank import EXIT_PEER_DIED
 from tests.fixtures.wait import wait_until
 from tests.stream import stream_worker

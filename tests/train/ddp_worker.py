@@ -18,7 +18,7 @@ def main(rank: int, world: int, port: int, target_dir: str, out_dir: str) -> Non
     # The trainers' groups as in an online world (DDP on the data plane, bookkeeping on gloo).
     planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET)
     try:
-        from hpc.train.sources import local_micro_batches
+        from hpc.train.epochs import local_micro_batches
         from tests.train.test_resume import make_trainer, rows
 
         trainer, verifier = make_trainer(target_dir, out_dir, init_seed=rank,  # DDP broadcasts rank 0's init

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from hpc.train.checkpoint import TrainState
-from hpc.train.sources import epoch_sequence
+from hpc.train.epochs import epoch_sequence
 
 ROWS = list(range(10))
 

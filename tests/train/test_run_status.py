@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hpc.config.schema import DSparkConfig
-from hpc.train import ranks, report, trainer_rank
+from hpc.train import ranks, trainer_rank
+from hpc.train import train_report as report
 
 
 class FakeLogger:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hpc.config.schema import DSparkConfig
+from hpc.data.vocab import mapping_from_selected
 from hpc.errors import UserError
 from hpc.model.args import DraftArgs
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
-from hpc.model.vocab import mapping_from_selected
 from hpc.train.warm_start import warm_start
 from tests.fixtures.draft import toy_draft_args
 

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from hpc.config.schema import FinalHidden, VerifierConfig
+from hpc.data.sources import to_messages, tokenize_conversation
 from hpc.errors import UserError, VerifierDown
 from hpc.model.teacher import target_transform
 from hpc.net import free_port
 from hpc.verifier import vllm_backend
-from hpc.verifier.data import to_messages, tokenize_conversation
 from hpc.verifier.hf_backend import HFVerifier
 from hpc.verifier.target_files import final_norm_weight, text_config
 from hpc.verifier.vllm_backend import (

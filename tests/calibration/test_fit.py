@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hpc.model.calibrate import (
-    FILE,
-    Calibration,
-    HeldOutSlots,
-    ece_by_position,
-    fit_calibration,
-    held_out_slots,
-    weighted_ece,
-)
+from hpc.calibration.fit import HeldOutSlots, ece_by_position, fit_calibration, held_out_slots, weighted_ece
+from hpc.calibration.maps import FILE, Calibration
 from hpc.model.export import export_draft, load_draft
 from hpc.model.loss import VerifierHead
 from tests.model import test_dspark as T
@@ -72,7 +65,7 @@ def test_a_position_keeps_its_own_map_only_where_it_predicts_the_other_half_bett
             greedy[at3] = (s.logit[at3] > 1.0).float()
         return HeldOutSlots(logit, greedy, s.sampling, s.position, s.reach)
 
-    from hpc.model.calibrate import concat_slots
+    from hpc.calibration.fit import concat_slots
 
     a, b = half(1, step_at_3=True), half(2, step_at_3=False)
     both = concat_slots([a, b])
@@ -151,7 +144,7 @@ def test_a_row_token_outside_the_draft_vocab_is_a_greedy_miss():
 
 
 def test_cross_fitting_scores_each_half_with_the_other_halfs_map():
-    from hpc.model.calibrate import calibrated, concat_slots, cross_fitted_ece
+    from hpc.calibration.fit import calibrated, concat_slots, cross_fitted_ece
 
     a, b = synthetic_slots(seed=1), synthetic_slots(seed=2)
     both = concat_slots([a, b])
@@ -169,8 +162,8 @@ def test_cross_fitting_scores_each_half_with_the_other_halfs_map():
 
 
 def test_the_weighted_floor_is_a_perfect_heads_ece_whatever_the_weights_scale():
-    from hpc.evaluate.calibration import ece_floor
-    from hpc.model.calibrate import weighted_ece_floor
+    from hpc.calibration.fit import weighted_ece_floor
+    from hpc.calibration.report import ece_floor
 
     conf = torch.rand(200, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1
     ones = torch.ones(200)

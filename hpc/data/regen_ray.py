@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc.config.schema import DSparkConfig
+from hpc.data.regen_client import ChatClient, Reply, RequestFailed, served_model
 from hpc.errors import UserError
-from hpc.verifier.regen_client import ChatClient, Reply, RequestFailed, served_model
 
 REGEN_RESOURCE = "dspark_regen"  # one unit per Ray node: one server per node
 
@@ -33,7 +33,7 @@ class RegenServer:
     """A Ray actor: vLLM on this node (or an existing server at `url`), behind a ChatClient."""
 
     def __init__(self, cfg: DSparkConfig, log_dir: str, url: str | None = None):
-        from hpc.verifier.regenerate import start_regen_server
+        from hpc.data.regenerate import start_regen_server
 
         # On a Slurm node the task's environment reaches Ray's workers: name the node as Slurm does.
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

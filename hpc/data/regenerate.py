@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpc.config.schema import DataConfig, VerifierConfig
+from hpc.data.regen_client import ChatClient, Completer, RequestFailed, served_model
+from hpc.data.regen_progress import Reporter, count_rows
+from hpc.data.regen_shards import MANIFEST, ShardStore
+from hpc.data.sources import read_rows, to_messages
 from hpc.errors import UserError
-from hpc.verifier.data import read_rows, to_messages
-from hpc.verifier.regen_client import ChatClient, Completer, RequestFailed, served_model
-from hpc.verifier.regen_progress import Reporter, count_rows
-from hpc.verifier.regen_shards import MANIFEST, ShardStore
 from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
 
 T = TypeVar("T")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from hpc.model.calibrate import HeldOutSlots, concat_slots
-from hpc.model.survival import survival_ece, survival_table
+from hpc.calibration.fit import HeldOutSlots, concat_slots
+from hpc.calibration.fold import survival_ece, survival_table
 
 
 def _slots(conf_NK: torch.Tensor, accept_NK: torch.Tensor, drafted_NK: torch.Tensor | None = None,

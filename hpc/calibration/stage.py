@@ -8,7 +8,7 @@ be off on another (on the toy target, 0.40 said vs 0.33 accepted at position 1 o
 
 Behind training, this stage starts the verifier on one node as a streamer does, captures the
 rows, runs the exported draft over them teacher-forced as training does, and fits a Platt map
-per decoding mode and drafted position (`hpc.model.calibrate`). The map goes into the export,
+per decoding mode and drafted position (`hpc.calibration.fit`). The map goes into the export,
 atomically, where the eval jobs behind this stage read it.
 
 The figure it reports is cross-fitted: the rows are split in two halves and each half is
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from hpc.calibration.fit import HeldOutSlots, concat_slots, cross_fitted, ece_by_position, held_out_slots
+from hpc.calibration.fold import FoldFit, fit_fold, survival_ece
+from hpc.calibration.maps import MODES, Calibration
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
-from hpc.model.calibrate import MODES, Calibration, HeldOutSlots, concat_slots, cross_fitted, ece_by_position, held_out_slots
 from hpc.model.loss import PackedRow
-from hpc.model.survival import FoldFit, fit_fold, survival_ece
 from hpc.tables import text_table
 
 CaptureFn = Callable[[int, list[int], list[int]], object]
@@ -45,13 +46,13 @@ class Fitted:
     ece: dict[str, list[tuple[float, float]]] | None
     greedy_floor: list[float]  # the ECE a perfectly calibrated head reads at each position's count
     where: str = "held-out rows"  # or "calibration rows" (data.calibration_sources)
-    # per mode, (ECE, effective block count, floor) of the survival at each k (hpc.model.survival),
+    # per mode, (ECE, effective block count, floor) of the survival at each k (hpc.calibration.fold),
     # cross-fitted as `ece` is: what vLLM's adaptive verification reads; None with a single row
     survival: dict[str, list[tuple[float, float, float]]] | None = None
     # the same for the raw head, no map applied (vLLM never reads the side file)
     raw_survival: dict[str, list[tuple[float, float, float]]] | None = None
     # the affine map folded into the exported head, which is what vLLM serves (its `survival`:
-    # that head's, cross-fitted), or why none was (hpc.model.survival.fit_fold)
+    # that head's, cross-fitted), or why none was (hpc.calibration.fold.fit_fold)
     fold: FoldFit | None = None
     fold_seconds: float = 0.0
 
@@ -98,7 +99,7 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     or "none") names the survival the map folded into the served head is fitted to."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from hpc.model.calibrate import calibrated, fit_calibration, weighted_ece_floor
+    from hpc.calibration.fit import calibrated, fit_calibration, weighted_ece_floor
 
     device = torch.device(device)
     model.eval()
@@ -208,7 +209,7 @@ def metrics(f: Fitted) -> dict[str, float]:
 def _calibration_rows(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
     """(rows, what they are): data.calibration_sources when set (the serving distribution), else
     the rows training held out; ({}, "") when there are none (said in one line)."""
-    from hpc.train.prepare import PREPARED, calibration_rows, load_prepared, split_held_out
+    from hpc.data.prepare import PREPARED, calibration_rows, load_prepared, split_held_out
 
     every = cfg.train.hold_out_every
     if cfg.data.calibration_sources:
@@ -237,8 +238,8 @@ def _calibration_rows(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
 def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]:
     """Fit the calibration of train.output_dir/export on the calibration rows and store it there.
     Returns the metrics to log; {} when there is nothing to calibrate (said in one line)."""
+    from hpc.calibration.maps import FILE as CALIBRATION
     from hpc.dist.planes import rank_device
-    from hpc.model.calibrate import FILE as CALIBRATION
     from hpc.model.export import is_export, load_draft, refold_export
     from hpc.model.teacher import target_head
     from hpc.train.trainer import autocast_dtype

@@ -18,8 +18,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hpc.config import resolve
     from hpc.config.target import localize
+    from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
     from hpc.errors import UserError
-    from hpc.verifier.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 
     # Before anything resolves or vLLM loads the target (minutes on a node).
     for flag, value, unset in (("--shard-size", args.shard_size, "1000"), ("--concurrency", args.concurrency,

@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpc.calibration.fit import HeldOutSlots, concat_slots
+from hpc.calibration.fold import fit_fold, folded, mean_survival_ece, survival_ece
+from hpc.calibration.maps import FILE, Calibration, Fold
 from hpc.errors import UserError
-from hpc.model.calibrate import FILE, Calibration, HeldOutSlots, concat_slots
 from hpc.model.export import export_draft, head_sha256, is_export, load_draft, refold_export
-from hpc.model.survival import Fold, fit_fold, folded, mean_survival_ece, survival_ece
 from tests.model.test_dspark import tiny_model
 
 
@@ -156,7 +157,7 @@ def test_a_damaged_fold_record_is_one_line(tmp_path):
 
 def test_the_searched_ece_is_the_reported_one():
     """The ECE search bins as `survival_ece` reports, so the map it picks is judged by the figure printed."""
-    from hpc.model.survival import _survival_eces, survival_grid
+    from hpc.calibration.fold import _survival_eces, survival_grid
 
     slots = blocks(500, seed=3, visit=0.7)
     got = _survival_eces(survival_grid(slots, "greedy"), 0.6, -0.4)
@@ -168,7 +169,7 @@ def test_the_fold_evens_out_its_worst_position():
     """A head whose miscalibration differs by position (sharper at slot 1): one map cannot fit
     every k, and the log loss alone leaves one k worst; the ECE search lowers the worst survival
     ECE, on rows it was not fitted on too."""
-    from hpc.model.survival import _least_worst_ece, _log_loss_map, _survival_eces, survival_grid
+    from hpc.calibration.fold import _least_worst_ece, _log_loss_map, _survival_eces, survival_grid
 
     def skewed(seed: int) -> HeldOutSlots:
         s = blocks(4000, seed=seed)

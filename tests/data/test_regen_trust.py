@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc.data.regen_client import ChatClient
+from hpc.data.regen_shards import MANIFEST, ShardStore, verify_shards
+from hpc.data.regenerate import regenerate, regenerated_dir
 from hpc.errors import UserError
-from hpc.verifier.regen_client import ChatClient
-from hpc.verifier.regen_shards import MANIFEST, ShardStore, verify_shards
-from hpc.verifier.regenerate import regenerate, regenerated_dir
-from tests.verifier.test_regenerate import MAX_TOKENS, fake_rows, fake_url, make_cfg  # noqa: F401 (a fixture)
+from tests.data.test_regenerate import MAX_TOKENS, fake_rows, fake_url, make_cfg  # noqa: F401 (a fixture)
 
 
 def _regenerated(tmp_path: Path, url: str, prompts=("a", "b", "c", "d", "e")) -> Path:
@@ -92,7 +92,7 @@ def test_an_open_directory_is_tightened_and_a_swappable_parent_refused(fake_url,
 def test_training_reads_only_verified_shards(fake_url, tmp_path, toy_target):
     """The prepare step (what `dspark train` and the train stage run) checks before it reads."""
     from hpc.config import load_config, to_object
-    from hpc.train.prepare import prepare_data
+    from hpc.data.prepare import prepare_data
 
     root = _regenerated(tmp_path, fake_url)
     cfg = to_object(load_config(str(Path(__file__).resolve().parents[2] / "configs/toy-cpu.yaml"), [

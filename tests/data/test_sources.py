@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from hpc.data.sources import RowStats, read_rows, to_messages, tokenize_conversation, tokenize_rows
 from hpc.errors import UserError
-from hpc.verifier.data import RowStats, read_rows, to_messages, tokenize_conversation, tokenize_rows
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_missing_dataset_names_the_fix(tmp_path, monkeypatch):
     ('{"n": ' + "1" * 5000 + "}\n", ":1: not valid JSON"),  # json raises a plain ValueError (no .msg) here
 ])
 def test_a_corrupt_jsonl_line_is_named_with_its_number(tmp_path, content, needle):
+    from hpc.data.sources import read_rows
     from hpc.errors import UserError
-    from hpc.verifier.data import read_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text(content)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from hpc.config import load_config, to_object
-from hpc.train.prepare import regeneration_pending, training_sources
+from hpc.data.prepare import regeneration_pending, training_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,8 +48,8 @@ def _checkpoint(cfg, data_hash: str) -> None:
 def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_target):
     import pytest
 
+    from hpc.data.prepare import prepare_data, prepared_hash
     from hpc.errors import UserError
-    from hpc.train.prepare import prepare_data, prepared_hash
     from hpc_dev.toy_data import write_toy_conversations
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=24, seed=2)
@@ -77,7 +77,7 @@ def test_a_resume_reuses_its_prepared_data_or_refuses_in_one_line(tmp_path, toy_
 def test_held_out_rows_do_not_choose_the_draft_vocabulary(tmp_path, toy_target):
     from safetensors.torch import load_file
 
-    from hpc.train.prepare import load_prepared, prepare_data, split_held_out
+    from hpc.data.prepare import load_prepared, prepare_data, split_held_out
     from hpc_dev.toy_data import write_toy_conversations
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=20, seed=3)
@@ -105,7 +105,7 @@ def test_held_out_rows_do_not_choose_the_draft_vocabulary(tmp_path, toy_target):
 
 
 def test_each_response_is_cut_to_what_decoding_at_the_cap_emits():
-    from hpc.train.prepare import cap_responses
+    from hpc.data.prepare import cap_responses
 
     mask = [0, 1, 1, 1, 1, 0, 0, 1, 1, 1]  # two assistant turns
     assert cap_responses(mask, 2) == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0]

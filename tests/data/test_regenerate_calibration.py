@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from hpc.config.schema import EvalConfig
+from hpc.data.regen_client import ChatClient
+from hpc.data.regen_shards import read_shards
+from hpc.data.regenerate import regenerate, regenerated_dir
 from hpc.errors import UserError
-from hpc.verifier.regen_client import ChatClient
-from hpc.verifier.regen_shards import read_shards
-from hpc.verifier.regenerate import regenerate, regenerated_dir
-from tests.verifier.test_regenerate import (  # noqa: F401 (fixtures)
+from tests.data.test_regenerate import (  # noqa: F401 (fixtures)
     MAX_TOKENS,
     fake_rows,
     fake_url,
@@ -22,8 +22,8 @@ from tests.verifier.test_regenerate import (  # noqa: F401 (fixtures)
 
 
 def test_calibration_sources_are_answered_into_a_directory_of_their_own(fake_url, tmp_path):
-    from hpc.evaluate.calibration_set import write_calibration_set
-    from hpc.verifier.regenerate import calibration_data, regenerate_all, regeneration_complete
+    from hpc.data.calibration_set import write_calibration_set
+    from hpc.data.regenerate import calibration_data, regenerate_all, regeneration_complete
 
     _, cal_file = write_calibration_set(EvalConfig(fixtures=True, benchmarks=["gsm8k"]), tmp_path / "cal.jsonl", 3)
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b"]),
@@ -44,7 +44,7 @@ def test_calibration_sources_are_answered_into_a_directory_of_their_own(fake_url
 
 
 def test_calibration_rows_that_were_never_regenerated_are_refused(tmp_path):
-    from hpc.train.prepare import calibration_rows
+    from hpc.data.prepare import calibration_rows
 
     cal = fake_rows(tmp_path / "cal.jsonl", ["q"])
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a"]), f"data.calibration_sources=[{{path: {cal}}}]")
@@ -56,13 +56,13 @@ def test_calibration_rows_that_were_never_regenerated_are_refused(tmp_path):
 def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(regen_server, toy_target, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from hpc.evaluate.calibration_set import write_calibration_set
-    from hpc.model.calibrate import Calibration
+    from hpc.calibration.maps import Calibration
+    from hpc.calibration.stage import calibrate_export
+    from hpc.data.calibration_set import write_calibration_set
+    from hpc.data.prepare import calibration_rows, prepare_data
+    from hpc.data.regenerate import regenerate_all
     from hpc.model.export import export_draft
-    from hpc.train.calibrate_stage import calibrate_export
-    from hpc.train.prepare import calibration_rows, prepare_data
     from hpc.train.trainer import build_draft
-    from hpc.verifier.regenerate import regenerate_all
 
     url, over, key = regen_server
     bench = EvalConfig(fixtures=True, benchmarks=["gsm8k", "humaneval"])

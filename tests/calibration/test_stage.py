@@ -8,15 +8,15 @@ import random
 import pytest
 import torch
 
+from hpc.calibration.maps import FILE, Calibration
+from hpc.calibration.stage import calibrate_export
 from hpc.config.schema import DSparkConfig, VerifierBackend
+from hpc.data.prepare import split_held_out
+from hpc.data.vocab import mapping_from_selected
 from hpc.errors import UserError
-from hpc.model.calibrate import FILE, Calibration
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.target_weights import load_target_tensors
-from hpc.model.vocab import mapping_from_selected
-from hpc.train.calibrate_stage import calibrate_export
-from hpc.train.prepare import split_held_out
 from tests.fixtures.draft import toy_draft_args
 from tests.train.test_resume import H, V, target_dir  # noqa: F401 - the tiny random Qwen3 target, a fixture
 
@@ -141,7 +141,7 @@ def test_no_export_says_which_stage_comes_first(tmp_path):
 
 
 def test_a_bad_capture_costs_its_row_not_the_stage(target_dir, tmp_path, capsys):
-    from hpc.train import calibrate_stage
+    from hpc.calibration import stage as calibrate_stage
     from hpc.verifier.hf_backend import HFVerifier
 
     hf = HFVerifier(str(target_dir), [1, 2, 3])
@@ -160,7 +160,7 @@ def test_a_bad_capture_costs_its_row_not_the_stage(target_dir, tmp_path, capsys)
 
 
 def json_rows(tmp_path) -> dict:
-    from hpc.train.prepare import read_token_rows
+    from hpc.data.prepare import read_token_rows
 
     return read_token_rows(tmp_path / "train" / "data" / "rows.jsonl")
 
@@ -173,7 +173,7 @@ def _head(target_dir):
 
 
 def test_rows_without_a_drafted_slot_say_so_in_one_line(target_dir, tmp_path):
-    from hpc.train import calibrate_stage
+    from hpc.calibration import stage as calibrate_stage
     from hpc.verifier.hf_backend import HFVerifier
 
     _run_dir(tmp_path, target_dir)

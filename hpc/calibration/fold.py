@@ -16,42 +16,17 @@ sequential temperature scaling does per position: a per-position map cannot be f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hpc.model.calibrate import MIN_WEIGHT, HeldOutSlots, concat_slots, weighted_ece, weighted_ece_floor
+from hpc.calibration.fit import MIN_WEIGHT, HeldOutSlots, concat_slots, weighted_ece, weighted_ece_floor
+from hpc.calibration.maps import Fold
 
 # The ECE search judges a k only with this many (effective) blocks: fewer read noise, which a
 # two-number map must not chase.
 MIN_BLOCKS = 200.0
-
-
-@dataclass(frozen=True)
-class Fold:
-    """sigmoid(a z + b) on the head's raw logit z, folded into the exported head's weights."""
-
-    a: float
-    b: float
-    mode: str  # the decoding mode whose survival it was fitted to (greedy | sampling)
-    fitted_on: dict = field(default_factory=dict, compare=False)  # what it was fitted from, for config.json
-
-    def logit(self, z: torch.Tensor) -> torch.Tensor:
-        return self.a * z + self.b
-
-    def unfold(self, z: torch.Tensor) -> torch.Tensor:
-        return (z - self.b) / self.a
-
-    def record(self) -> dict:
-        return {"mode": self.mode, "a": self.a, "b": self.b, "fitted_on": dict(self.fitted_on)}
-
-    @classmethod
-    def from_record(cls, d: dict) -> Fold:
-        a, b = float(d["a"]), float(d["b"])
-        if not (math.isfinite(a) and math.isfinite(b) and a > 0) or d.get("mode") not in ("greedy", "sampling"):
-            raise ValueError(f"confidence_fold {d}: needs a finite a > 0, a finite b and a mode greedy|sampling")
-        return cls(a, b, str(d["mode"]), dict(d.get("fitted_on", {})))
 
 
 def survival_table(slots: HeldOutSlots, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ import pytest
 
 from hpc.cli import main
 from hpc.config.schema import EvalConfig
+from hpc.data.calibration_set import write_calibration_set
+from hpc.data.sources import read_rows, to_messages
 from hpc.errors import UserError
 from hpc.evaluate.benchmarks import load_benchmark, spare_prompts
-from hpc.evaluate.calibration_set import write_calibration_set
-from hpc.verifier.data import read_rows, to_messages
 from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_the_command_prints_what_it_wrote_and_the_key_to_set(tmp_path, capsys):
 
 
 def test_a_calibration_row_is_capped_as_its_benchmark_is_evaluated():
-    from hpc.evaluate.calibration_set import decoded_tokens
+    from hpc.data.calibration_set import decoded_tokens
 
     cfg = EvalConfig(max_tokens=100, code_max_tokens=30)
     assert decoded_tokens({"source": "calibration:gsm8k"}, cfg) == 100

@@ -19,10 +19,10 @@ import pytest
 import requests
 
 from hpc.config import load_config, to_object
+from hpc.data.regen_client import ChatClient
+from hpc.data.regen_shards import MANIFEST, ShardStore, read_shards
+from hpc.data.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir
 from hpc.errors import UserError
-from hpc.verifier.regen_client import ChatClient
-from hpc.verifier.regen_shards import MANIFEST, ShardStore, read_shards
-from hpc.verifier.regenerate import ordered_map, plan_turns, regenerate, regenerated_dir
 from hpc_dev.toy_data import toy_conversations
 from tests.fixtures.wait import poll
 
@@ -271,7 +271,7 @@ def test_failing_requests_cost_only_their_rows(fake_url, tmp_path):
 
 
 def test_retries_honour_retry_after_then_give_up_in_one_line(fake_url):
-    from hpc.verifier.regen_client import RequestFailed
+    from hpc.data.regen_client import RequestFailed
 
     client = ChatClient(fake_url, "fake", MAX_TOKENS, retries=1, backoff=0.0)
     start = time.monotonic()
@@ -284,8 +284,8 @@ def test_retries_honour_retry_after_then_give_up_in_one_line(fake_url):
 
 
 def test_dropped_and_refused_connections_are_retried_then_reported_in_one_line():
+    from hpc.data.regen_client import RequestFailed
     from hpc.net import free_port
-    from hpc.verifier.regen_client import RequestFailed
 
     # A server that reads each request and hangs up without a reply: a POST retried all the same.
     accepted = []
@@ -337,7 +337,7 @@ def test_a_server_that_dies_at_a_shard_boundary_loses_no_row(fake_url, tmp_path)
 
 
 def test_a_finished_regeneration_is_complete_only_for_its_own_sources(fake_url, tmp_path):
-    from hpc.verifier.regenerate import regeneration_complete
+    from hpc.data.regenerate import regeneration_complete
 
     cfg = make_cfg(tmp_path, fake_rows(tmp_path / "rows.jsonl", ["a", "b", "c"]))
     assert not regeneration_complete(cfg.data)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.evaluate.calibration import reached
+from hpc.calibration.fit import decode_visits, held_out_slots, response_segments
+from hpc.calibration.report import reached
 from hpc.evaluate.reference import speculative_generate
-from hpc.model.calibrate import decode_visits, held_out_slots, response_segments
 from hpc.model.loss import PackedRow, VerifierHead
 from tests.evaluate.test_reference import random_draft, random_target
 
@@ -98,7 +98,7 @@ def test_weighted_slots_are_exactly_the_ones_greedy_decoding_reads(fitted):
 
 def test_a_slot_weighs_only_for_the_n_that_draft_it(fitted):
     """With ns=[3, 7], positions 4-7 weigh only by n=7's visits: n=3 never drafts them."""
-    from hpc.model.calibrate import response_segments as segs
+    from hpc.calibration.fit import response_segments as segs
 
     target, aux, prompt, draft, head = fitted
     out, _ = speculative_generate(target, draft, prompt, 40, 8)

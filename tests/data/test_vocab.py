@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.errors import UserError
-from hpc.model.vocab import (
+from hpc.data.vocab import (
     build_vocab_mapping,
     check_d2t,
     count_assistant_tokens,
@@ -14,6 +13,7 @@ from hpc.model.vocab import (
     select_draft_vocab,
     selected_from_d2t,
 )
+from hpc.errors import UserError
 
 
 def test_counts_only_loss_masked_tokens():
@@ -62,7 +62,7 @@ def test_draft_vocab_larger_than_seen_tokens():
 
 @pytest.mark.parametrize("ids,bad", [([0, 7, -1], -1), ([3, 10, 2], 10)])
 def test_an_out_of_range_token_is_named(ids, bad):
-    from hpc.model.vocab import count_assistant_tokens
+    from hpc.data.vocab import count_assistant_tokens
 
     with pytest.raises(UserError, match=f"token id {bad} outside"):
         count_assistant_tokens([(torch.tensor(ids), torch.ones(len(ids)))], vocab_size=10)

@@ -4,7 +4,7 @@ The head is trained on one event (`train.loss.confidence_target`), while serving
 two modes: greedy decoding accepts a draft when it equals the target's argmax, speculative
 sampling with probability 1 - TV. Whatever the head was trained on, a map per position, fitted
 on held-out captures against each mode's event, makes its output the chance that mode accepts:
-Platt's sigmoid(a_k * z + b_k), or an isotonic map (`hpc.model.isotonic`) where that predicts
+Platt's sigmoid(a_k * z + b_k), or an isotonic map (`hpc.calibration.maps`) where that predicts
 held-out rows better. It is stored beside the export (`confidence_calibration.json`, which vLLM
 does not read) and applied by whoever reads the confidences.
 
@@ -17,90 +17,19 @@ target's greedy choice on regenerated data: fit on rows regenerated at temperatu
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hpc.calibration.maps import MODES, Calibration, fit_isotonic, isotonic_chance
 from hpc.model import metrics as M
 from hpc.model.dspark import DSparkDraft
-from hpc.model.isotonic import fit_isotonic, isotonic_chance, isotonic_logit
 
-FILE = "confidence_calibration.json"
-MODES = ("greedy", "sampling")
 # A position with fewer (effective) held-out slots than this shares the pooled map: a two-parameter
 # fit on a handful of events is noise.
 MIN_WEIGHT = 30.0
-
-
-@dataclass
-class Calibration:
-    """Per mode, one (a, b) per drafted position: p = sigmoid(a * logit + b)."""
-
-    maps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    fitted_on: int = 0  # held-out drafted slots that decoding reads (weight > 0)
-    # Per mode, the positions that share the pooled map (too few slots, or their own map
-    # predicted the other half of the rows worse): a record of the fit, not read by `apply`.
-    pooled_at: dict[str, list[int]] = field(default_factory=dict)
-    # Per mode and position, an isotonic map's knots (`hpc.model.isotonic`) that replace that
-    # position's Platt map: kept where it predicted the other half of the rows better.
-    isotonic: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
-    # sha256 of the exported confidence head these maps sit beside (`hpc.model.export.head_sha256`):
-    # the maps read that head's raw logit, so beside another head they would be wrong, silently.
-    head_sha256: str | None = None
-
-    def apply(self, logit: torch.Tensor, mode: str, position: int) -> torch.Tensor:
-        """`position` counts drafted slots from 1; beyond the fitted ones the last map holds."""
-        maps = self.maps.get(mode)
-        if not maps:
-            return logit
-        k = min(position, len(maps))
-        knots = self.isotonic.get(mode, {}).get(k)
-        if knots is not None:
-            return isotonic_logit(logit, knots)
-        a, b = maps[k - 1]
-        return a * logit + b
-
-    def save(self, export_dir: str | Path) -> Path:
-        from hpc.fsio import write_text
-
-        path = Path(export_dir) / FILE
-        isotonic = {m: {str(k): [list(xs), list(ps)] for k, (xs, ps) in per.items()} for m, per in self.isotonic.items()}
-        write_text(path, json.dumps({"maps": self.maps, "fitted_on": self.fitted_on, "pooled_at": self.pooled_at,
-                                     "isotonic": isotonic, "head_sha256": self.head_sha256,
-                                     "logit": "the raw head's: undo config.json's confidence_fold first"},
-                                    indent=1) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, export_dir: str | Path) -> Calibration | None:
-        path = Path(export_dir) / FILE
-        if not path.is_file():
-            return None
-        try:
-            d = json.loads(path.read_text())
-            maps = {m: [(float(a), float(b)) for a, b in d["maps"][m]] for m in d["maps"] if m in MODES}
-            isotonic = {m: {int(k): _knots(xs, ps) for k, (xs, ps) in per.items()}
-                        for m, per in d.get("isotonic", {}).items() if m in MODES}  # older files have none
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            from hpc.errors import UserError
-
-            raise UserError(f"{path}: not a confidence calibration ({err}); delete it or re-run the calibration") from None
-        sha = d.get("head_sha256")  # older files have none
-        return cls(maps, int(d.get("fitted_on", 0)), {m: list(v) for m, v in d.get("pooled_at", {}).items()}, isotonic,
-                   sha if isinstance(sha, str) else None)
-
-
-def _knots(xs, ps) -> tuple[list[float], list[float]]:
-    xs, ps = [float(x) for x in xs], [float(p) for p in ps]
-    if (not xs or len(xs) != len(ps) or not all(math.isfinite(x) for x in xs) or xs != sorted(xs)
-            or ps != sorted(ps) or not all(0.0 <= p <= 1.0 for p in ps)):
-        raise ValueError("isotonic knots must be non-empty, paired, finite sorted logits and sorted chances in [0, 1]")
-    return xs, ps
 
 
 @dataclass
@@ -112,7 +41,7 @@ class HeldOutSlots:
     sampling: torch.Tensor  # [S] 1 - TV
     position: torch.Tensor  # [S] from 1
     reach: dict[str, torch.Tensor]  # mode -> [S] weight: does decoding read this slot's confidence?
-    block: torch.Tensor | None = None  # [S] the block each slot was drafted in (hpc.model.survival)
+    block: torch.Tensor | None = None  # [S] the block each slot was drafted in (hpc.calibration.fold)
 
 
 @torch.no_grad()
@@ -275,7 +204,7 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
     cross-fitted ECE of 0.22 where the pooled map read 0.06 on the benchmarks). `share` names
     positions, per mode, that share the pooled map whatever their counts.
 
-    A position with a map of its own also gets an isotonic map (`hpc.model.isotonic`), which
+    A position with a map of its own also gets an isotonic map (`hpc.calibration.maps`), which
     replaces its Platt map where, fitted on one half, it predicts the other half better (both
     ways, summed); `isotonic_at` names positions, per mode, that get one without that test."""
     maps: dict[str, list[tuple[float, float]]] = {}

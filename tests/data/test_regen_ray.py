@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpc.data.regen_ray import REGEN_RESOURCE, RegenServer, start_servers, stop_servers
+from hpc.data.regen_shards import read_shards
+from hpc.data.regenerate import regenerate, regenerated_dir
 from hpc.errors import UserError
-from hpc.verifier.regen_ray import REGEN_RESOURCE, RegenServer, start_servers, stop_servers
-from hpc.verifier.regen_shards import read_shards
-from hpc.verifier.regenerate import regenerate, regenerated_dir
-from tests.verifier.test_regenerate import FakeChat, fake_rows, fake_url, make_cfg  # noqa: F401 (fixture)
+from tests.data.test_regenerate import FakeChat, fake_rows, fake_url, make_cfg  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.host_wide]  # real Ray workers: one Ray per host at a time
 

@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from hpc.config.schema import DataConfig, DSparkConfig
+from hpc.data.sources import RowStats, TokenRow, read_rows, tokenize_rows
+from hpc.data.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.errors import UserError
 from hpc.fsio import atomic_path, write_text
-from hpc.model.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
-from hpc.verifier.data import RowStats, TokenRow, read_rows, tokenize_rows
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
               "first, or set data.regenerate=false to silence this", flush=True)
     for path, split, max_rows in sources:
         if path == str(Path(data.output_dir) / "regenerated"):
-            from hpc.verifier.regen_shards import verify_shards
+            from hpc.data.regen_shards import verify_shards
 
             verify_shards(path)  # each shard as the verifier wrote it, and nothing beside them
         # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
@@ -122,7 +122,7 @@ def cap_responses(loss_mask: list[int], cap: int) -> list[int]:
 
 def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
     """The calibration rows, tokenised as training rows are (regenerated ones once they are)."""
-    from hpc.verifier.regenerate import calibration_data, regeneration_complete
+    from hpc.data.regenerate import calibration_data, regeneration_complete
 
     cal = calibration_data(cfg.data)
     if cal is None:
@@ -131,7 +131,7 @@ def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]
         raise UserError(f"data.calibration_sources are not regenerated yet ({Path(cal.output_dir) / 'regenerated'} "
                         "is not complete); run the regenerate stage first (`dspark regenerate CONFIG` answers them "
                         "too), or set data.regenerate=false to calibrate on the rows as they are")
-    from hpc.evaluate.calibration_set import decoded_tokens
+    from hpc.data.calibration_set import decoded_tokens
 
     def remask(row: dict, mask: list[int]) -> list[int]:
         # A benchmark's spare row is read as its evaluation decodes it: regeneration answers at

@@ -8,17 +8,9 @@ import json
 import pytest
 import torch
 
+from hpc.calibration.fit import HeldOutSlots, concat_slots, cross_fitted_ece, ece_by_position, fit_calibration
+from hpc.calibration.maps import EPS, FILE, Calibration, fit_isotonic, isotonic_chance, isotonic_logit
 from hpc.errors import UserError
-from hpc.model.calibrate import (
-    FILE,
-    Calibration,
-    HeldOutSlots,
-    concat_slots,
-    cross_fitted_ece,
-    ece_by_position,
-    fit_calibration,
-)
-from hpc.model.isotonic import EPS, fit_isotonic, isotonic_chance, isotonic_logit
 
 
 def test_pool_adjacent_violators_by_hand():
@@ -93,7 +85,7 @@ def test_an_s_shaped_head_gets_an_isotonic_map_that_a_held_out_half_confirms():
     for k in (0, 1):
         assert crossed["greedy"][k][0] < 0.03 < platt_only["greedy"][k][0], (crossed, platt_only)
     # Where the Platt map is right (a linear distortion of the logit), it stays.
-    from tests.model.test_calibrate import synthetic_slots
+    from tests.calibration.test_fit import synthetic_slots
 
     a, b = synthetic_slots(seed=1), synthetic_slots(seed=2)
     assert fit_calibration(concat_slots([a, b]), halves=(a, b)).isotonic["sampling"] == {}

@@ -1,0 +1,1 @@
+"""The training data: sources, tokenising, the draft vocab, regeneration by the target, calibration rows."""
