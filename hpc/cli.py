@@ -83,7 +83,7 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
     try:
         return int(args.func(args) or 0)
     except UserError as err:
-        from hpc.config.secrets import scrub
+        from hpc.config.secrets import scrub  # only when an error is printed: omegaconf stays out of startup
 
         for line in scrub(str(err)).splitlines() or [type(err).__name__]:
             print(f"error: {line}", file=sys.stderr)
@@ -95,7 +95,7 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
         sys.stderr.close()
         return 0
     except Exception:
-        from hpc.config.secrets import scrubbed_traceback
+        from hpc.config.secrets import scrubbed_traceback  # only for a bug: omegaconf stays out of startup
 
         print(scrubbed_traceback(), end="", file=sys.stderr)  # a bug's traceback, for whoever debugs it
         return 1

@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -140,8 +141,6 @@ def unsafe_ancestor(path: str | Path) -> str | None:
     """Why another user could swap `path` (or what it will hold) from under us, or None: a
     directory on its way from / that is not root's or ours, or that others may write without
     the sticky bit (they may rename what is in it, ours too). Only existing directories count."""
-    import stat
-
     me = os.geteuid()
     for d in [*reversed(Path(os.path.abspath(path)).parents), Path(os.path.abspath(path))]:
         try:

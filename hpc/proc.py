@@ -15,9 +15,11 @@ last lines, which is where the cause is.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+import psutil
+
+from hpc import proc_guard
 from hpc.errors import UserError
 
 
@@ -37,11 +42,6 @@ def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None =
     It runs under `hpc/proc_guard.py`, which takes the session down, removes `cleanup` and
     sweeps /dev/shm if this process dies first (a SIGKILL runs no handler of ours), with `grace`
     seconds between SIGTERM and SIGKILL, as `stop_group` gives."""
-    import json
-    import sys
-
-    from hpc import proc_guard
-
     guard = [sys.executable, "-I", proc_guard.__file__, str(os.getpid()), str(grace),
              json.dumps([str(p) for p in cleanup]),
              "--", *map(str, cmd)]
@@ -78,8 +78,6 @@ def signal_group(pgid: int, sig: int) -> None:
 def group_alive(pgid: int) -> bool:
     """Any live (non-zombie) process in the group? `kill -0` says yes to zombies that a slow
     init has not reaped yet, so ask each process its state."""
-    import psutil
-
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:

@@ -26,15 +26,30 @@ ablation measures the recipe, not the cluster. `--quick` checks the plumbing onl
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc.calibration.report import perfect_head_eces, position_report, reached, survival
+from hpc.config import load_config, resolve, to_object
 from hpc.config.schema import DSparkConfig, TrackingConfig
+from hpc.config.target import localize
 from hpc.errors import UserError
+from hpc.evaluate.benchmarks import load_benchmark
+from hpc.evaluate.engines import ReferenceEngine
+from hpc.evaluate.harness import chat_ids
+from hpc.evaluate.runner import evaluate
+from hpc.launch.stages import regenerate_stage
 from hpc.tables import text_table
+from hpc.track.keys import DRAFT
+from hpc.track.pipeline import create_child_run, create_pipeline_run, ends
+from hpc.track.plots import loss_curves_png, per_position_png
+from hpc_dev.demo import DEMO_LR
+from hpc_dev.toy import build_toy_target
+from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
 
 if TYPE_CHECKING:
     from hpc.calibration.stage import Fitted
@@ -75,18 +90,12 @@ def check_budget(steps: int) -> None:
 
 
 def _resolve(config: str, overrides: list[str]):
-    from hpc.config import resolve
-
     return resolve(config, overrides, check_tracking=False)
 
 
 def _toy_overrides(out: Path, rows: int) -> list[str]:
     """The demo's setting: the toy target (built or cached), conversations drawn from its corpus,
     and the demo's learning rate (the toy recipe's 1e-3 suits longer runs)."""
-    from hpc_dev.demo import DEMO_LR
-    from hpc_dev.toy import build_toy_target
-    from hpc_dev.toy_data import write_toy_conversations
-
     target = build_toy_target(arch="qwen3", seed=0)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=rows, seed=1)
     return [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",
@@ -94,10 +103,9 @@ def _toy_overrides(out: Path, rows: int) -> list[str]:
 
 
 def train_variant(config: str, overrides: list[str], name: str, out: Path, steps: int) -> Trained:
-    from hpc.config.target import localize
-    from hpc.model.export import export_draft, load_draft
-    from hpc.verifier.target_files import architectures
-    from hpc_dev.offline import train_in_process
+    from hpc.model.export import export_draft, load_draft  # safetensors, torch: loaded only on this path
+    from hpc.verifier.target_files import architectures  # safetensors, torch: loaded only on this path
+    from hpc_dev.offline import train_in_process  # safetensors, torch: loaded only on this path
 
     cfg = localize(_resolve(config, [*overrides, *VARIANTS[name], f"train.output_dir={out / name}"]))
     t = Trained(name, out / name / "export")
@@ -161,15 +169,10 @@ def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS),
     the evaluation, over every prompt the benchmarks ship, its confidence read as `confidence`
     (eval.confidence) says. The evaluation's few rows per benchmark leave too few slots at any
     position to tell ECE from its noise floor against 0.05."""
-    import copy
+    import torch  # torch: loaded only on this path
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: loaded only on this path
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hpc.evaluate.benchmarks import load_benchmark
-    from hpc.evaluate.engines import ReferenceEngine
-    from hpc.evaluate.harness import chat_ids
-    from hpc.model.export import load_draft
+    from hpc.model.export import load_draft  # safetensors, torch: loaded only on this path
 
     every = copy.deepcopy(cfg.eval)
     every.rows = None  # each manifest's own count
@@ -190,8 +193,6 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
                       fitted_on: str = "held-out rows", reading: str = "side_file") -> tuple[list[str], dict[str, float]]:
     """ECE per position of `label`'s confidences at n, scored where greedy decoding read them;
     `reading` (eval.confidence) names how they were read, and prefixes the metrics of `served`."""
-    from hpc.calibration.report import position_report, reached, survival
-
     if not steps:
         return [], {}
     how = {"served": "the served head, its fold fitted", "side_file": "the side file's maps, fitted"}[reading]
@@ -223,8 +224,6 @@ def calibration_lines(steps: list, where: str, label: str = "DSpark", n: int = m
 
 def _judged(ece: float, confs: list[float], what: str) -> tuple[float, str]:
     """(the floor, the verdict) of one ECE against the goal."""
-    from hpc.calibration.report import perfect_head_eces
-
     null = perfect_head_eces(confs)
     floor, q95 = sum(null) / len(null), null[int(0.95 * (len(null) - 1))]
     if floor < ECE_GOAL:
@@ -238,7 +237,7 @@ def judged_lines(fitted: Fitted | None) -> tuple[list[str], dict[str, float]]:
     """The goal judged per position on the calibration rows, each half scored by the map fitted
     on the other (the calibrate stage's figure): there the slot counts can tell 0.05 from noise,
     which the benchmarks' few prompts cannot past position 2."""
-    from hpc.calibration.stage import metrics
+    from hpc.calibration.stage import metrics  # safetensors, torch: loaded only on this path
 
     if fitted is None or fitted.ece is None:
         return [], {}
@@ -286,9 +285,6 @@ def per_position(results: dict, n: int) -> dict[str, list[float]]:
 def bench_overrides(args: argparse.Namespace, out: Path) -> list[str]:
     """The config overrides every draft trains and evaluates with; the bench's own defaults come
     first, so an explicit setting (the user's, --quick's) wins."""
-    from hpc.config import load_config, to_object
-    from hpc_dev.toy_data import calibration_overrides
-
     base = [*(QUICK if args.quick else []), *args.overrides]
     overrides = [*(_toy_overrides(out, args.rows) if args.toy else []), *base]
     if args.toy:  # benchmark rows no evaluation reads (--quick does not regenerate: it holds rows out)
@@ -314,7 +310,6 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
           flush=True)
     client, parent = _parent_run(cfg, steps, args.quick)
-    from hpc.track.pipeline import ends
 
     with ends(client, parent, "bench acceptance"):  # a failure must not leave it RUNNING
         _bench(args, cfg, overrides, client, parent, out, steps, t0)
@@ -324,11 +319,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], client, parent: str, out: Path,
            steps: int, t0: float) -> None:
-    from hpc.evaluate.runner import evaluate
-
     if cfg.data.regenerate:
-        from hpc.launch.stages import regenerate_stage
-
         regenerate_stage(cfg, parent, local=True)  # one on-policy dataset for all three
     trained = []
     for name in VARIANTS:
@@ -356,7 +347,7 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
             cal_lines, cal_metrics = [*cal_lines, *more_lines], {**cal_metrics, **more_metrics}
     print("\n".join(["", *cal_lines]) if cal_lines else "")
     if by["DSpark"].export.joinpath("config.json").is_file() and cfg.draft.enable_confidence_head:
-        from hpc.evaluate.adaptive_job import evaluate_adaptive
+        from hpc.evaluate.adaptive_job import evaluate_adaptive  # safetensors, torch: loaded only on this path
 
         print(f"\n[{time.monotonic() - t0:5.0f}s] adaptive verification at R={list(eval_cfg.eval.adaptive_concurrency)}, "
               "every benchmark prompt", flush=True)
@@ -371,9 +362,7 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
 
 
 def _parent_run(cfg: DSparkConfig, steps: int, quick: bool):
-    from mlflow.tracking import MlflowClient
-
-    from hpc.track.pipeline import create_pipeline_run
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     client = MlflowClient(cfg.tracking.uri)
     parent = create_pipeline_run(client, cfg, f"{cfg.name}-bench-acceptance",
@@ -383,10 +372,7 @@ def _parent_run(cfg: DSparkConfig, steps: int, quick: bool):
 
 
 def _log_variant(client, tracking: TrackingConfig, parent: str, t: Trained) -> None:
-    from mlflow.entities import Metric
-
-    from hpc.track.keys import DRAFT
-    from hpc.track.pipeline import create_child_run
+    from mlflow.entities import Metric  # mlflow: loaded only on this path
 
     run = create_child_run(client, tracking.experiment, parent, f"train-{t.name}", {DRAFT: t.name})
     now = int(time.time() * 1000)
@@ -398,8 +384,6 @@ def _log_variant(client, tracking: TrackingConfig, parent: str, t: Trained) -> N
 
 
 def _figures(out: Path, trained: list[Trained], results: dict) -> list[Path]:
-    from hpc.track.plots import loss_curves_png, per_position_png
-
     pngs = [loss_curves_png({t.name: t.losses for t in trained}, out / "loss_curves.png", "equal-budget")]
     for n in NS:
         pngs.append(per_position_png(per_position(results, n), out / f"per_position_n{n}.png",

@@ -68,6 +68,7 @@ def packed_row(c: dict, g: torch.Generator) -> PackedRow:
 
 
 def load_theirs(export: Path, attn: str):
+    # speculators: loaded only on this path
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     cfg = DSparkSpeculatorConfig.from_pretrained(str(export))
@@ -76,7 +77,7 @@ def load_theirs(export: Path, attn: str):
 
 
 def build(c: dict, tmp: Path) -> tuple[Callable[[], None], Callable[[], None], dict]:
-    from speculators.losses import eager, resolve_loss_config
+    from speculators.losses import eager, resolve_loss_config  # speculators: loaded only on this path
 
     g = torch.Generator().manual_seed(0)
     export = export_draft(random_draft(draft_args(c), g), tmp / "draft")

@@ -14,6 +14,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from hpc.config.schema import VerifierConfig
+from hpc.tables import text_table
+from hpc.verifier.vllm_env import ensure_vllm_venv
+from hpc_dev.toy import build_toy_target
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target directory (default: the cached CPU toy target)")
@@ -35,21 +40,15 @@ def _level(verifier, prompts: list[list[int]], concurrency: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    import torch  # torch: loaded only on this path
 
-    from hpc.config.schema import VerifierConfig
-    from hpc.tables import text_table
-    from hpc.verifier.target_files import text_config
-    from hpc.verifier.vllm_backend import VLLMVerifier
+    from hpc.verifier.target_files import text_config  # safetensors, torch: loaded only on this path
+    from hpc.verifier.vllm_backend import VLLMVerifier  # safetensors, torch: loaded only on this path
 
     model, python = args.model, args.python
     if model is None:
-        from hpc_dev.toy import build_toy_target
-
         model = str(build_toy_target(arch="qwen3"))
     if python is None:
-        from hpc.verifier.vllm_env import ensure_vllm_venv
-
         python = str(ensure_vllm_venv())
     levels = [int(x) for x in args.levels.split(",")]
     cfg = VerifierConfig(model=model, python=python, trust_remote_code=False,

@@ -13,7 +13,14 @@ import argparse
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from hpc.config import resolve, to_yaml
 from hpc.errors import UserError
+from hpc.launch.stage_table import jobs, stage
+from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
+from hpc_dev.toy import build_toy_target
+from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
 
 DEMO_LR = 3e-3
 
@@ -21,9 +28,6 @@ DEMO_LR = 3e-3
 def demo_stage(stage_name: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
     """One stage in a submitit local job (its own process, like a Slurm job): the entry the
     pipeline's Slurm job runs, in its one-machine form (`local=True`)."""
-    from hpc.config import resolve
-    from hpc.launch.stage_table import stage
-
     cfg = resolve(config_file, [], check_tracking=False)
     code = stage(stage_name).entry(cfg, parent_run_id, n, True)
     if code:
@@ -32,15 +36,8 @@ def demo_stage(stage_name: str, config_file: str, parent_run_id: str, n: int | N
 
 
 def run(args: argparse.Namespace) -> int:
-    import submitit
-    from mlflow.tracking import MlflowClient
-    from omegaconf import OmegaConf
-
-    from hpc.config import resolve, to_yaml
-    from hpc.launch.stage_table import jobs
-    from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
-    from hpc_dev.toy import build_toy_target
-    from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
+    import submitit  # submitit: loaded only on this path
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()

@@ -15,7 +15,10 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import psutil
+
 from hpc.errors import UserError
+from hpc.fsio import unsafe_ancestor, write_text
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,6 @@ def process_alive(pid: int) -> bool:
 
     `kill -0` is not enough: PID 1 on these hosts reaps late and a zombie still answers it.
     """
-    import psutil
-
     try:
         return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.Error:
@@ -62,8 +63,6 @@ def process_alive(pid: int) -> bool:
 def comm_of(pid: int) -> str:
     """The process's name (/proc/PID/comm; psutil completes it from argv only past 15 characters,
     longer than any daemon name we compare it with)."""
-    import psutil
-
     try:
         return psutil.Process(pid).name()
     except psutil.Error:
@@ -147,8 +146,6 @@ def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts"),
     with hosts.open("a") as fh:  # marked, so `down` can take it out again
         fh.write(f"{sep}127.0.0.1 {' '.join(missing)}  {HOSTS_MARK}\n")
     if state_dir is not None:
-        from hpc.fsio import write_text
-
         write_text(state_dir / HOSTS_ADDED, f"{hosts}\n")
     return True
 
@@ -179,8 +176,6 @@ STATE_DIR_MODE = 0o711  # munged insists that everyone may traverse to its socke
 def secure_state_dir(root: Path) -> None:
     """`root` as a directory of ours, 0711 and not a link; refuse one someone else made, or one
     under a directory another user could swap it from (root later deletes under it)."""
-    from hpc.fsio import unsafe_ancestor
-
     if (why := unsafe_ancestor(root.parent)) is not None:
         raise UserError(f"devcluster: {why}; pass --dir a directory under one of your own")
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +208,6 @@ def fake_device(path: Path) -> None:
 def daemon_is_ours(pid: int, comm: str, root: Path, slurm_conf: Path) -> bool:
     """The process runs as us, has the daemon's name, and was started for this state dir (its
     command line names the dir, or its SLURM_CONF is ours). A name alone is not enough."""
-    import psutil
-
     try:
         proc = psutil.Process(pid)
         if proc.name() != comm or proc.uids().effective != os.geteuid():
@@ -239,8 +232,6 @@ DEVCLUSTER_ENV = "DSPARK_DEVCLUSTER"  # in the environment of every daemon a dev
 def _started_by_a_devcluster(proc) -> bool:
     """`proc` or one of its ancestors carries DEVCLUSTER_ENV (a slurmd forks short-lived
     children for its RPCs; the daemon itself carries the environment we gave it)."""
-    import psutil
-
     while proc is not None and proc.pid > 1:
         try:
             if DEVCLUSTER_ENV in proc.environ():
@@ -254,8 +245,6 @@ def _started_by_a_devcluster(proc) -> bool:
 def real_slurm_present() -> str | None:
     """What shows that this host runs a real Slurm (a config in /etc, or Slurm daemons that no
     dev cluster started), or None."""
-    import psutil
-
     for conf in REAL_SLURM_CONFS:
         if conf.exists():
             return str(conf)

@@ -7,17 +7,34 @@ Only torch is needed (a bare GPU image has it): gpu-check imports this from the 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from hpc.config.verifier_gpu import CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, NCCL_PEER_BYTES
+from hpc.dist import rules
+from hpc.dist.planes import Planes, init_planes
+from hpc.dist.rendezvous import new_secret
+from hpc.dist.rules import Message, NCCLRuleError
+from hpc.dist.streams import RecvStream
+from hpc.stream.protocol import BufferPool
+from hpc.stream.sample import Capture
+from hpc.stream.sender import SampleSender
+from hpc.verifier.capture_copy import HostCopier, gather_blocks
 
 GB = 1e9
 
@@ -56,15 +73,6 @@ def _free_port() -> int:
 
 # -- 3. the planes of a one-rank world ----------------------------------------------------------
 def check_planes(dev: torch.device) -> Row:
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    from hpc.dist import rules
-    from hpc.dist.planes import init_planes
-    from hpc.dist.rendezvous import new_secret
-    from hpc.dist.rules import Message, NCCLRuleError
-    from hpc.dist.streams import RecvStream
-
     os.environ[rules.ENV] = "1"
     os.environ.pop(rules.LOG_ENV, None)  # the violation below is on purpose: keep it out of any test log
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -128,11 +136,6 @@ def check_stream_pool(dev: torch.device) -> Row:
     """A buffer the trainer released is received into on the receive thread's stream: that must
     wait for the trainer's copy out of it (pack) on the default stream. A slow kernel ahead of
     the pack makes a missing wait show as a corrupted pack."""
-    import threading
-
-    from hpc.stream.protocol import BufferPool
-    from hpc.stream.sample import Capture  # noqa: F401 - named in the cast
-
     pool = BufferPool(dev)
     n, rounds, bad = 1 << 22, 8, 0
     for r in range(rounds):
@@ -166,8 +169,6 @@ def check_stream_pool(dev: torch.device) -> Row:
 
 # -- 5. the capture connector's copy ------------------------------------------------------------
 def check_capture_copy(dev: torch.device, d: dict) -> Row:
-    from hpc.verifier.capture_copy import HostCopier, gather_blocks
-
     T, n_ids, H, bs = d["cache_tokens"], 4, d["hidden"], 16
     n_blocks = math.ceil(T / bs)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -261,12 +262,6 @@ print(json.dumps({"context": ctx, "comm": comm}))
 def check_streamer_footprint(dev: torch.device) -> Row:
     """A fresh process's CUDA context and a one-rank NCCL communicator with a p2p connection,
     read from NVML, against what `dspark plan` counts for the streamer beside vLLM."""
-    import json
-    import subprocess
-    import sys
-
-    from hpc.config.verifier_gpu import CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, NCCL_PEER_BYTES
-
     proc = subprocess.run([sys.executable, "-c", _FOOTPRINT, str(dev.index or 0), str(_free_port())],
                           capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
@@ -284,10 +279,6 @@ def check_stream_staging(dev: torch.device, d: dict) -> Row:
     """hpc.stream.sender stages a sample: cast into pinned host memory, copied to the device on a
     side stream (non_blocking), which the sends then wait on. The device copy must be the
     capture, byte for byte; figures against a blocking copy from pageable memory."""
-    from hpc.dist.planes import Planes
-    from hpc.stream.sample import Capture
-    from hpc.stream.sender import SampleSender
-
     T, A, H, dtype = d["cache_tokens"], 3, d["hidden"], torch.bfloat16
     g = torch.Generator().manual_seed(2)
     cap = Capture.from_states(0, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),

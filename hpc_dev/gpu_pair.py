@@ -17,8 +17,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from hpc.dist.planes import init_planes, rank_device
+from hpc.dist.rendezvous import new_secret
+from hpc.launch.plan import capacity_plan
+from hpc.net import free_port
+from hpc.stream import stream_bench as bench
 from hpc_dev.gpu_checks import Row, sync
+from hpc_dev.gpu_trainer import build_trainer, config_for, receive_pool, sample
 
 STREAM_RATIO_GOAL = 0.9  # issue 28's goal for the stream against a raw send, and data-wait below
 STREAM_WAIT_GOAL = 0.05
@@ -28,10 +35,6 @@ MEMORY_TOLERANCE = 0.15  # as the one-GPU train-step rows: the plan's per-GPU fi
 
 def _ddp_rank(rank: int, d: dict, dev_type: str, port: int, secret: str, out: str) -> None:
     """One trainer of two: a few DDP steps on this rank's own samples, then the weights' digest."""
-    from hpc.dist.planes import init_planes, rank_device
-    from hpc.launch.plan import capacity_plan
-    from hpc_dev.gpu_trainer import build_trainer, config_for, receive_pool, sample
-
     torch.set_num_threads(1)
     device = rank_device(dev_type, local=rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -84,11 +87,6 @@ def _digest(model: torch.nn.Module) -> list[float]:
 
 
 def check_ddp_pair(d: dict, dev: torch.device) -> Row:
-    import torch.multiprocessing as mp
-
-    from hpc.dist.rendezvous import new_secret
-    from hpc.net import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "ddp")
         mp.start_processes(_ddp_rank, args=(d, dev.type, free_port(), new_secret(), out), nprocs=2,
@@ -117,8 +115,6 @@ def check_ddp_pair(d: dict, dev: torch.device) -> Row:
 
 def check_stream_pair(dev: torch.device, small: bool) -> Row:
     """The stream over two ranks' data plane against a raw send of the same bytes (medians)."""
-    from hpc.stream import stream_bench as bench
-
     p = argparse.ArgumentParser()
     bench.add_args(p)
     backend = "nccl" if dev.type == "cuda" else "gloo"

@@ -9,10 +9,15 @@ from pathlib import Path
 
 import torch
 
+from hpc.config.schema import DSparkConfig
+from hpc.config.verifier_gpu import DTYPE_BYTES, stream_dtype_name
+from hpc.launch.plan import IDS_BYTES_PER_TOKEN
+from hpc.model.dspark import DSparkDraft
+from hpc.stream.protocol import BufferPool
+from hpc.stream.sample import Capture, MicroBatch
+
 
 def config_for(d: dict, seq: int):
-    from hpc.config.schema import DSparkConfig
-
     cfg = DSparkConfig()
     cfg.draft.hidden_size, cfg.draft.num_hidden_layers = d["hidden"], d["layers"]
     cfg.draft.num_attention_heads, cfg.draft.num_key_value_heads = d["heads"], d["kv_heads"]
@@ -33,9 +38,8 @@ def config_for(d: dict, seq: int):
 
 
 def build_trainer(d: dict, dev: torch.device, out: Path, planes=None):
-    from hpc.model.dspark import DSparkDraft
-    from hpc.model.teacher import VerifierHead
-    from hpc.train.trainer import Trainer
+    from hpc.model.teacher import VerifierHead  # safetensors: loaded only on this path
+    from hpc.train.trainer import Trainer  # safetensors: loaded only on this path
 
     cfg = config_for(d, d["steps"][0][0])
     if dev.type == "cpu":
@@ -53,8 +57,6 @@ def build_trainer(d: dict, dev: torch.device, out: Path, planes=None):
 
 
 def sample(d: dict, seq: int, dev: torch.device, dtype: torch.dtype, i: int):
-    from hpc.stream.sample import Capture, MicroBatch
-
     g = torch.Generator().manual_seed(i)
     ids = torch.randint(0, d["target_vocab"] - 1, (seq,), generator=g)
     mask = torch.ones(seq, dtype=torch.long)
@@ -66,10 +68,6 @@ def sample(d: dict, seq: int, dev: torch.device, dtype: torch.dtype, i: int):
 def receive_pool(cfg, dev: torch.device) -> list[torch.Tensor]:
     """The receive pool as `dspark plan` counts it, held through the steps: the streamers'
     credited buffers, each grown to the longest sample (the step's own sample is the one packed)."""
-    from hpc.config.verifier_gpu import DTYPE_BYTES, stream_dtype_name
-    from hpc.launch.plan import IDS_BYTES_PER_TOKEN
-    from hpc.stream.protocol import BufferPool
-
     streamers = cfg.cluster.verifier_nodes
     shares = -(-cfg.stream.buffer_per_trainer // streamers) * streamers
     tok = (len(cfg.verifier.aux_layer_ids) + 1) * cfg.verifier.hidden_size * DTYPE_BYTES[stream_dtype_name(cfg)]

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc.calibration.stage import fit_held_out, format_fitted
 from hpc.config.schema import DSparkConfig
 from hpc.data.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
 from hpc.errors import UserError
+from hpc.model.export import as_served
 from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.epochs import local_micro_batches
 from hpc.train.trainer import Trainer
@@ -54,9 +56,6 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
         else (held_out, "held-out rows")
     if cal_rows:
-        from hpc.calibration.stage import fit_held_out, format_fitted
-        from hpc.model.export import as_served
-
         # Fitted on the weights the export serves, as the calibrate stage fits on the export.
         fitted = fit_held_out(as_served(model), head, verifier.capture, cal_rows, quiet=True, where=where,
                               ns=cfg.eval.num_speculative_tokens, fold=cfg.eval.fold.value)

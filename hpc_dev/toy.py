@@ -22,8 +22,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from hpc.fsio import replace_dir
 from hpc_dev.toy_config import ToyConfig
+from hpc_dev.toy_corpus import exchanges, split
 
 # Kimi-style chat markers, so chat-template code written against the toy also fits the real target.
 PAD, SYSTEM, USER, ASSISTANT, MIDDLE, END, MASK = (
@@ -54,8 +57,7 @@ def chat_texts(tok, pairs) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE (any byte string encodes) with the chat markers and mask token reserved."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # transformers: loaded only on this path
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -80,7 +82,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 def make_model(cfg: ToyConfig, tok):
     """A freshly initialised HF model for cfg; the caller seeds torch first."""
-    import transformers
+    import transformers  # transformers: loaded only on this path
 
     common = dict(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -117,7 +119,7 @@ def default_cache_dir() -> Path:
 def build_key(cfg: ToyConfig) -> str:
     """A hash of the config, the key packages, the corpus sources and the build's own code:
     cheap to compute (no corpus parsing), so a cache hit returns at once."""
-    from hpc_dev import toy_config, toy_corpus, toy_train
+    from hpc_dev import toy_config, toy_corpus, toy_train  # torch: loaded only on this path
 
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
@@ -135,10 +137,9 @@ HELD_OUT = "held_out.jsonl"  # the exchanges training never saw: the report's pe
 
 
 def _build_into(cfg: ToyConfig, pairs: list, out: Path, progress: bool) -> dict:
-    import torch
+    import torch  # torch: loaded only on this path
 
-    from hpc_dev.toy_corpus import split
-    from hpc_dev.toy_train import greedy_sample, train
+    from hpc_dev.toy_train import greedy_sample, train  # torch: loaded only on this path
 
     train_pairs, held_out = split(pairs)
     tok = train_tokenizer([f"{q}\n{a}" for q, a in train_pairs], cfg.vocab_size)
@@ -177,8 +178,6 @@ def build_toy_target(
     With ``out_dir`` the cached directory is copied there and ``out_dir`` is returned;
     otherwise the cache path itself is returned (treat it as read-only).
     """
-    from hpc_dev.toy_corpus import exchanges
-
     cfg = config or ToyConfig.preset(arch, seed, steps)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     entry = root / "toy" / f"{cfg.arch}-{build_key(cfg)}"

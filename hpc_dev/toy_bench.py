@@ -4,6 +4,11 @@ and the warm (cached) call beside it."""
 from __future__ import annotations
 
 import argparse
+import tempfile
+import time
+
+from hpc_dev.toy import build_toy_target
+from hpc_dev.toy_config import ARCHS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -13,12 +18,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Cold build of both toy targets into an empty cache, then the warm (cached) peer call."""
-    import tempfile
-    import time
-
-    from hpc_dev.toy import build_toy_target
-    from hpc_dev.toy_config import ARCHS
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="dspark-bench-toy-") as cache:
         for arch in ARCHS:

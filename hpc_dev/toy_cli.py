@@ -6,7 +6,10 @@ import argparse
 import time
 from pathlib import Path
 
+from hpc_dev.toy import build_info, build_toy_target
 from hpc_dev.toy_config import ARCHS
+from hpc_dev.toy_data import write_toy_conversations
+from hpc_dev.toy_report import format_report, report
 
 
 def register(subparsers) -> None:
@@ -30,8 +33,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_dev.toy import build_info, build_toy_target
-
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
     for arch in archs:
         out = None
@@ -46,12 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  final loss {info['final_loss']:.3f}, vocab {info['vocab_size']}, mask id {info['mask_token_id']}")
         print(f"  greedy: {info['greedy_sample']!r}")
         if args.report:
-            from hpc_dev.toy_report import format_report, report
-
             print(format_report(report(path)))
     if args.out is not None and args.arch == "all":
-        from hpc_dev.toy_data import write_toy_conversations
-
         data = write_toy_conversations(args.out / "data" / "train.jsonl", n=args.conversations, seed=args.seed)
         print(f"data: {data}  ({args.conversations} conversations about the stdlib, answered by its docs)")
     return 0

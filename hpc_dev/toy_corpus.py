@@ -19,6 +19,7 @@ out: the build reports perplexity on it, and the training never sees it.
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 import sysconfig
 import zlib
@@ -74,8 +75,6 @@ def source_files(stdlib: Path) -> list[Path]:
 
 def fingerprint() -> bytes:
     """Everything the corpus is made from (sources and these rules), without parsing it."""
-    import hashlib
-
     h = hashlib.sha256(Path(__file__).read_bytes())
     stdlib = stdlib_dir()
     for path in source_files(stdlib):

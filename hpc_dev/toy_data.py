@@ -11,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+from hpc.config import load_config, to_object
+from hpc.data.calibration_set import write_calibration_set
 from hpc.fsio import write_text
 from hpc_dev.toy_corpus import exchanges, split
 
@@ -67,9 +69,6 @@ def calibration_overrides(config: str, out: Path, overrides: list[str], traffic:
     set, as a deployment adds a sample of its own traffic: the benchmarks spare 74 rows, too few
     to fit or judge a map past position 3 (on them 19 slots reached position 4, none position 6;
     3,000 traffic rows gave 772 at position 7)."""
-    from hpc.config import load_config, to_object
-    from hpc.data.calibration_set import write_calibration_set
-
     cfg = to_object(load_config(config, overrides))
     if not cfg.data.regenerate or cfg.data.calibration_sources:
         return []

@@ -16,6 +16,10 @@ import math
 import statistics
 from pathlib import Path
 
+from hpc.config.schema import BENCHMARKS, EvalConfig
+from hpc.evaluate.benchmarks import load_benchmark
+from hpc.evaluate.harness import chat_ids
+
 GOALS = {"distinct": 0.4, "lookup": 0.4, "run": 8}
 
 
@@ -47,7 +51,7 @@ def output_figures(prompt: list[int], out: list[int]) -> dict:
 
 
 def held_out_perplexity(model, tok, model_dir: Path, limit: int = 200) -> float | None:
-    import torch
+    import torch  # torch: loaded only on this path
 
     path = model_dir / "held_out.jsonl"
     if not path.is_file():
@@ -65,12 +69,8 @@ def held_out_perplexity(model, tok, model_dir: Path, limit: int = 200) -> float 
 
 
 def report(model_dir: str | Path, max_new_tokens: int = 128, benchmarks: list[str] | None = None) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hpc.config.schema import BENCHMARKS, EvalConfig
-    from hpc.evaluate.benchmarks import load_benchmark
-    from hpc.evaluate.harness import chat_ids
+    import torch  # torch: loaded only on this path
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: loaded only on this path
 
     model_dir = Path(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 if TYPE_CHECKING:
     from hpc_dev.toy_config import ToyConfig
@@ -71,8 +72,6 @@ def objective(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, special_V: torch.T
 
 def train(model, tok, texts: list[str], cfg: ToyConfig, progress: bool = False) -> float:
     """Train in place; return the mean cross-entropy over the last few steps (nan for steps=0)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     stream = token_stream(tok, texts)
     special_V = torch.zeros(len(tok), dtype=torch.bool)
     special_V[tok.all_special_ids] = True

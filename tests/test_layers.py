@@ -269,3 +269,53 @@ def test_the_name_check_finds_a_shared_name(tmp_path):
     finally:
         ROOT = saved
     assert found == {"cli": ["hpc.model.cli", "hpc.train.cli"]}
+
+
+def unexplained_lazy_imports(top: str) -> list[str]:
+    """Imports inside a function with no comment saying why: on the line, or on a comment line
+    right above it or above the block of imports it opens with."""
+    found = []
+    for path, _ in _modules(top):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                i = node.lineno - 1
+                said = any("#" in lines[j] for j in range(i, node.end_lineno))
+                while not said and i > 0:
+                    above = lines[i - 1].strip()
+                    if above.startswith("#"):
+                        said = True
+                    elif above.startswith(("import ", "from ")):
+                        i -= 1
+                        continue
+                    break
+                if not said:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def test_every_import_left_inside_a_function_says_why():
+    """A module's header shows what it depends on: an import stays inside a function only to keep
+    a heavy or optional dependency off the paths that do not need it, and its comment says which."""
+    assert unexplained_lazy_imports("hpc") == [] and unexplained_lazy_imports("hpc_dev") == []
+
+
+def test_the_lazy_import_check_wants_a_reason(tmp_path):
+    (tmp_path / "hpc").mkdir()
+    (tmp_path / "hpc" / "m.py").write_text(
+        "def a():\n    import torch\n"
+        "def b():\n    import mlflow  # seconds to import\n"
+        "def c():\n    # torch and safetensors: not on the login node\n"
+        "    import torch\n    from safetensors import safe_open\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = unexplained_lazy_imports("hpc")
+    finally:
+        ROOT = saved
+    assert found == ["hpc/m.py:2: import torch"]

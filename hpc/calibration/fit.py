@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from hpc.calibration.maps import MODES, Calibration, fit_isotonic, isotonic_chance
 from hpc.model import metrics as M
+from hpc.model.blocks import select_anchors
 from hpc.model.dspark import DSparkDraft
 
 # A position with fewer (effective) held-out slots than this shares the pooled map: a two-parameter
@@ -61,8 +62,7 @@ def held_out_slots(model: DSparkDraft, rows: Iterable, head, max_anchors: int = 
     0.43 over the anchors decoding drafted at. The weights are exact for greedy decoding at
     n = block_size (less one without sample_from_anchor); a narrower block's slots attend to
     fewer mask slots, so its drafts differ a little from these teacher-forced ones."""
-    from hpc.model.blocks import select_anchors
-    from hpc.model.loss import block_outputs
+    from hpc.model.loss import block_outputs  # safetensors: loaded only on this path
 
     a = model.args
     first = 0 if a.sample_from_anchor else 1

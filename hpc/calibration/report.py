@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpc.errors import UserError
 from hpc.tables import text_table
+from hpc.track.plots import _figure, _save
 
 Step = tuple[list[float], list[int]]
 THRESHOLDS = [round(0.05 * j, 2) for j in range(1, 20)]  # 0.05 .. 0.95
@@ -195,8 +196,6 @@ def format_report(report: dict) -> str:
 def calibration_png(report: dict, path: str | Path) -> Path:
     """A reliability diagram per drafted position: accuracy per confidence bin against the
     diagonal (bars), and the survival's (the product of slots 1..k) as a line."""
-    from hpc.track.plots import _figure, _save
-
     plt = _figure()
     positions = report["positions"]
     cols = min(4, len(positions))

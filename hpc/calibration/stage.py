@@ -26,14 +26,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hpc.calibration.fit import HeldOutSlots, concat_slots, cross_fitted, ece_by_position, held_out_slots
+from hpc.calibration.fit import (
+    HeldOutSlots,
+    calibrated,
+    concat_slots,
+    cross_fitted,
+    ece_by_position,
+    fit_calibration,
+    held_out_slots,
+    weighted_ece_floor,
+)
 from hpc.calibration.fold import FoldFit, fit_fold, survival_ece
+from hpc.calibration.maps import FILE as CALIBRATION
 from hpc.calibration.maps import MODES, Calibration
 from hpc.config.schema import DSparkConfig
-from hpc.errors import UserError
+from hpc.data.prepare import PREPARED, calibration_rows, load_prepared, split_held_out
+from hpc.dist.planes import rank_device
+from hpc.errors import UserError, VerifierDown
+from hpc.model.export import is_export, load_draft, refold_export
 from hpc.model.loss import PackedRow
+from hpc.model.teacher import target_head
+from hpc.stream.streamer import MAX_CONSECUTIVE_FAILURES
 from hpc.tables import text_table
+from hpc.train.trainer import autocast_dtype, pack
+from hpc.verifier.backend import make_capture
 
 CaptureFn = Callable[[int, list[int], list[int]], object]
 
@@ -59,10 +77,6 @@ class Fitted:
 
 def _packed(capture: CaptureFn, rows: dict, ids: list[int], device: torch.device,
             advance: Callable[[], None]) -> Iterator[PackedRow]:
-    from hpc.errors import VerifierDown
-    from hpc.stream.streamer import MAX_CONSECUTIVE_FAILURES  # the stream's rule for a broken verifier
-    from hpc.train.trainer import pack
-
     streak = 0
     for i in ids:
         advance()
@@ -97,10 +111,6 @@ def fit_held_out(model, head, capture: CaptureFn, rows: dict, device: torch.devi
     """Capture `rows`, fit on all of them, report ECE cross-fitted on their two halves. With `ns`
     (eval.num_speculative_tokens), slots weigh as decoding at those n reads them. `fold` (a mode,
     or "none") names the survival the map folded into the served head is fitted to."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from hpc.calibration.fit import calibrated, fit_calibration, weighted_ece_floor
-
     device = torch.device(device)
     model.eval()
     ns = decodable(model, ns)
@@ -209,8 +219,6 @@ def metrics(f: Fitted) -> dict[str, float]:
 def _calibration_rows(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
     """(rows, what they are): data.calibration_sources when set (the serving distribution), else
     the rows training held out; ({}, "") when there are none (said in one line)."""
-    from hpc.data.prepare import PREPARED, calibration_rows, load_prepared, split_held_out
-
     every = cfg.train.hold_out_every
     if cfg.data.calibration_sources:
         if every:
@@ -238,13 +246,6 @@ def _calibration_rows(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
 def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]:
     """Fit the calibration of train.output_dir/export on the calibration rows and store it there.
     Returns the metrics to log; {} when there is nothing to calibrate (said in one line)."""
-    from hpc.calibration.maps import FILE as CALIBRATION
-    from hpc.dist.planes import rank_device
-    from hpc.model.export import is_export, load_draft, refold_export
-    from hpc.model.teacher import target_head
-    from hpc.train.trainer import autocast_dtype
-    from hpc.verifier.backend import make_capture
-
     out = Path(cfg.train.output_dir)
     export = out / "export"
     if not is_export(export):

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hpc.config.secrets import shown
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow", ".safetensors", ".yaml")
 
@@ -27,8 +29,6 @@ class Checker:
         self.problems: list[str] = []
 
     def fail(self, key: str, value: Any, message: str) -> None:
-        from hpc.config.secrets import shown
-
         self.problems.append(f"{key} = {shown(key, value)!r}: {message}")  # error lines land in job logs too
 
     def positive(self, key: str, value: float, fix: str = "") -> None:

@@ -17,6 +17,9 @@ import datetime
 import os
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from croniter import croniter
+from croniter.croniter import CroniterBadDateError
+
 MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 # (name, low, high, names starting at `low`)
@@ -98,8 +101,6 @@ def next_run(cron: str, after: datetime.datetime) -> datetime.datetime:
     """The first time strictly after `after` (to the minute) at which `cron` fires. A naive
     `after` is this host's wall time, and so is the answer: what `sbatch --begin` reads."""
     # Here, not at the top: `dspark validate` checks schedule.cron with parse_cron alone.
-    from croniter import croniter
-    from croniter.croniter import CroniterBadDateError
 
     parse_cron(cron)
     start = after if after.tzinfo else after.replace(tzinfo=local_zone())

@@ -10,17 +10,20 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import itertools
 import math
 import re
+from dataclasses import is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import OmegaConfBaseException
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.secrets import scrub, shown
 from hpc.config.target import follow_target, written_keys
 from hpc.errors import ConfigError, UserError
 
@@ -111,8 +114,6 @@ def _drop_removed(full: str, value: Any, origin: str, problems: list[str]) -> An
 
 
 def _short(value: Any, key: str = "") -> str:
-    from hpc.config.secrets import scrub, shown
-
     text = scrub(repr(shown(key, value)))  # error lines land in job logs
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -183,8 +184,6 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 def _reason(err: OmegaConfBaseException, node: Any) -> str:
     """What the key takes, in our words: OmegaConf's own text names its internals."""
-    from omegaconf import ValueNode
-
     if isinstance(node, ValueNode):
         kind = node._metadata.ref_type
         if isinstance(kind, type) and issubclass(kind, Enum):
@@ -202,8 +201,6 @@ def _item_problems(full: str, value: Any, node: Any) -> list[str]:
     """The bad items of a list or free mapping that failed as a whole, each named by its own key
     (`data.sources[0].max_row`, `eval.num_speculative_tokens[1]`): "must be a list" about a list
     would send the user looking for the wrong mistake. [] when no single item is to blame."""
-    from dataclasses import is_dataclass
-
     if isinstance(node, ListConfig) and isinstance(value, list):
         items: list[tuple[str, Any]] = [(f"{full}[{i}]", v) for i, v in enumerate(value)]
     elif isinstance(node, DictConfig) and not _is_struct_section(node) and isinstance(value, dict):
@@ -386,8 +383,6 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
 
 def sweep_overrides(cfg: DictConfig) -> list[list[str]]:
     """One dotlist per sweep variant (the cartesian product); [[]] when there is no sweep."""
-    import itertools
-
     sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
     keys = sorted(sweep)
     combos = itertools.product(*(sweep[k] for k in keys))

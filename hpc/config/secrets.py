@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import traceback
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hpc.config.schema import DSparkConfig
@@ -105,8 +106,6 @@ def names_flag(arg: str, flags) -> str | None:
 def scrubbed_traceback() -> str:
     """The exception being handled, as a traceback with every URI's credentials masked: error
     texts (MLflow's, urllib's) quote request URLs, and tracebacks land in shared job logs."""
-    import traceback
-
     return scrub(traceback.format_exc())
 
 

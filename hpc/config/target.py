@@ -55,7 +55,7 @@ def resolve_target(model: str, revision: str | None = None, offline: bool | None
         return Path(model).expanduser()
     if not looks_like_hub_id(model):
         raise UserError(f"verifier.model = {model!r}: no such directory, and not a hub id (org/name)")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # huggingface_hub: loaded only on this path
 
     off = offline_mode(offline)
     try:

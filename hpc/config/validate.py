@@ -6,14 +6,21 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
+from hpc.config.inputs import check_leaves, check_names, check_repeats
 from hpc.config.schema import DRAFT_FROM_VERIFIER, DSparkConfig, FinalHidden
 from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.config.target import is_local, looks_like_hub_id
+from hpc.config.validate_eval import check_eval
+from hpc.config.validate_ops import check_extra_args, check_paths, check_plan, check_schedule
+from hpc.config.validate_ops import check_tracking as tracking_checks
 from hpc.config.validate_target import TargetShape, check_target, shape_once
+from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
+from hpc.config.vllm_support import support_problems
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -80,7 +87,6 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
                "or set verifier.allow_remote_host=true to expose them (API key still required)")
     if not 0 <= v.port <= 65535:
         c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
-    from hpc.config.validate_ops import check_extra_args
 
     check_extra_args(c, v.extra_args)
     # vLLM also answers the regeneration and serves the evaluation's baseline and third-party
@@ -124,8 +130,6 @@ def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: 
         c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({user}); "
                "point it at the venv vLLM is installed in (bin/python)")
     elif check_vllm and v.probe and v.backend.value == "vllm":
-        from hpc.config.vllm_support import support_problems
-
         values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
         for key, msg in support_problems(found, v.model, list(shape.architectures), cfg.draft.sample_from_anchor,
                                          cfg.eval.adaptive):
@@ -207,8 +211,6 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
 
 def _prompts_only(path: str) -> bool:
     """A local .jsonl whose first row has no assistant turn (one line read: cheap on a login node)."""
-    import json
-
     p = Path(path).expanduser()
     if p.suffix != ".jsonl" or not p.is_file():
         return False
@@ -318,8 +320,6 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
 
 def _check_verifier_gpu(c: Checker, cfg: DSparkConfig) -> None:
     """The streamer fits in what vLLM leaves of a verifier node's last GPU."""
-    from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
-
     if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
         return
     need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg)))
@@ -336,7 +336,7 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
     """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
     t = cfg.train
     if t.device.startswith("cuda"):
-        import torch
+        import torch  # torch: loaded only on this path
 
         if not torch.cuda.is_available():
             c.fail("train.device", t.device, "this machine has no CUDA device; use train.device=cpu "
@@ -347,11 +347,6 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
              check_vllm: bool = True, shapes: dict | None = None) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit. `shapes`: a
     dict shared by calls that validate variants of one config, so the target is read once."""
-    from hpc.config.inputs import check_leaves, check_names, check_repeats
-    from hpc.config.validate_eval import check_eval
-    from hpc.config.validate_ops import check_paths, check_plan, check_schedule
-    from hpc.config.validate_ops import check_tracking as tracking_checks
-
     c = Checker()
     check_leaves(cfg, c.fail)
     check_names(cfg, c.fail)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omegaconf import OmegaConf
+
+from hpc.config import resolve
+from hpc.config.secrets import redacted
+from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError
 
 
 def run(args: argparse.Namespace) -> int:
-    from omegaconf import OmegaConf
-
-    from hpc.config import resolve
-
     try:
         cfg = resolve(args.config, args.overrides, check_tracking=not args.offline)
     except ConfigError as err:
@@ -20,12 +21,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {line}", file=sys.stderr)
         print(f"{len(err.problems)} problem(s) in {args.config}", file=sys.stderr)
         return 2
-    from hpc.config.validate_ops import warn_advisories
 
     warn_advisories(cfg)
     if args.print:
-        from hpc.config.secrets import redacted
-
         print(OmegaConf.to_yaml(OmegaConf.structured(redacted(cfg))), end="")
     print(f"ok: {args.config} is valid ({cfg.name})")
     return 0

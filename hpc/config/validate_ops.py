@@ -5,13 +5,17 @@ from __future__ import annotations
 import base64
 import os
 import re
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from hpc.config.checker import Checker
+from hpc.config.cron import HINT, parse_cron
 from hpc.config.schema import DSparkConfig
+from hpc.config.secrets import flag_name, names_flag
+from hpc.config.target import is_local
 
 TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
 REGISTERED_MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._ -]*")
@@ -115,8 +119,6 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
 
 
 def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
-    from hpc.config.cron import HINT, parse_cron
-
     c.nonneg("schedule.retries", cfg.schedule.retries)
     cron = cfg.schedule.cron
     if cron is not None:
@@ -135,8 +137,6 @@ OWNED_FLAGS = {"--host": "set verifier.host instead", "--port": "set verifier.po
 
 
 def check_extra_args(c: Checker, extra_args: list[str]) -> None:
-    from hpc.config.secrets import flag_name, names_flag
-
     for arg in extra_args:
         if (owned := names_flag(str(arg), OWNED_FLAGS)) is not None:
             said = flag_name(str(arg))
@@ -147,16 +147,12 @@ def check_extra_args(c: Checker, extra_args: list[str]) -> None:
 
 def warn_advisories(cfg: DSparkConfig) -> None:
     """Print `advisories` as `warning:` lines on stderr (login node: validate, submit)."""
-    import sys
-
     for line in advisories(cfg):
         print(f"warning: {line}", file=sys.stderr)
 
 
 def advisories(cfg: DSparkConfig) -> list[str]:
     """What is valid but worth a second look, said on the login node."""
-    from hpc.config.target import is_local
-
     v, out = cfg.verifier, []
     if v.trust_remote_code and v.revision is None and not is_local(v.model):
         out.append(f"verifier.revision is unset with verifier.trust_remote_code=true: the code on {v.model}'s "

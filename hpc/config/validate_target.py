@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hpc.config.checker import Checker
 from hpc.config.families import rule_problems
 from hpc.config.schema import DSparkConfig
+from hpc.config.target import cached_config_dir, read_config_json
 from hpc.errors import UserError
 
 CONFIGURED = "verifier.*"  # the shape's source when the target's config.json is not on this machine
@@ -35,8 +36,6 @@ class TargetShape:
 def target_shape(cfg: DSparkConfig) -> TargetShape:
     """The target's real dims from its config.json when it is local (a directory or the HF
     cache: never the network, login nodes often have none), else the configured ones."""
-    from hpc.config.target import cached_config_dir, read_config_json
-
     v = cfg.verifier
     where = cached_config_dir(v.model, v.revision)
     config_json = where / "config.json" if where is not None else None

@@ -17,13 +17,17 @@ Run by file path: the rest of hpc is not importable from vLLM's venv.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import sys
 import typing
 
+import vllm
+
 
 def _dspark_method() -> bool:
-    from vllm.config.speculative import SpeculativeMethod
+    from vllm.config.speculative import SpeculativeMethod  # each probe's import is its question: a miss is False
 
     def flat(t):
         for a in typing.get_args(t):
@@ -32,6 +36,7 @@ def _dspark_method() -> bool:
 
 
 def _honours_sample_from_anchor() -> bool:
+    # each probe's import is its question: a vLLM without the module answers False
     from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
 
     update = SUPPORTED_SPECULATORS_TYPES.get("dspark")
@@ -43,8 +48,6 @@ def _honours_sample_from_anchor() -> bool:
 
 
 def _hidden_state_api() -> bool:
-    import importlib
-
     wanted = {"vllm.config": ["VllmConfig", "get_layers_from_vllm_config"],
               "vllm.distributed.kv_transfer.kv_connector.v1.base": ["KVConnectorBase_V1", "KVConnectorMetadata",
                                                                    "KVConnectorRole", "SupportsHMA"],
@@ -59,15 +62,14 @@ def _hidden_state_api() -> bool:
 
 
 def _adaptive_verification() -> bool:
-    import dataclasses
-
-    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.speculative import SpeculativeConfig  # each probe's import is its question: a miss is False
 
     return "enable_adaptive_verification" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
 def _aux_hidden_states(arch: str) -> bool | None:
     """True/False for a registered architecture; None when this vLLM does not know it."""
+    # each probe's import is its question: a vLLM without the module answers None (in probe)
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -76,8 +78,6 @@ def _aux_hidden_states(arch: str) -> bool | None:
 
 
 def probe(archs: list[str]) -> dict:
-    import vllm
-
     out: dict = {"version": vllm.__version__, "errors": {}}
     for key, fn in (("dspark", _dspark_method), ("sample_from_anchor", _honours_sample_from_anchor),
                     ("hidden_state_api", _hidden_state_api), ("adaptive_verification", _adaptive_verification)):

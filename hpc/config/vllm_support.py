@@ -14,6 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from hpc.fsio import write_text
+
 PROBE_FILE = Path(__file__).with_name("vllm_probe.py")
 GPU_REQUIREMENTS = "requirements/vllm-gpu.txt"
 FIX = f"install the pinned vLLM ({GPU_REQUIREMENTS}: `python -m hpc.verifier.vllm_env --gpu --venv DIR` on a GPU node)"
@@ -78,7 +80,6 @@ def probe(python: str, archs: list[str], timeout_s: float = 600) -> dict | None:
     if result.get("errors") or None in result.get("aux_hidden_states", {}).values():
         return result  # maybe transient (an import that failed on this node): ask again next time
     cached.parent.mkdir(parents=True, exist_ok=True)
-    from hpc.fsio import write_text
 
     write_text(cached, json.dumps(result))
     return result

@@ -19,7 +19,10 @@ import functools
 import json
 from pathlib import Path
 
+from hpc.config import resolve
 from hpc.errors import UserError
+from hpc.evaluate.benchmarks import known_benchmarks, load_manifest, spare_prompts
+from hpc.fsio import write_text
 
 DEFAULT_ROWS = 64  # per benchmark
 SOURCE = "calibration:"  # + the benchmark's name: each row's `source`, which regeneration keeps
@@ -27,8 +30,6 @@ SOURCE = "calibration:"  # + the benchmark's name: each row's `source`, which re
 
 def calibration_conversations(eval_cfg, per_benchmark: int) -> tuple[list[dict], dict[str, int]]:
     """(rows, count per benchmark) in the open-perfectblend shape, one user turn each."""
-    from hpc.evaluate.benchmarks import spare_prompts
-
     rows, counts = [], {}
     for name in eval_cfg.benchmarks:
         prompts = spare_prompts(name, eval_cfg, per_benchmark)
@@ -50,15 +51,11 @@ def decoded_tokens(row: dict, eval_cfg) -> int | None:
 def _is_code(name: str) -> bool | None:
     """Whether benchmark `name` decodes at eval.code_max_tokens; None when there is no such
     benchmark. Cached: a calibration set asks once per row."""
-    from hpc.evaluate.benchmarks import known_benchmarks, load_manifest
-
     return load_manifest(name).code if name in known_benchmarks() else None
 
 
 def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAULT_ROWS) -> tuple[dict[str, int], Path]:
     """Write the calibration set as JSONL, atomically; returns (rows per benchmark, the file)."""
-    from hpc.fsio import write_text
-
     if per_benchmark < 1:
         raise UserError(f"--rows {per_benchmark}: give at least 1 row per benchmark (default {DEFAULT_ROWS})")
     rows, counts = calibration_conversations(eval_cfg, per_benchmark)
@@ -72,8 +69,6 @@ def write_calibration_set(eval_cfg, out: str | Path, per_benchmark: int = DEFAUL
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.config import resolve
-
     # The config may name OUT as a calibration source already: it need not exist before this writes it.
     cfg = resolve(args.config, [*args.overrides, "data.calibration_sources=[]"], check_tracking=False)
     counts, out = write_calibration_set(cfg.eval, args.out, args.rows)

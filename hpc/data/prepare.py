@@ -13,6 +13,7 @@ the ones the checkpoint was trained on, the run stops with one line before any r
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,10 +23,14 @@ import torch
 from safetensors.torch import save_file
 
 from hpc.config.schema import DataConfig, DSparkConfig
+from hpc.data.calibration_set import decoded_tokens
+from hpc.data.regen_shards import verify_shards
+from hpc.data.regenerate import calibration_data, regeneration_complete
 from hpc.data.sources import RowStats, TokenRow, read_rows, tokenize_rows
 from hpc.data.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.errors import UserError
 from hpc.fsio import atomic_path, write_text
+from hpc.train.checkpoint import latest_checkpoint
 
 
 @dataclass
@@ -83,7 +88,7 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
               remask: Callable[[dict, list[int]], list[int]] | None = None) -> tuple[list[TokenRow], RowStats]:
     """`data`'s rows (its regenerated shards once finished), tokenised with the verifier's
     tokenizer; `remask(row, loss_mask)` may then narrow each row's loss mask."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: loaded only on this path
 
     tok = AutoTokenizer.from_pretrained(cfg.verifier.tokenizer or cfg.verifier.model,
                                         trust_remote_code=cfg.verifier.trust_remote_code)
@@ -96,8 +101,6 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
               "first, or set data.regenerate=false to silence this", flush=True)
     for path, split, max_rows in sources:
         if path == str(Path(data.output_dir) / "regenerated"):
-            from hpc.data.regen_shards import verify_shards
-
             verify_shards(path)  # each shard as the verifier wrote it, and nothing beside them
         # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
         raw = list(read_rows(path, split, max_rows)) if remask is not None else None
@@ -122,8 +125,6 @@ def cap_responses(loss_mask: list[int], cap: int) -> list[int]:
 
 def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]]:
     """The calibration rows, tokenised as training rows are (regenerated ones once they are)."""
-    from hpc.data.regenerate import calibration_data, regeneration_complete
-
     cal = calibration_data(cfg.data)
     if cal is None:
         return {}
@@ -131,7 +132,6 @@ def calibration_rows(cfg: DSparkConfig) -> dict[int, tuple[list[int], list[int]]
         raise UserError(f"data.calibration_sources are not regenerated yet ({Path(cal.output_dir) / 'regenerated'} "
                         "is not complete); run the regenerate stage first (`dspark regenerate CONFIG` answers them "
                         "too), or set data.regenerate=false to calibrate on the rows as they are")
-    from hpc.data.calibration_set import decoded_tokens
 
     def remask(row: dict, mask: list[int]) -> list[int]:
         # A benchmark's spare row is read as its evaluation decodes it: regeneration answers at
@@ -162,8 +162,6 @@ def data_settings(cfg: DSparkConfig) -> dict:
 
 def data_hash(data_dir: Path) -> str:
     """sha256 over rows.jsonl and vocab.safetensors: the identity of the prepared data."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in ("rows.jsonl", "vocab.safetensors"):
         with open(data_dir / name, "rb") as f:
@@ -181,8 +179,6 @@ def prepared_hash(out_dir: str | Path) -> str:
 
 def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
     """The prepared data of the run being resumed, checked; None when there is nothing to resume."""
-    from hpc.train.checkpoint import latest_checkpoint
-
     ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints", say=lambda _: None)
     if ckpt is None:
         return None

@@ -30,7 +30,7 @@ def count_rows(sources) -> int | None:
         n = 0
         for f in files:
             if f.suffix == ".parquet":
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # pyarrow: loaded only on this path
 
                 n += pq.read_metadata(f).num_rows
             else:

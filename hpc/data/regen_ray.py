@@ -24,6 +24,7 @@ from typing import Any
 
 from hpc.config.schema import DSparkConfig
 from hpc.data.regen_client import ChatClient, Reply, RequestFailed, served_model
+from hpc.data.regenerate import start_regen_server
 from hpc.errors import UserError
 
 REGEN_RESOURCE = "dspark_regen"  # one unit per Ray node: one server per node
@@ -33,14 +34,12 @@ class RegenServer:
     """A Ray actor: vLLM on this node (or an existing server at `url`), behind a ChatClient."""
 
     def __init__(self, cfg: DSparkConfig, log_dir: str, url: str | None = None):
-        from hpc.data.regenerate import start_regen_server
-
         # On a Slurm node the task's environment reaches Ray's workers: name the node as Slurm does.
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.server = None
         key = os.environ.get("VLLM_API_KEY") if url is not None else None
         if url is None:
-            import ray
+            import ray  # ray: loaded only on this path
 
             node = ray.get_runtime_context().get_node_id()[:8]
             log = Path(log_dir) / f"regenerate-vllm-{self.host}-{node}.log"
@@ -95,8 +94,8 @@ class RayChatClient:
             return i
 
     def complete(self, messages: list[dict], seed: int | None = None) -> Reply:
-        import ray
-        from ray.exceptions import RayActorError
+        import ray  # ray: loaded only on this path
+        from ray.exceptions import RayActorError  # ray: loaded only on this path
 
         while (i := self._pick()) is not None:
             try:
@@ -133,8 +132,8 @@ class RayChatClient:
 def start_servers(cfg: DSparkConfig, servers: int, log_dir: Path, concurrency: int, url: str | None = None,
                   timeout_s: float | None = None, log: Callable[[str], None] = print) -> RayChatClient:
     """`servers` RegenServer actors, one per node; goes on with those that came up (at least one)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    import ray  # ray: loaded only on this path
+    from ray.exceptions import GetTimeoutError, RayActorError  # ray: loaded only on this path
 
     actor_cls = ray.remote(RegenServer).options(num_cpus=0, resources={REGEN_RESOURCE: 1},
                                                 max_concurrency=max(1, concurrency))
@@ -164,7 +163,7 @@ def start_servers(cfg: DSparkConfig, servers: int, log_dir: Path, concurrency: i
 
 
 def stop_servers(client: RayChatClient) -> None:
-    import ray
+    import ray  # ray: loaded only on this path
 
     for actor, ok in zip(client.actors, client.alive):
         if ok:

@@ -31,7 +31,7 @@ from pathlib import Path
 from hpc.errors import UserError
 
 # Temp names do not end in .jsonl: readers globbing *.jsonl never see a partial shard.
-from hpc.fsio import remove_stale_temps, write_bytes, write_text
+from hpc.fsio import remove_stale_temps, unsafe_ancestor, write_bytes, write_text
 
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"shard-(\d{5,})\.jsonl")
@@ -71,8 +71,6 @@ def _check_shard(root: Path, info: ShardInfo) -> None:
 
 def private_dir(root: Path) -> None:
     """Create `root` 0700, or tighten an existing one of ours; refuse one another user could swap."""
-    from hpc.fsio import unsafe_ancestor
-
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():

@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from hpc.config import resolve
+from hpc.config.target import localize
+from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
+from hpc.errors import UserError
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from hpc.config import resolve
-    from hpc.config.target import localize
-    from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
-    from hpc.errors import UserError
-
     # Before anything resolves or vLLM loads the target (minutes on a node).
     for flag, value, unset in (("--shard-size", args.shard_size, "1000"), ("--concurrency", args.concurrency,
                                "data.regen_concurrency"), ("--max-rows", args.max_rows, "every row")):

@@ -78,7 +78,7 @@ def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> I
         n = 0
         for f in files:
             if f.suffix == ".parquet":
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # pyarrow: loaded only on this path
 
                 rows = pq.read_table(f).to_pylist()
             else:
@@ -90,7 +90,7 @@ def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> I
                 yield row
         return
     try:
-        import datasets
+        import datasets  # optional: its absence is handled here
     except ImportError:
         raise UserError(f"{path} is not a local file and the `datasets` package is missing to load it "
                         "from the hub; pip install datasets, or point data.sources[].path at a local copy") from None

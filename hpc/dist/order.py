@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ORDER_SUFFIX = ".order"
 
@@ -46,8 +47,6 @@ class OrderLog:
             self.first.clear()
 
     def _name(self, group) -> str | None:
-        import torch.distributed as dist
-
         if self.world is None or group is None:
             return None
         try:

@@ -48,6 +48,7 @@ from hpc.dist.rendezvous import check_members, rendezvous_store
 from hpc.dist.rules import Plane
 from hpc.dist.streams import RecvStream
 from hpc.own_env import NCCL_TRACE_PREFIX, set_own
+from hpc.errors import UserError
 
 
 def local_rank() -> int:
@@ -63,7 +64,6 @@ def rank_device(device: str, local: int | None = None, exclusive: bool = False) 
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev
-    from hpc.errors import UserError
 
     if not torch.cuda.is_available():
         raise UserError(f"train.device={device} but this node has no CUDA device "

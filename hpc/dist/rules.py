@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from hpc.dist import order
+import hashlib
 
 ENV = "DSPARK_NCCL_CHECK"
 NCCL_DEVICE = "cuda"  # what the data plane takes on a cluster, registered on every backend
@@ -367,8 +368,6 @@ def installed() -> bool:
 
 def begin_world(port: int, secret: str, rank: int) -> None:
     """Name this world for the cross-rank order check (hpc.dist.order): the same on every rank."""
-    import hashlib
-
     order.LOG.begin(hashlib.sha256(f"{port}:{secret}".encode()).hexdigest()[:16], rank)
 
 

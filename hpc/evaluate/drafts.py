@@ -7,6 +7,7 @@ traceback ten minutes into an allocation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from dataclasses import dataclass
@@ -47,8 +48,6 @@ class DraftSpec:
     def fingerprint(self) -> str:
         """The draft's identity for resuming: the sha256 of its files when it is a local directory
         (a retrain into the same path is another draft), else its method and name."""
-        import hashlib
-
         path = Path(self.model) if self.model else None
         if path is None or not path.is_dir():
             pinned = f"@{self.revision}" if self.revision else ""  # unpinned: the identity it always had

@@ -50,7 +50,7 @@ class Counters:
 
 def parse_spec_metrics(text: str) -> Counters:
     """vLLM's Prometheus exposition -> Counters (absent counters read as zero)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # prometheus_client: loaded only on this path
 
     out = Counters()
     per_pos: dict[int, int] = {}
@@ -124,8 +124,9 @@ class ReferenceEngine:
         return Counters(t.verify_steps, t.drafted_tokens, t.accepted_tokens, list(t.accepted_per_pos))
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
-        import torch
+        import torch  # torch: loaded only on this path
 
+        # safetensors, torch: loaded only on this path
         from hpc.evaluate.reference import plain_generate, speculative_generate
 
         gen = torch.Generator(device=self.target.device).manual_seed(self.seed + self.requests)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from hpc.config import resolve
 from hpc.errors import UserError
+from hpc.evaluate.record import upload_all
+from hpc.evaluate.runner import _tracking, evaluate
 
 
 def parse_ns(text: str) -> list[int]:
@@ -18,14 +22,8 @@ def parse_ns(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.config import resolve
-    from hpc.evaluate.record import upload_all
-    from hpc.evaluate.runner import _tracking, evaluate
-
     cfg = resolve(args.config, list(args.overrides), check_tracking=False)
     if args.upload:
-        from pathlib import Path
-
         client = _tracking(cfg.tracking)
         if client is None:
             return 1

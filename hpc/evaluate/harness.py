@@ -19,6 +19,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from hpc.fsio import write_text
+
 # Result-file keys before the counts were named for what they count -> their names now.
 LEGACY_NAMES = {"drafts": "verify_steps", "accepted": "accepted_tokens"}
 
@@ -72,8 +74,6 @@ def chat_ids(tokenizer, user_text: str) -> list[int]:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    from hpc.fsio import write_text
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(data, indent=1) + "\n")
 

@@ -8,6 +8,7 @@ directory simply waits: `dspark evaluate CONFIG --upload` sends it later.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import tempfile
@@ -21,6 +22,7 @@ from hpc.evaluate.compare import EvalRecord, card_markdown, card_table, draft_co
 from hpc.evaluate.harness import LEGACY_NAMES, BenchResult, write_json_atomic
 from hpc.track.keys import BASELINE_KEY, MANIFESTS, MEAN, STAGE, STAGE_BASELINE, STAGE_EVAL, metric
 from hpc.track.pipeline import create_child_run, create_pipeline_run, end_pipeline_run
+from hpc.track.registry import promote_if_better, register_draft
 
 
 def load_results(run_dir: Path, names: Sequence[str] | None = None) -> list[BenchResult]:
@@ -107,7 +109,7 @@ def upload_run(client, run_dir: Path, extra_artifacts: Sequence[tuple[str, str |
 
 def _log_run(client, run_id: str, run_dir: Path, meta: dict, results: list[BenchResult],
              extra_artifacts: Sequence[tuple[str, str | None]]) -> None:
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, Param  # mlflow: loaded only on this path
 
     metrics = [Metric(k, float(v), 0, 0) for k, v in run_metrics(results).items()]
     params = [Param(k, str(v)) for k, v in meta.get("params", {}).items()]
@@ -129,8 +131,6 @@ def _log_run(client, run_id: str, run_dir: Path, meta: dict, results: list[Bench
 
 def results_digest(results: list[BenchResult]) -> str:
     """What a run directory's MLflow run was made from: re-measured results need a new one."""
-    import hashlib
-
     blob = json.dumps(sorted((_digest_view(r) for r in results), key=lambda d: d["benchmark"]), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -223,10 +223,6 @@ def upload_all(client, out: Path, cfg: DSparkConfig, quiet: bool = False, only: 
 def _register(client, run_dir: Path, meta: dict, run_id: str, promote: bool = True) -> None:
     """Register the draft; with `promote`, move the champion to it when it is better. Without,
     the version waits in the registry for a person (or a later run) to promote it."""
-    import statistics
-
-    from hpc.track.registry import promote_if_better, register_draft
-
     res = load_results(run_dir)
     measured = [r.accept_len for r in res if r.accept_len is not None]
     if not measured:  # vLLM exposed no spec-decode counters: nothing to rank the draft by

@@ -17,10 +17,12 @@ temperature (token for token equal at temperature 0).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
+from hpc.errors import UserError
 from hpc.model.dspark import DSparkDraft
 from hpc.model.teacher import loaded_target_head
 
@@ -67,7 +69,6 @@ class TargetRunner:
         self.aux_layer_ids = list(aux_layer_ids)
         self.n_layers = model.config.num_hidden_layers
         self._final_input: torch.Tensor | None = None
-        import inspect
 
         # transformers 5 renamed past_key_values to cache; accept either build.
         params = inspect.signature(self.decoder.forward).parameters
@@ -95,7 +96,7 @@ class TargetRunner:
         return self._final_input
 
     def reset(self) -> None:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers: loaded only on this path
 
         self.cache = DynamicCache()
 
@@ -161,8 +162,6 @@ class Decoding:
                  eos_token_id: int | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None,
                  record: list[tuple[list[float], list[int]]] | None = None):
-        from hpc.errors import UserError
-
         a = draft.args
         width = n if a.sample_from_anchor else n + 1
         if n < 1 or width > a.block_size:

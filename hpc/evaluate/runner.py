@@ -17,17 +17,23 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc.calibration.report import calibration_png, calibration_report, format_report
 from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig
 from hpc.config.secrets import redact_uri, scrub
+from hpc.config.target import localize
+from hpc.config.validate_target import target_shape
 from hpc.errors import UserError
+from hpc.evaluate.benchmarks import load_benchmark
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
+from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
 from hpc.evaluate.hardware import hardware_id
-from hpc.evaluate.harness import BenchResult, attach_baseline, run_benchmarks, write_json_atomic
-from hpc.evaluate.record import card_text, find_baseline, load_results, upload_all
+from hpc.evaluate.harness import BenchResult, attach_baseline, finished, run_benchmarks, timing_of, write_json_atomic
+from hpc.evaluate.record import card_text, find_baseline, load_results, results_digest, upload_all
 from hpc.track.keys import (
     BASELINE_KEY,
     CONFIDENCE,
@@ -44,6 +50,10 @@ from hpc.track.keys import (
     TIMING,
     VLLM_VERSION,
 )
+from hpc.track.pipeline import common_tags, create_pipeline_run, ends
+from hpc.track.plots import per_position_png
+from hpc.track.server import is_healthy
+from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
 if TYPE_CHECKING:
     from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
@@ -66,10 +76,7 @@ class Job:
 
 def _tracking(tracking: TrackingConfig):
     """An MLflow client, or None (one warning line) when the server does not answer."""
-    from mlflow.tracking import MlflowClient
-
-    import hpc.track.logger  # noqa: F401 - fail fast on a dead server instead of retrying for minutes
-    from hpc.track.server import is_healthy
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     client = MlflowClient(tracking.uri)
     try:
@@ -88,8 +95,6 @@ def baseline_key(cfg: DSparkConfig, engine: str, engine_version: str, hardware: 
     """What a cached baseline's tok/s depends on: the target, the engine build, the hardware, the
     prompts, and how the engine serves (vLLM's flags: TP, compilation, extra args; the reference
     loop's device). A baseline measured at TP=8 is no baseline for TP=4."""
-    from hpc.verifier.vllm_server import config_flags
-
     v = cfg.verifier
     serving = [*config_flags(v), *v.extra_args] if engine == "vllm" else ["--device", cfg.eval.device]
     ident: dict[str, object] = {"target": v.name or v.model, "revision": v.revision, "engine": engine,
@@ -110,8 +115,8 @@ class EngineFactory:
 
     def target(self):
         if self._target is None:
-            import torch
-            from transformers import AutoModelForCausalLM
+            import torch  # torch: loaded only on this path
+            from transformers import AutoModelForCausalLM  # transformers: loaded only on this path
 
             v = self.cfg.verifier
             self._target = AutoModelForCausalLM.from_pretrained(
@@ -132,19 +137,16 @@ class EngineFactory:
         self._baselines.clear()
 
     def start(self, job: Job, eos: int | None) -> ReferenceEngine | VLLMEngine:
-        from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
-
         seed = self.cfg.eval.seed
         if job.engine == "reference":
             draft = None
             if job.draft is not None:
-                from hpc.model.export import load_draft
+                from hpc.model.export import load_draft  # safetensors, torch: loaded only on this path
 
                 assert job.draft.model is not None  # the reference engine decodes our exports: directories
                 draft = load_draft(job.draft.model, device=self.cfg.eval.device).eval()
             return ReferenceEngine(self.target(), draft, job.n, eos, job.temperature, seed,
                                    confidence=_value(self.cfg.eval.confidence))
-        from hpc.verifier.vllm_server import config_flags, server_env, start_vllm_server
 
         v = self.cfg.verifier
         spec = (["--speculative-config", json.dumps(job.draft.speculative_config(job.n, job.temperature))]
@@ -158,8 +160,6 @@ class EngineFactory:
 def check_draft_fits_target(path: Path, cfg: DSparkConfig) -> None:
     """A draft trained for another target fails here, before any server starts (not after the
     baseline has run): its vocabulary, hidden size and aux layers must be the target's."""
-    from hpc.config.validate_target import target_shape
-
     d = json.loads((path / "config.json").read_text())
     shape = target_shape(cfg)
     layer = d.get("transformer_layer_config", {})
@@ -179,8 +179,8 @@ def check_side_file(path: Path, cfg: DSparkConfig) -> None:
     """A side file that belongs to another head is one line here, before any engine starts; and
     eval.confidence=side_file reads the per-position maps beside a DSpark export: without them
     the reference engine would read the served head and call it the side file's."""
-    from hpc.calibration.maps import FILE
-    from hpc.model.export import side_file_problem
+    from hpc.calibration.maps import FILE  # torch: loaded only on this path
+    from hpc.model.export import side_file_problem  # safetensors, torch: loaded only on this path
 
     if (problem := side_file_problem(path)) is not None:
         raise UserError(problem)
@@ -206,7 +206,6 @@ def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list
         raise UserError("nothing to evaluate: give --draft PATH or list drafts under eval.compare")
     for d in drafts:
         check_ns(d, ns)
-    from hpc.evaluate.benchmarks import load_benchmark
 
     benches = [load_benchmark(name, cfg.eval) for name in cfg.eval.benchmarks]
     engine = _value(cfg.eval.engine)
@@ -233,9 +232,7 @@ def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list
 
 def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_baseline: bool = False,
              parent_run_id: str | None = None, quiet: bool = False) -> dict[str, list[BenchResult]]:
-    from transformers import AutoTokenizer
-
-    from hpc.config.target import localize
+    from transformers import AutoTokenizer  # transformers: loaded only on this path
 
     drafts, benches, vllm_version, cpu_build = plan(cfg, draft_path, ns)  # the cheap checks first
     cfg = localize(cfg)  # a hub id becomes its local snapshot (a no-op inside a job: done there)
@@ -249,12 +246,10 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                                         trust_remote_code=cfg.verifier.trust_remote_code)
     hardware = hardware_id()
     factory = EngineFactory(cfg, out)
-    from hpc.track.pipeline import common_tags, ends
 
     tags = common_tags(cfg)
     owned = None  # the pipeline run this evaluation made for itself: it ends it too
     if parent_run_id is None and client is not None:  # standalone: its own pipeline, so compare finds it
-        from hpc.track.pipeline import create_pipeline_run
 
         parent_run_id = create_pipeline_run(client, cfg, f"{cfg.name}-evaluate")
         owned = parent_run_id
@@ -274,8 +269,6 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
                 baselines[engine, temp] = cached
                 continue
             if force_baseline and run_dir.exists():
-                import shutil
-
                 shutil.rmtree(run_dir)
             res = _run_job(job, factory, benches, tok, run_dir, quiet)
             _write_meta(run_dir, cfg.tracking, job, STAGE_BASELINE, parent_run_id, {**tags, BASELINE_KEY: key,
@@ -327,7 +320,7 @@ def evaluate(cfg: DSparkConfig, draft_path: str | None, ns: list[int], force_bas
 
 
 def _torch_version() -> str:
-    import torch
+    import torch  # torch: loaded only on this path
 
     return f"torch {torch.__version__}"
 
@@ -341,8 +334,6 @@ def _value(enum_or_str) -> str:
 
 def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quiet: bool, paired: bool = False,
              min_pairs: int = 1) -> list[BenchResult]:
-    from hpc.evaluate.harness import finished, timing_of
-
     timing = timing_of(paired and job.draft is not None)
     if all(finished(run_dir, b, job.engine, timing) for b in benches):  # a requeue: no server for nothing
         return load_results(run_dir, [b.name for b in benches])
@@ -359,8 +350,6 @@ def _run_job(job: Job, factory: EngineFactory, benches, tok, run_dir: Path, quie
 
 def _write_meta(run_dir: Path, tracking: TrackingConfig, job: Job, stage: str, parent: str | None, tags: dict,
                 results: list[BenchResult], artifacts: list | None = None) -> None:
-    from hpc.evaluate.record import results_digest
-
     meta_path = run_dir / "run.json"
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     digest = results_digest(results)
@@ -377,8 +366,6 @@ def _write_meta(run_dir: Path, tracking: TrackingConfig, job: Job, stage: str, p
 
 
 def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig) -> None:
-    from hpc.track.plots import per_position_png
-
     label = "baseline" if job.draft is None else job.draft.label
 
     if job.n:
@@ -387,8 +374,6 @@ def _plots(run_dir: Path, res: list[BenchResult], job: Job, eval_cfg: EvalConfig
                          title=f"{label} n={job.n}{temp} ({job.engine})")
     steps = {r.benchmark: r.calibration_steps for r in res if r.calibration_steps}
     if steps:
-        from hpc.calibration.report import calibration_png, calibration_report, format_report
-
         report = calibration_report(steps, eval_cfg.draft_token_cost)
         write_json_atomic(run_dir / "calibration.json.report", report)
         calibration_png(report, run_dir / "calibration.png")

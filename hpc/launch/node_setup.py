@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.target import is_local, localize, localized
 from hpc.errors import UserError
+from hpc.launch.job_files import owner_only, publish
 from hpc.launch.slurm_env import SlurmEnv
 
 # The nodes of one job start within seconds of each other; this covers clock skew between them
@@ -27,13 +30,8 @@ POLL_S = 1.0
 def localize_in_job(cfg: DSparkConfig, env: SlurmEnv) -> DSparkConfig:
     """The job's config naming the target's local snapshot: node 0 resolves a hub id, the others
     read the path it wrote under cluster.log_dir (a filesystem every node sees)."""
-    from dataclasses import replace
-
-    from hpc.config.target import is_local, localize, localized
-
     if is_local(cfg.verifier.model):
         return cfg
-    from hpc.launch.job_files import publish
 
     marker = Path(cfg.cluster.log_dir) / f".target-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")
@@ -76,8 +74,6 @@ def _answer_for(path: Path, ours: dict, since: float) -> dict | None:
     The directory may be group-writable (a team's log_dir) and an mtime is whatever its writer
     sets, so only an owner-only file of this user counts (what job_files.publish creates): a
     co-user's planted `.target-<jobid>` made node 1 load their directory with trust_remote_code."""
-    from hpc.launch.job_files import owner_only
-
     try:
         st = path.lstat()
         if not owner_only(st) or st.st_mtime < since:
@@ -92,15 +88,13 @@ def localize_stage(cfg: DSparkConfig) -> DSparkConfig:
     """The target as a local snapshot: once per job inside Slurm, in-process elsewhere."""
     if "SLURM_JOB_ID" in os.environ:
         return localize_in_job(cfg, SlurmEnv.from_environ())
-    from hpc.config.target import localize
 
     return localize(cfg)
 
 
 def prepare_once(cfg: DSparkConfig, env: SlurmEnv) -> None:
     """Node 0 tokenises the data and prunes the vocab; the others wait for its marker (shared FS)."""
-    from hpc.data.prepare import data_settings, prepare_data
-    from hpc.launch.job_files import publish
+    from hpc.data.prepare import data_settings, prepare_data  # safetensors, torch: loaded only on this path
 
     marker = Path(cfg.train.output_dir) / "data" / f".prepared-{env.job_id}"
     failed = marker.with_name(f"{marker.name}.error")

@@ -11,7 +11,11 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from hpc.config import resolve
+from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
+from hpc.config.validate import ranks_per_node
+from hpc.config.validate_ops import check_plan as plan_checks
 from hpc.config.verifier_gpu import (
     DTYPE_BYTES,
     headroom_bytes,
@@ -20,6 +24,7 @@ from hpc.config.verifier_gpu import (
     stream_dtype_name,
     streamer_items,
 )
+from hpc.config.vllm_support import default_capture_concurrency
 from hpc.errors import UserError
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 from hpc.tables import text_table
@@ -105,9 +110,6 @@ class Plan:
 
 def check_plan(cfg: DSparkConfig) -> None:
     """One-line UserError naming the first bad `plan.*` knob."""
-    from hpc.config.checker import Checker
-    from hpc.config.validate_ops import check_plan as plan_checks
-
     c = Checker()
     plan_checks(c, cfg)
     if c.problems:
@@ -247,11 +249,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     link_bytes = p.link_gbps * 1e9 / 8
     link_samples = link_bytes / sample_bytes
     supply = min(prefill / seq, link_samples)
-    from hpc.config.vllm_support import default_capture_concurrency
 
     in_flight = cfg.verifier.capture_concurrency or default_capture_concurrency(seq)
-
-    from hpc.config.validate import ranks_per_node
 
     ranks = ranks_per_node(cfg)
     world = c.trainer_nodes * ranks
@@ -391,8 +390,6 @@ def format_plan(pl: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.config import resolve
-
     cfg = resolve(args.config, args.overrides, check_tracking=False)
     print(format_plan(capacity_plan(cfg)))
     return 0

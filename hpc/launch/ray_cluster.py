@@ -25,12 +25,15 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from hpc.data.regen_ray import REGEN_RESOURCE
 from hpc.errors import UserError
@@ -107,7 +110,7 @@ class RayNode:
 
     def connect(self, n_nodes: int, timeout_s: float) -> None:
         """ray.init against the head, then wait until every node's raylet has joined."""
-        import ray
+        import ray  # ray: loaded only on this path
 
         os.environ.update(self.auth)  # this process is a Ray driver too
         _refresh_ray_auth()
@@ -152,8 +155,6 @@ class RayNode:
     def stop(self) -> None:
         """Stop the raylet and everything it started. Found by TAG, not by parentage: a vLLM whose
         actor was killed has been reparented, and Ray's agents outlive `ray start` if left alone."""
-        import shutil
-
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # `ray start --block` drains and stops its processes on SIGTERM
             try:
@@ -174,8 +175,6 @@ class RayNode:
 
 
 def kill_tagged(tag: str) -> int:
-    import psutil
-
     killed = 0
     for p in psutil.process_iter():
         try:

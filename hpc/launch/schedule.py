@@ -23,9 +23,26 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.config import resolve
+from hpc.config.cron import HINT, local_zone, next_run, parse_cron
 from hpc.config.schema import DataConfig, DSparkConfig
 from hpc.errors import UserError
+from hpc.launch.schedule_slurm import (
+    Entry,
+    ScrontabUnavailable,
+    cancel_jobs,
+    install_scrontab,
+    read_overrides,
+    read_scrontab,
+    remove_scrontab,
+    schedule_jobs,
+    scrontab_entries,
+    submit_singleton,
+    write_overrides,
+)
 from hpc.launch.submit import submit
+from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
+from hpc.track.registry import CHAMPION
 
 SCHEDULED, FINGERPRINT = "dspark.scheduled", "dspark.data_fingerprint"
 HASH_LIMIT = 64 << 20  # bigger files count by size and mtime only: a tick must stay cheap
@@ -46,7 +63,7 @@ def _hash_file(h, path: Path) -> None:
 def hub_revision(dataset: str) -> str:
     """The hub's current commit of a dataset id, so new uploads count as new data."""
     try:
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi  # optional: its absence is handled here
 
         return HfApi().dataset_info(dataset, timeout=20).sha or "unresolved"
     except Exception:  # noqa: BLE001 - offline clusters: the id alone is the fingerprint
@@ -85,8 +102,6 @@ class LastRun:
 
 def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
     """The newest scheduled pipeline run of this config in the experiment."""
-    from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
-
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         return None
@@ -104,9 +119,7 @@ def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
 
 
 def champion_version(client, model_name: str) -> str | None:
-    from mlflow.exceptions import MlflowException
-
-    from hpc.track.registry import CHAMPION
+    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
 
     try:
         return str(client.get_model_version_by_alias(model_name, CHAMPION).version)
@@ -116,9 +129,7 @@ def champion_version(client, model_name: str) -> str | None:
 
 def retrain_tick(config: str, overrides: list[str]) -> int:
     """One firing: submit the pipeline if the data changed since the last scheduled run."""
-    from mlflow.tracking import MlflowClient
-
-    from hpc.config import resolve
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     cfg = resolve(config, overrides)
     fingerprint = data_fingerprint(cfg.data)
@@ -154,8 +165,6 @@ def retrain_tick(config: str, overrides: list[str]) -> int:
 
 
 def check_cron(cron: str | None) -> str:
-    from hpc.config.cron import HINT, parse_cron
-
     if not cron:
         raise UserError("schedule.cron is not set: pass --cron '0 3 * * 0' or set schedule.cron in the config")
     # One line of five fields: a newline would end the crontab entry and start another.
@@ -171,18 +180,6 @@ def check_cron(cron: str | None) -> str:
 
 
 def install(config: str, overrides: list[str], cron: str | None = None, resubmit: bool = False) -> int:
-    from hpc.config import resolve
-    from hpc.config.cron import local_zone, next_run
-    from hpc.launch.schedule_slurm import (
-        Entry,
-        ScrontabUnavailable,
-        cancel_jobs,
-        install_scrontab,
-        schedule_jobs,
-        submit_singleton,
-        write_overrides,
-    )
-
     cfg = resolve(config, overrides, check_tracking=not resubmit)
     cron = check_cron(cron or cfg.schedule.cron)
     c = cfg.cluster
@@ -211,8 +208,6 @@ def install(config: str, overrides: list[str], cron: str | None = None, resubmit
 
 
 def list_schedules() -> str:
-    from hpc.launch.schedule_slurm import ScrontabUnavailable, read_scrontab, schedule_jobs, scrontab_entries
-
     try:
         blocks = scrontab_entries(read_scrontab())
     except ScrontabUnavailable:
@@ -223,8 +218,6 @@ def list_schedules() -> str:
 
 
 def remove(name: str) -> int:
-    from hpc.launch.schedule_slurm import cancel_jobs, remove_scrontab, schedule_jobs
-
     removed = remove_scrontab(name)
     jobs = schedule_jobs(name)
     cancel_jobs(jobs)
@@ -251,8 +244,6 @@ def _schedule_cmd(a) -> int:
 
 def _overrides(a) -> list[str]:
     """A schedule's saved overrides (--overrides-file: how its own commands pass them), then argv's."""
-    from hpc.launch.schedule_slurm import read_overrides
-
     return [*(read_overrides(a.overrides_file) if a.overrides_file else []), *a.overrides]
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.fsio import unsafe_ancestor, write_text
+from hpc.launch.job_files import read_published
 from hpc.launch.slurm import SlurmMissing, cancel, run_slurm, slurm_why
 
 JOB_PREFIX = "dspark-schedule-"
@@ -68,8 +70,6 @@ OVERRIDES_SUFFIX = ".overrides.json"
 
 def write_overrides(log_dir: str, name: str, overrides: list[str]) -> str | None:
     """The schedule's overrides in an owner-only file beside its logs (None when there are none)."""
-    from hpc.fsio import unsafe_ancestor, write_text
-
     path = Path(log_dir) / f"{name}{OVERRIDES_SUFFIX}"
     if not overrides:
         path.unlink(missing_ok=True)
@@ -84,8 +84,6 @@ def write_overrides(log_dir: str, name: str, overrides: list[str]) -> str | None
 
 def read_overrides(path: str) -> list[str]:
     """What write_overrides wrote; refused (one line) unless it is an owner-only file of ours."""
-    from hpc.launch.job_files import read_published
-
     try:
         payload = read_published(Path(path))
     except FileNotFoundError:

@@ -8,7 +8,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from hpc.errors import UserError
+from hpc.launch.slurm import run_slurm
 
 
 # Kept hand-written (issue 13): submitit.JobEnvironment works only in jobs submitit pickled, not under sbatch/'s srun.
@@ -28,7 +31,6 @@ class SlurmEnv:
             raise UserError("this stage runs inside a Slurm allocation (no SLURM_JOB_ID); use `dspark submit` "
                             "or `dspark train` on one machine")
         nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURMD_NODENAME", "localhost"))
-        from hpc.launch.slurm import run_slurm
 
         try:
             hosts = run_slurm(["scontrol", "show", "hostnames", nodelist]).stdout.split()
@@ -102,8 +104,6 @@ def advertised_ip(env: SlurmEnv) -> str:
 
 def interface_of(ip: str) -> str | None:
     """The network interface that holds `ip` (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
-    import psutil
-
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == ip for a in addrs):
             return name

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from hpc.launch.stage_table import NAMES
+from hpc.launch.stage_table import NAMES, run_in_job
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.launch.stage_table import run_in_job
-
     return run_in_job(args.stage, args.config, list(args.overrides), args.parent_run_id, args.n)
 
 

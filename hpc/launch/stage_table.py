@@ -12,8 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hpc.config import resolve
 from hpc.config.schema import ClusterConfig, DSparkConfig
+from hpc.config.secrets import scrub, scrubbed_traceback
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.node_setup import localize_stage
+from hpc.launch.stages import adaptive_stage, calibrate_stage, eval_stage, regenerate_stage, report_stage, train_allocation
+from hpc.launch.variants import check_variant_file
 
 # entry(cfg, parent_run_id, n, local) -> exit code; n is set for per-n stages only
 Entry = Callable[[DSparkConfig, str | None, int | None, bool], int]
@@ -34,44 +39,33 @@ class Stage:
 
 
 def _regenerate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
-    from hpc.launch.stages import regenerate_stage
-
     return regenerate_stage(cfg, parent_run_id, local=local)
 
 
 def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     if local:  # one machine: every rank a local process, no allocation
-        from hpc.train.train_cli import train_local
+        from hpc.train.train_cli import train_local  # safetensors, torch: loaded only on this path
 
         return train_local(cfg, parent_run_id)
-    from hpc.launch.stages import train_allocation
 
     return train_allocation(cfg, parent_run_id)
 
 
 def _calibrate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
-    from hpc.launch.stages import calibrate_stage
-
     return calibrate_stage(cfg, parent_run_id)
 
 
 def _eval(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
-    from hpc.launch.stages import eval_stage
-
     if n is None:
         raise UserError("the eval stage needs n (num_speculative_tokens): `dspark stage eval CONFIG --n 7`")
     return eval_stage(cfg, int(n), parent_run_id)
 
 
 def _adaptive(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
-    from hpc.launch.stages import adaptive_stage
-
     return adaptive_stage(cfg, parent_run_id)
 
 
 def _report(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
-    from hpc.launch.stages import report_stage
-
     if parent_run_id is None:  # it reports the evals under that run, and ends it
         raise UserError("the report stage needs the pipeline's MLflow parent run: "
                         "`dspark stage report CONFIG --parent-run-id ID`")
@@ -140,10 +134,6 @@ def stage_of(job_name: str) -> str:
 def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ...] = (),
                parent_run_id: str | None = None, n: int | None = None) -> int:
     """One stage inside its Slurm job, from the variant's frozen YAML: its exit code."""
-    from hpc.config import resolve
-    from hpc.launch.node_setup import localize_stage
-    from hpc.launch.variants import check_variant_file
-
     s = stage(name)
     check_variant_file(config_file)  # before a single key is read
     # A CPU-only stage (the report) need not see the GPUs the training config names.
@@ -156,8 +146,6 @@ def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ..
 def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
     """The callable `dspark submit` hands to submitit. A failing stage raises, so the task
     exits non-zero and Slurm's dependencies see it."""
-    from hpc.config.secrets import scrub, scrubbed_traceback
-
     try:
         code = run_in_job(stage_name, config_file, (), parent_run_id, n)
     except UserError as err:

@@ -22,23 +22,39 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from hpc.config.schema import ClusterConfig, DSparkConfig, TrainConfig
+from hpc.config.validate import ranks_per_node
+from hpc.data.regen_ray import start_servers, stop_servers
+from hpc.data.regenerate import (
+    RegenStats,
+    calibration_data,
+    regenerate,
+    regenerate_all,
+    regenerated_dir,
+    regeneration_complete,
+    start_regen_server,
+)
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
+from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
+from hpc.evaluate.runner import evaluate
 from hpc.launch.gpu_mode import check_shared_gpu
+from hpc.launch.job_files import job_file, publish, wait_published
 from hpc.launch.node_setup import prepare_once
+from hpc.launch.ray_cluster import RayNode, done_marker
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
 from hpc.net import free_port
 from hpc.own_env import set_own
+from hpc.track.pipeline import STAGE, common_tags, create_child_run, end_pipeline_run, pipeline_outcome
 
 
 def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]:
     """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
-    from hpc.config.validate import ranks_per_node
-
     V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, ranks_per_node(cfg)
     T = Tn * rpn
     if node_index < V:
@@ -50,8 +66,7 @@ def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]
 def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tuple[str, int, str]:
     """(address, port, secret) of the torch rendezvous: chosen by the master node, read by the
     others from the owner-only job file (the secret authenticates the ranks: hpc.dist.rendezvous)."""
-    from hpc.dist.rendezvous import new_secret
-    from hpc.launch.job_files import job_file, publish, wait_published
+    from hpc.dist.rendezvous import new_secret  # torch: loaded only on this path
 
     path = job_file(cluster.log_dir, "rendezvous", env.job_id)
     mine = advertised_ip(env)
@@ -117,7 +132,7 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
 def _training_done(train: TrainConfig) -> bool:
     """A signal that came after the last step needs no requeue: the checkpoints say so."""
 
-    from hpc.train.checkpoint import latest_checkpoint
+    from hpc.train.checkpoint import latest_checkpoint  # safetensors, torch: loaded only on this path
 
     ckpt = latest_checkpoint(Path(train.output_dir) / "checkpoints")
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= train.steps
@@ -135,7 +150,7 @@ def requeue(env: SlurmEnv) -> None:
 
 def calibrate_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """Fit the confidence calibration of the training task's export on its held-out rows."""
-    from hpc.calibration.stage import calibrate_export
+    from hpc.calibration.stage import calibrate_export  # safetensors, torch: loaded only on this path
 
     metrics = calibrate_export(cfg)
     if metrics and parent_run_id:
@@ -145,8 +160,6 @@ def calibrate_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
 
 def eval_stage(cfg: DSparkConfig, n: int, parent_run_id: str | None = None) -> int:
     """Evaluate the export the training task left in train.output_dir, at one n."""
-    from hpc.evaluate.runner import evaluate
-
     draft = Path(cfg.train.output_dir) / "export"
     evaluate(cfg, str(draft), [n], parent_run_id=parent_run_id)
     return 0
@@ -154,7 +167,7 @@ def eval_stage(cfg: DSparkConfig, n: int, parent_run_id: str | None = None) -> i
 
 def adaptive_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """Adaptive verification for the training task's export, against fixed n at the same costs."""
-    from hpc.evaluate.adaptive_job import evaluate_adaptive
+    from hpc.evaluate.adaptive_job import evaluate_adaptive  # safetensors, torch: loaded only on this path
 
     evaluate_adaptive(cfg, str(Path(cfg.train.output_dir) / "export"), parent_run_id)
     return 0
@@ -163,9 +176,7 @@ def adaptive_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
 def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
     """The comparison table of this pipeline, printed and written into its parent run; then the
     parent run ends FINISHED when every stage succeeded, else FAILED (never left RUNNING)."""
-    from mlflow.tracking import MlflowClient
-
-    from hpc.track.pipeline import end_pipeline_run, pipeline_outcome
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     client = MlflowClient(cfg.tracking.uri)
     try:
@@ -181,12 +192,6 @@ def report_stage(cfg: DSparkConfig, parent_run_id: str) -> int:
 
 
 def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
-    import tempfile
-
-    from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
-    from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
-    from hpc.track.pipeline import STAGE, common_tags, create_child_run
-
     parent = client.get_run(parent_run_id)
     evals = fetch_evals(client, [parent])
     if not evals:
@@ -207,8 +212,6 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
 def regenerate_stage(cfg: DSparkConfig, parent_run_id: str | None = None, local: bool = False) -> int:
     """On-policy data: in a Slurm job over all its nodes (Ray, one vLLM server per node); with
     `local` (`dspark-dev demo`, even inside an salloc) one server on this machine. A requeue resumes."""
-    from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
-
     say = lambda line: print(line, flush=True)  # noqa: E731
     if not local:
         done = _regenerate_on_ray(cfg, say)
@@ -242,17 +245,6 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
     server per node and returns (stats, calibration rows' stats or None, servers, requests served per server);
     the other nodes host a server
     until node 0 is done, and return None."""
-    from hpc.data.regen_ray import start_servers, stop_servers
-    from hpc.data.regenerate import (
-        RegenStats,
-        calibration_data,
-        regenerate,
-        regenerate_all,
-        regenerated_dir,
-        regeneration_complete,
-    )
-    from hpc.launch.ray_cluster import RayNode, done_marker
-
     env = SlurmEnv.from_environ()
     logs = Path(cfg.data.output_dir) / "logs"
     cal = calibration_data(cfg.data)
@@ -296,10 +288,8 @@ def _regenerate_on_ray(cfg: DSparkConfig, say: Callable[[str], None]):
 def _log_stage_run(cfg: DSparkConfig, parent_run_id: str, stage: str, metrics: dict[str, float]) -> None:
     """A child run for a stage that has no logger of its own; tracking trouble is not a failed stage."""
     try:
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
-        from hpc.track.pipeline import STAGE, common_tags, create_child_run
+        from mlflow.entities import Metric  # mlflow: loaded only on this path
+        from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
         client = MlflowClient(cfg.tracking.uri)
         run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, stage,
@@ -307,7 +297,7 @@ def _log_stage_run(cfg: DSparkConfig, parent_run_id: str, stage: str, metrics: d
         client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
         client.set_terminated(run_id)
     except Exception as err:  # noqa: BLE001
-        from hpc.config.secrets import redact_uri, scrub
+        from hpc.config.secrets import redact_uri, scrub  # optional: its absence is handled here
 
         print(f"warning: {stage} not logged to {redact_uri(cfg.tracking.uri)}: {scrub(str(err).splitlines()[0])[:160]}",
               flush=True)

@@ -18,7 +18,12 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_uri, scrub, without_credentials
 from hpc.errors import UserError
+from hpc.launch.slurm import cancel as scancel
+from hpc.launch.slurm import run_slurm
+from hpc.launch.stage_table import NAMES, stage_of
 from hpc.own_env import NCCL_TRACE_PREFIX
+from hpc.tables import text_table
+from hpc.track.pipeline import end_pipeline_run
 
 DEFAULT_LOG_DIR = "runs/slurm"
 SACCT_FIELDS = "JobID,JobName,State,Elapsed,ExitCode,NodeList"
@@ -107,8 +112,6 @@ def load_pipeline(state_file: Path) -> dict:
 
 def job_states(job_ids: list[str]) -> dict[str, JobState]:
     """Every job and array task of `job_ids` that accounting knows, by id ("12", "12_0")."""
-    from hpc.launch.slurm import run_slurm
-
     ids = [str(j) for j in job_ids]
     if not ids:
         return {}
@@ -209,8 +212,6 @@ def progress_text(train_dir: str, state_file: Path, now: float | None = None) ->
 
 
 def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tuple[str, ...]]:
-    from hpc.launch.stage_table import NAMES, stage_of
-
     train_dirs = list(state.get("train_dirs") or [])
     rows: list[tuple[str, ...]] = []
     # In the table's order (a state file written by an older submit may list them otherwise).
@@ -254,7 +255,7 @@ def mlflow_link(state: dict) -> str:
         return f"mlflow: run {run} at {redact_uri(uri) if uri else '(no tracking uri)'}"
     _fail_fast()
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # mlflow: seconds to import, only for the link
 
         exp = MlflowClient(uri).get_experiment_by_name(str(state.get("experiment")))
     except Exception as err:  # noqa: BLE001 - any failure only costs the link
@@ -280,8 +281,6 @@ def status(pipeline_file: Path | str) -> str:
 
 def report(pipeline_file: Path | str) -> tuple[str, list[tuple[str, ...]]]:
     """The status report and its rows (stage, job, variant, state, ...)."""
-    from hpc.tables import text_table
-
     state_file = Path(pipeline_file)
     state = load_pipeline(state_file)
     rows = _rows(state, job_states([str(j) for j in state["jobs"].values()]), state_file)
@@ -322,8 +321,6 @@ def wait(pipeline_file: Path | str, interval_s: float = 15.0, out=print) -> int:
 
 def cancel(pipeline_file: Path | str) -> list[str]:
     """scancel every job of the pipeline at once; jobs that already ended are left as they are."""
-    from hpc.launch.slurm import cancel as scancel
-
     state_file = Path(pipeline_file)
     state = load_pipeline(state_file)
     ids = [str(j) for j in state["jobs"].values()]
@@ -343,7 +340,7 @@ def _end_cancelled(state: dict) -> None:
         return
     _fail_fast()
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
         client = MlflowClient(uri)
         if client.get_run(run_id).info.status != "RUNNING":
@@ -351,7 +348,6 @@ def _end_cancelled(state: dict) -> None:
     except Exception as err:  # noqa: BLE001 - the jobs are cancelled; the run is a record of it
         print(f"warning: pipeline run {run_id} not marked KILLED: {scrub(str(err).splitlines()[0])[:160]}", flush=True)
         return
-    from hpc.track.pipeline import end_pipeline_run
 
     end_pipeline_run(client, run_id, "KILLED", "cancelled with `dspark cancel`")
 

@@ -18,13 +18,23 @@ from __future__ import annotations
 import datetime
 import json
 import secrets
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from hpc.config import resolve, sweep_overrides, to_yaml
 from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.config.secrets import redact_uri, scrub
+from hpc.config.slurm_time import parse_slurm_time
+from hpc.config.validate_ops import warn_advisories
 from hpc.errors import UserError
 from hpc.fsio import write_text
+from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
+from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage
+from hpc.launch.variants import private_dir, variant_path
+from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
 
 
 @dataclass
@@ -46,8 +56,6 @@ class Pipeline:
 
 
 def _minutes(time: str) -> int:
-    from hpc.config.slurm_time import parse_slurm_time
-
     minutes = parse_slurm_time(time)
     if minutes is None:
         return 60 * 24 * 365  # "infinite": submitit wants a number
@@ -90,14 +98,7 @@ def _new_pipeline_dir(parent: Path, name: str) -> tuple[Path, str]:
 
 def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[DSparkConfig, Pipeline]:
     """Validate and lay out the jobs; writes only the frozen variant configs."""
-    from omegaconf import OmegaConf
-
-    from hpc.config import resolve, sweep_overrides, to_yaml
-    from hpc.launch.stage_table import check_sweep_shape
-    from hpc.launch.variants import private_dir, variant_path
-
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
-    from hpc.config.validate_ops import warn_advisories
 
     warn_advisories(cfg)
     scheme = cfg.tracking.uri.split(":", 1)[0]
@@ -123,7 +124,6 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
         path = variant_path(root, i, text)
         write_text(path, text, mode=0o600)
         files.append(path)
-    from hpc.launch.stage_table import jobs
 
     stages = []
     for job in jobs(cfg):
@@ -138,7 +138,7 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
 
 
 def _executor(folder: Path, params: dict, dependency: str | None, array: int):
-    import submitit
+    import submitit  # submitit: loaded only on this path
 
     ex = submitit.AutoExecutor(folder=str(folder / "%j"), cluster="slurm")
     p = dict(params)
@@ -188,8 +188,6 @@ def dry_run(p: Pipeline) -> int:
 
 def _discard(cfg: DSparkConfig, p: Pipeline) -> None:
     """Remove what planning wrote: the pipeline's directory and its (still empty) output directory."""
-    import shutil
-
     shutil.rmtree(p.root, ignore_errors=True)
     try:
         (Path(cfg.train.output_dir) / p.id).rmdir()
@@ -199,8 +197,6 @@ def _discard(cfg: DSparkConfig, p: Pipeline) -> None:
 
 def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dict[str, str] | None = None) -> int:
     """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
-    from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
-
     cfg, p = plan_pipeline(config, overrides)
     try:
         problems = check_requests(requests_for(cfg)) + array_problems(len(p.variant_files))
@@ -208,16 +204,13 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
             raise UserError("nothing submitted:\n" + "\n".join(problems))
         if dry:
             return dry_run(p)  # its variant files stay: the dry run names them for a look
-        from mlflow.tracking import MlflowClient
-
-        from hpc.track.pipeline import create_pipeline_run
+        from mlflow.tracking import MlflowClient  # mlflow: not for a dry run
 
         client = MlflowClient(cfg.tracking.uri)
         parent = create_pipeline_run(client, cfg, p.id, extra_tags)
     except BaseException:
         _discard(cfg, p)  # nothing was submitted: leave no pipeline behind for `dspark status` to find
         raise
-    from hpc.launch.stage_table import run_stage
 
     ids: dict[str, str] = {}
     submitted: list[str] = []
@@ -233,8 +226,6 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
                 ids[s.name] = jobs[0].job_id.split("_")[0]
             submitted.append(ids[s.name])
     except Exception as err:
-        from hpc.track.pipeline import end_pipeline_run
-
         cancel(submitted)
         why = f"submission failed at stage {s.name} ({scrub(str(err).splitlines()[0])[:200]})"
         end_pipeline_run(client, parent, "FAILED", why)  # nothing will run to end it

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils._triton import has_triton
 
+from hpc.errors import UserError
 from hpc.model.layers import AttentionFn
 
 
@@ -162,7 +165,6 @@ _compiled_flex = None  # one compiled flex_attention per process: compiling per 
 
 def _flex_attention(compiled: bool):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
@@ -181,8 +183,6 @@ def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_si
     attention and the block mask are compiled, on the tensors' own device (never cuda:0 by
     default). Eager runs serve CPU tests of the mask.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     N, T, B = anchors_N.numel(), doc_ids_T.numel(), block_size
     anchors, docs = anchors_N, doc_ids_T
     # The row length as a tensor, not a Python int the compiled mask would guard on: every
@@ -210,8 +210,6 @@ def flex_attention_fn(anchors_N: torch.Tensor, doc_ids_T: torch.Tensor, block_si
 
 def check_attention(kind: str, device: torch.device) -> str:
     """The attention a run will use ("flex" or "sdpa"); one line naming the fix when it cannot run here."""
-    from hpc.errors import UserError
-
     if kind == "auto":
         kind = "flex" if device.type == "cuda" else "sdpa"
     if kind != "flex":
@@ -222,8 +220,6 @@ def check_attention(kind: str, device: torch.device) -> str:
         raise UserError(f"train.attention=flex: torch {torch.__version__} has no flex_attention (needs >= 2.5); "
                         "use train.attention=sdpa") from None
     if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
         if not has_triton():
             raise UserError(f"train.attention=flex: compiled flex_attention needs Triton, which this torch "
                             f"{torch.__version__} build lacks; install triton or use train.attention=sdpa")

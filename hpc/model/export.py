@@ -9,6 +9,7 @@ an export.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hpc.calibration.maps import FILE as CALIBRATION
@@ -65,8 +67,6 @@ def head_sha256(tensors: dict[str, torch.Tensor]) -> str | None:
 def side_file_problem(path: str | Path) -> str | None:
     """Why the side file beside the export at `path` does not belong to its head, or None: read
     from two tensors of the safetensors, without loading the draft (a login-node check)."""
-    from safetensors import safe_open
-
     path = Path(path)
     cal = Calibration.load(path)
     if cal is None or cal.head_sha256 is None:
@@ -86,8 +86,6 @@ def as_served(model: DSparkDraft) -> DSparkDraft:
     """A copy of `model` with the weights its export holds (rounded to bf16): what the eval and
     vLLM run, so what a calibration must be fitted on. The fp32 training weights move a
     position's Platt map by a few hundredths on the toy."""
-    import copy
-
     served = copy.deepcopy(model)
     exported = export_tensors(model)
     served.load_state_dict({k: exported[k].to(device=t.device, dtype=t.dtype) for k, t in model.state_dict().items()})

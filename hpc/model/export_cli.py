@@ -6,7 +6,9 @@ import argparse
 import math
 from pathlib import Path
 
+from hpc.config import resolve
 from hpc.errors import UserError
+from hpc.tables import text_table
 
 
 def _human(n: float) -> str:
@@ -18,9 +20,7 @@ def _human(n: float) -> str:
 
 
 def shapes_only(config: str, overrides: list[str]) -> int:
-    from hpc.config import resolve
-    from hpc.model.export import shapes_only_inventory
-    from hpc.tables import text_table
+    from hpc.model.export import shapes_only_inventory  # safetensors, torch: loaded only on this path
 
     cfg = resolve(config, overrides, check_tracking=False)
     rows = shapes_only_inventory(cfg.draft)
@@ -36,6 +36,7 @@ def shapes_only(config: str, overrides: list[str]) -> int:
 
 
 def export(checkpoint: str, out: str, n: int | None) -> int:
+    # safetensors, torch: loaded only on this path
     from hpc.model.export import check_export_target, export_draft, load_draft, read_export_config
 
     src = Path(checkpoint)

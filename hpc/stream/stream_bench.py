@@ -23,12 +23,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpc.dist.planes import init_planes, open_pairs, rank_device
+from hpc.dist.rendezvous import new_secret
+from hpc.dist.rules import Message, handover, message
+from hpc.dist.streams import RecvStream
+from hpc.net import free_port
+from hpc.stream.protocol import BufferPool, sample_bytes
+from hpc.stream.receiver import StreamReceiver
+from hpc.stream.sample import Capture
+from hpc.stream.streamer import run_streamer
+from hpc.tables import text_table
 
 
 def _capture(i: int, T: int, n_aux: int, H: int, dtype: torch.dtype):
     """A capture in the stream dtype, as a bf16 verifier's would be: no cast on the way."""
-    from hpc.stream.sample import Capture
-
     g = torch.Generator().manual_seed(i)
     return Capture.from_states(i, torch.randint(0, 1000, (T,), generator=g), torch.ones(T, dtype=torch.long),
                                torch.randn(T, n_aux + 1, H, generator=g).to(dtype))
@@ -36,9 +46,6 @@ def _capture(i: int, T: int, n_aux: int, H: int, dtype: torch.dtype):
 
 def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
     """Seconds to move n samples' tensors with plain blocking send/recv on the data plane."""
-    from hpc.dist.rules import Message, handover, message
-    from hpc.dist.streams import RecvStream
-
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
     ids = planes.empty(2, T, dtype=torch.int64).zero_()
     states = planes.empty(T, n_aux + 1, H, dtype=dtype).zero_()
@@ -70,9 +77,6 @@ def _stream(planes, n: int, case: dict, dtype: torch.dtype, step_s: float, buffe
     """(seconds for n samples through streamer + receiver, the trainer's wait fraction after the
     first sample, the streamer's peak host bytes in flight). `pool`: the trainer's receive
     buffers, kept warm across runs as a training run keeps them."""
-    from hpc.stream.receiver import StreamReceiver
-    from hpc.stream.streamer import run_streamer
-
     T, A, H = case["tokens"], case["n_aux"], case["hidden"]
     # Two distinct captures, sent in turn: a Kimi-size sample is 1.15 GB.
     caps = [_capture(i, T, A, H, dtype) for i in range(2)] if planes.rank == 1 else []
@@ -99,22 +103,16 @@ def _stream(planes, n: int, case: dict, dtype: torch.dtype, step_s: float, buffe
         wait = recv.wait_s / max(time.perf_counter() - (first or t0), 1e-9)
     _sync(planes.device)
     dist.barrier(group=planes.control)
-    from hpc.dist.rules import handover
 
     handover(planes.data, 1 - planes.rank)
     return time.perf_counter() - t0, wait, host
 
 
 def _renamed(cap, i: int):
-    from hpc.stream.sample import Capture
-
     return Capture.from_states(i, cap.input_ids_T, cap.loss_mask_T, cap.packed_states())
 
 
 def worker(rank: int, args: dict, port: int, secret: str, out: str) -> None:
-    from hpc.dist.planes import init_planes, open_pairs, rank_device
-    from hpc.stream.protocol import BufferPool
-
     torch.set_num_threads(1)
     # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
     device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank, exclusive=True)
@@ -165,8 +163,6 @@ def _cases(args: argparse.Namespace) -> list[dict]:
 def _largest_tokens(T: int, H: int, A: int, dtype: str, args: argparse.Namespace) -> int:
     """Kimi's tokens, or fewer when this machine cannot hold every sample-sized buffer the bench
     keeps: the trainer's pool, the streamer's window and its two captures, in half of free RAM."""
-    from hpc.stream.protocol import sample_bytes
-
     if args.backend == "nccl":
         return T
     try:
@@ -198,19 +194,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def case_bytes(case: dict) -> int:
-    from hpc.stream.protocol import sample_bytes
-
     return sample_bytes(case["tokens"], case["n_aux"], case["hidden"], getattr(torch, case["dtype"]))
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(the cases, per case the trainer's timings with the streamer's host peak as "host"): two
     spawned ranks, rank 0 the trainer and rank 1 the streamer (`scripts/gpu-check --gpus 2` too)."""
-    import torch.multiprocessing as mp
-
-    from hpc.dist.rendezvous import new_secret
-    from hpc.net import free_port
-
     cases = _cases(args)
     cfg = {"backend": args.backend, "repeats": args.repeats, "buffer": args.buffer, "in_flight": args.in_flight,
            "step_ms": args.step_ms, "addr": args.addr, "cases": cases}
@@ -222,8 +211,6 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.tables import text_table
-
     if args.in_flight < 1 or args.in_flight > args.buffer:
         print(f"--in-flight {args.in_flight}: must be 1..--buffer ({args.buffer}); a trainer grants no more "
               "credits than its buffer", file=sys.stderr)

@@ -13,8 +13,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import psutil
+
 from hpc.config.secrets import scrub
 from hpc.track.keys import PARENT_RUN_ID, RUN_NAME
+from hpc.track.pipeline import experiment_id
 
 # A dead server must fail fast in the background thread, not retry for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -33,7 +36,7 @@ class RunLogger:
     def __init__(self, uri: str, experiment: str, run_name: str, parent_run_id: str | None = None,
                  tags: dict[str, str] | None = None, flush_every_s: float = 2.0, run_id: str | None = None,
                  system_every_s: float | None = 10.0):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
         self.client = MlflowClient(uri)
         self.experiment, self.run_name, self.parent_run_id = experiment, run_name, parent_run_id
@@ -75,7 +78,6 @@ class RunLogger:
     def _ensure_run(self) -> str:
         if self.run_id is not None:
             return self.run_id
-        from hpc.track.pipeline import experiment_id
 
         exp_id = experiment_id(self.client, self.experiment)
         tags = {RUN_NAME: self.run_name}
@@ -86,7 +88,7 @@ class RunLogger:
 
     def flush(self) -> bool:
         """Ship what is buffered; False (and everything kept) if the server did not take it."""
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, Param, RunTag  # mlflow: loaded only on this path
 
         with self._lock:
             params, tags = dict(self.pending.params), dict(self.pending.tags)
@@ -124,14 +126,12 @@ class RunLogger:
 
     def _sample_system(self) -> None:
         """CPU, memory and GPU memory of this node, through the same outage-proof buffer."""
-        import psutil
-
         vm = psutil.virtual_memory()
         values = {"system/cpu_percent": psutil.cpu_percent(interval=None),
                   "system/memory_used_gb": (vm.total - vm.available) / 1e9,
                   "system/process_rss_gb": psutil.Process().memory_info().rss / 1e9}
         try:
-            import torch
+            import torch  # optional here: without it (a login node) there are no GPU metrics
 
             for i in range(torch.cuda.device_count()):
                 values[f"system/gpu{i}_memory_allocated_gb"] = torch.cuda.memory_allocated(i) / 1e9

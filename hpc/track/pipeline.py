@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from hpc.config import config_hash, flatten
 from hpc.config.schema import DSparkConfig
-from hpc.config.secrets import scrub
+from hpc.config.secrets import redacted, scrub
 from hpc.track.keys import (
     CONFIG_HASH,
     CONFIG_NAME,
@@ -46,10 +49,6 @@ def slurm_tags() -> dict[str, str]:
 
 
 def common_tags(cfg: DSparkConfig) -> dict[str, str]:
-    from omegaconf import OmegaConf
-
-    from hpc.config import config_hash
-
     return {"git.sha": git_sha(), CONFIG_HASH: config_hash(OmegaConf.structured(cfg)),
             CONFIG_NAME: cfg.name, **slurm_tags()}
 
@@ -69,15 +68,11 @@ def experiment_id(client, name: str) -> str:
 
 def create_pipeline_run(client, cfg: DSparkConfig, run_name: str | None = None, tags: dict[str, str] | None = None) -> str:
     """The parent run: resolved config as params, the pipeline's tags (plus `tags`)."""
-    from mlflow.entities import Param
-    from omegaconf import OmegaConf
-
-    from hpc.config import flatten
+    from mlflow.entities import Param  # mlflow: loaded only on this path
 
     exp = experiment_id(client, cfg.tracking.experiment)
     run = client.create_run(exp, run_name=run_name or cfg.name,
                             tags={STAGE: STAGE_PIPELINE, **common_tags(cfg), **(tags or {})})
-    from hpc.config.secrets import redacted
 
     params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.structured(redacted(cfg))).items()]
     try:

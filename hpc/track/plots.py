@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpc.fsio import atomic_path
+
 
 def _figure():
-    import matplotlib
+    import matplotlib  # matplotlib: loaded only on this path
 
     matplotlib.use("Agg")  # compute nodes have no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: loaded only on this path
 
     return plt
 
 
 def _save(fig, out: Path) -> Path:
-    from hpc.fsio import atomic_path
-
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix.lstrip(".") or "png")
     return out

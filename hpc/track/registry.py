@@ -42,7 +42,7 @@ def register_draft(client, model_name: str, run_id: str, artifact_path: str, sco
                    manifests: dict[str, str], n: int = 7) -> str:
     """Register `runs:/{run_id}/{artifact_path}` as a new version of `model_name`, scored by its
     mean acceptance length at `n`; returns the version."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
 
     if not math.isfinite(score):
         raise UserError(f"register_draft: score = {score} for run {run_id}; "
@@ -115,7 +115,7 @@ def _settle(client, model_name: str, manifests: tuple | None, rounds: int = 10) 
 
 def promote_if_better(client, model_name: str, version: str) -> tuple[bool, str]:
     """Point `champion` at `version` if it beats the champion; (moved?, why) either way."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
 
     version = str(version)
     try:

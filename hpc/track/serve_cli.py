@@ -21,15 +21,15 @@ import signal
 import threading
 from pathlib import Path
 
+from hpc.errors import UserError
+from hpc.fsio import write_text
+from hpc.track.server import AUTH_DB, MlflowServer
+
 CREDENTIALS = "credentials.env"
 
 
 def credentials(root: Path, user: str = "dspark") -> str:
     """The server's admin password: drawn once, kept owner-only under `root`."""
-    from hpc.errors import UserError
-    from hpc.fsio import write_text
-    from hpc.track.server import AUTH_DB
-
     path = root / CREDENTIALS
     users = root / AUTH_DB
     if not path.is_file() and users.exists():
@@ -54,8 +54,6 @@ def credentials(root: Path, user: str = "dspark") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc.track.server import MlflowServer
-
     root = Path(args.root).resolve()
     password = credentials(root)
     server = MlflowServer(root, host=args.host, port=args.port, auth_password=password).start()

@@ -7,6 +7,7 @@ and serves HTTP to every job does not. Tests and the CPU demo use this; a real c
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -26,8 +27,6 @@ AUTH_DB = "basic_auth.db"  # MLflow basic auth's users: the admin keeps the pass
 def _check_host(host: str) -> None:
     """One line naming --host when it is no address of this machine (`hostname -i` can print a
     loopback alias, or several addresses): a bind there fails whatever the port."""
-    import errno
-
     with socket.socket() as s:
         try:
             s.bind((host, 0))

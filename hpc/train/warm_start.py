@@ -26,9 +26,9 @@ VOCAB_ROWS = ("lm_head.weight", "markov_head.markov_w2.weight")  # row j = draft
 
 def champion_export(tracking: TrackingConfig, dst: str | Path) -> tuple[Path, str]:
     """Download the champion's export into `dst`; (its directory, 'name vN')."""
-    import mlflow.artifacts
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    import mlflow.artifacts  # mlflow: loaded only on this path
+    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
+    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     name = tracking.registered_model
     try:
@@ -78,7 +78,7 @@ def copy_weights(model: DSparkDraft, source: DSparkDraft, what: str) -> int:
 
 def warm_start(model: DSparkDraft, cfg: DSparkConfig) -> str | None:
     """Load `cfg.train.init_from` into `model` (in place); a one-line account, or None if unset."""
-    from hpc.model.export import load_draft
+    from hpc.model.export import load_draft  # safetensors: loaded only on this path
 
     what = cfg.train.init_from
     if not what:

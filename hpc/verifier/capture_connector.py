@@ -42,6 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -73,8 +76,6 @@ def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
     """Index of the KV cache group that holds the captured hidden states (not the target's KV)."""
     if kv_cache_config is None:
         return 0
-    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
-
     groups = kv_cache_config.kv_cache_groups
     found = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
     if len(found) == 1:
@@ -168,9 +169,6 @@ class DSparkCaptureConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
-
         self._writes_files = get_tensor_model_parallel_rank() == 0  # states are replicated over TP
         names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(names) != 1:

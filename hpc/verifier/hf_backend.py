@@ -21,7 +21,7 @@ def _decoder(model):
 class HFVerifier:
     def __init__(self, model_path: str, aux_layer_ids: list[int], final_hidden: str = "post_norm",
                  device: str = "cpu", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # transformers: loaded only on this path
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True

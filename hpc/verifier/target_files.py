@@ -15,6 +15,7 @@ from typing import Literal, overload
 import torch
 from safetensors import safe_open
 
+from hpc.config.target import read_config_json, resolve_target
 from hpc.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -27,8 +28,6 @@ def target_file(model: str | Path, name: str, *, required: Literal[True] = True)
 def target_file(model: str | Path, name: str, *, required: bool) -> Path | None: ...
 def target_file(model: str | Path, name: str, *, required: bool = True) -> Path | None:
     """`name` inside a local model directory, or in the snapshot of a hub id (hpc.config.target)."""
-    from hpc.config.target import resolve_target
-
     local = Path(model)
     root = local if local.is_dir() else resolve_target(str(model), files=[name])
     path = root / name
@@ -41,8 +40,6 @@ def target_file(model: str | Path, name: str, *, required: bool = True) -> Path 
 
 def text_config(model: str | Path) -> dict:
     """config.json, or its `text_config` for multimodal wrappers (Kimi-K2.5/2.6)."""
-    from hpc.config.target import read_config_json
-
     cfg = read_config_json(target_file(model, "config.json"), model)
     return cfg.get("text_config") or cfg
 
@@ -50,8 +47,6 @@ def text_config(model: str | Path) -> dict:
 def architectures(model: str | Path) -> list[str]:
     """The target's model classes (the outer config's, e.g. KimiK25ForConditionalGeneration):
     recorded in the export so vLLM and readers know which verifier the draft belongs to."""
-    from hpc.config.target import read_config_json
-
     return list(read_config_json(target_file(model, "config.json"), model).get("architectures") or [])
 
 

@@ -36,9 +36,11 @@ from safetensors import SafetensorError, safe_open
 
 from hpc.config.schema import FinalHidden, VerifierConfig
 from hpc.errors import UserError, VerifierDown
+from hpc.fsio import unsafe_ancestor
 from hpc.model.teacher import target_transform
 from hpc.net import free_port
 from hpc.proc import log_tail
+from hpc.proc_guard import sweep_shm
 from hpc.stream.sample import Capture
 from hpc.verifier.target_files import final_norm_weight, text_config
 from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
@@ -121,8 +123,6 @@ def private_capture_dir(base: str | Path, port: int) -> Path:
     """A fresh 0700 directory of ours under `base` (node-local RAM, shared by every user of the
     node): nobody else can read, swap or plant capture files in it, and removing it at the end
     touches no other job's captures."""
-    from hpc.fsio import unsafe_ancestor
-
     base = Path(base)
     if not base.is_dir():
         raise UserError(f"verifier.capture_dir = {str(base)!r}: no such directory on this node; "
@@ -130,7 +130,6 @@ def private_capture_dir(base: str | Path, port: int) -> Path:
     if (why := unsafe_ancestor(base)) is not None:
         raise UserError(f"verifier.capture_dir = {str(base)!r}: {why}; use /dev/shm (root's, sticky) or a "
                         "directory of your own")
-    from hpc.proc_guard import sweep_shm
 
     sweep_shm(root=str(base))  # capture dirs whose starter was killed (the pid in the name is dead)
     job = os.environ.get("SLURM_JOB_ID", "local")

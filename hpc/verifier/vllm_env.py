@@ -11,6 +11,7 @@ interrupted bootstrap is redone rather than trusted.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import os
 import shutil
@@ -144,8 +145,6 @@ def ensure_gpu_venv(venv: Path, base_python: str = "python3") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m hpc.verifier.vllm_env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help="the pinned GPU vLLM (run it on a GPU node)")

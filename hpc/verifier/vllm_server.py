@@ -27,10 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
+from hpc.config.secrets import redact_args
 from hpc.errors import UserError
 from hpc.net import free_port
 from hpc.own_env import foreign_environ
 from hpc.proc import SubprocessServer, http_ok, spawn
+from hpc.proc_guard import sweep_shm
 from hpc.verifier import vllm_auth
 
 if TYPE_CHECKING:
@@ -68,8 +72,6 @@ def server_env(v: VerifierConfig) -> dict[str, str]:
 
 def port_owned_by(pid: int, port: int) -> bool:
     """Whether `pid` or one of its descendants listens on TCP `port`."""
-    import psutil
-
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -121,8 +123,6 @@ class VLLMServer(SubprocessServer):
         return self
 
     def stop(self, grace: float | None = None) -> None:
-        from hpc.proc_guard import sweep_shm
-
         super().stop(grace)
         for d in (self.rpc_dir, self.plugin_dir):
             if d is not None:
@@ -152,8 +152,6 @@ def start_vllm_server(
     a config, e.g. a GPU node, where ``--enforce-eager`` would cost throughput and cannot be undone.
     ``cleanup``: the caller's temp paths for this server, removed if the caller dies (proc_guard).
     """
-    from hpc.proc_guard import sweep_shm
-
     sweep_shm()  # what servers of ours that were killed left in /dev/shm, before this one adds to it
     port = port or free_port(host)
     # vLLM guards only some routes with its key (vllm_auth says which not): ours guards them all.
@@ -181,7 +179,6 @@ def start_vllm_server(
     if "VLLM_RPC_BASE_PATH" not in full_env:
         rpc_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-rpc-"))
         full_env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
-    from hpc.config.secrets import redact_args
 
     proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)),
                  cleanup=[plugin_dir, *([rpc_dir] if rpc_dir else []), *cleanup])

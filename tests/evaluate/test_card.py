@@ -57,7 +57,6 @@ def test_evaluate_ends_with_the_card_with_tracking_off(tmp_path: Path, monkeypat
     vLLM; every server and the tokenizer are stubbed, the runner's own path is real."""
     import transformers
 
-    import hpc.config.target
     from hpc.config import load_config, to_object
     from hpc.evaluate import runner
     from hpc.evaluate.drafts import DraftSpec
@@ -72,7 +71,7 @@ def test_evaluate_ends_with_the_card_with_tracking_off(tmp_path: Path, monkeypat
     monkeypatch.setattr(runner, "hardware_id", lambda: "test")
     monkeypatch.setattr(runner, "_plots", lambda *_a: None)
     monkeypatch.setattr(runner, "_run_job", lambda job, *_a, **_k: by_job[job.name])
-    monkeypatch.setattr(hpc.config.target, "localize", lambda cfg: cfg)
+    monkeypatch.setattr(runner, "localize", lambda cfg: cfg)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *_a, **_k: SimpleNamespace(eos_token_id=0))
     cfg = to_object(load_config("configs/toy-cpu.yaml", [f"eval.output_dir={tmp_path}", "eval.timing=paired"]))
 

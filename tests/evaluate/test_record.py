@@ -158,11 +158,11 @@ def test_a_registration_that_failed_after_the_upload_is_retried_once(tmp_path, m
         calls.append(real(*a, **k))
         raise ConnectionError("tracking server restarted")
 
-    monkeypatch.setattr(registry, "register_draft", register_then_fail)
+    monkeypatch.setattr(record, "register_draft", register_then_fail)
     with pytest.raises(ConnectionError):
         record.upload_all(client, tmp_path / "eval", cfg, quiet=True)
     assert record.pending_runs(tmp_path / "eval", cfg) == [run_dir]  # uploaded, but not yet registered
-    monkeypatch.setattr(registry, "register_draft", real)
+    monkeypatch.setattr(record, "register_draft", real)
     assert record.upload_all(client, tmp_path / "eval", cfg, quiet=True) == []  # nothing uploaded twice
     versions = client.search_model_versions(f"name = '{cfg.tracking.registered_model}'")
     assert [str(v.version) for v in versions] == calls == ["1"]  # the version made before the failure, once

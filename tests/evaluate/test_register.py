@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from hpc.evaluate import record
-from hpc.track import registry
 
 
 @pytest.fixture
@@ -18,8 +17,8 @@ def calls(monkeypatch):
         SimpleNamespace(benchmark="gsm8k", sha256="a" * 64, accept_len=3.0),
         SimpleNamespace(benchmark="aime", sha256="b" * 64, accept_len=None),
     ])
-    monkeypatch.setattr(registry, "register_draft", lambda *a, n: seen.append(f"register at n={n}") or "4")
-    monkeypatch.setattr(registry, "promote_if_better",
+    monkeypatch.setattr(record, "register_draft", lambda *a, n: seen.append(f"register at n={n}") or "4")
+    monkeypatch.setattr(record, "promote_if_better",
                         lambda *a: seen.append("promote") or (True, "champion moves v3 -> v4"))
     return seen
 

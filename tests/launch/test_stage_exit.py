@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from hpc.config.schema import DSparkConfig
 from hpc.errors import UserError
-from hpc.launch import node_setup, stages
+from hpc.launch import stages
 from hpc.launch.slurm_env import SlurmEnv
 from hpc.train import ranks as rank_supervision
 from hpc.train import train_cli
@@ -104,9 +104,9 @@ def test_the_stage_cli_prints_the_cause_as_its_one_error_line(node, monkeypatch,
 
     cfg, ranks = node
     ranks += [FakeRank([0]), FakeRank([-15])]
-    monkeypatch.setattr("hpc.launch.variants.check_variant_file", lambda path: None)
-    monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
-    monkeypatch.setattr(node_setup, "localize_stage", lambda c: c)
+    monkeypatch.setattr("hpc.launch.stage_table.check_variant_file", lambda path: None)
+    monkeypatch.setattr("hpc.launch.stage_table.resolve", lambda *a, **k: cfg)
+    monkeypatch.setattr("hpc.launch.stage_table.localize_stage", lambda c: c)
     assert main(["stage", "train", "variant.yaml"]) == 128 + 15
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: node 1 (trainer): rank 1 (trainer 1) was killed by SIGTERM"), err

@@ -101,9 +101,9 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
         train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
         verifier=SimpleNamespace(model=str(tmp_path), revision=None, trust_remote_code=False),
     )
-    monkeypatch.setattr("hpc.config.resolve", lambda *a, **k: cfg)
-    monkeypatch.setattr("hpc.config.sweep_overrides", lambda c: [[]])
-    monkeypatch.setattr("hpc.config.to_yaml", lambda c: "name: t\n")
+    monkeypatch.setattr("hpc.launch.submit.resolve", lambda *a, **k: cfg)
+    monkeypatch.setattr("hpc.launch.submit.sweep_overrides", lambda c: [[]])
+    monkeypatch.setattr("hpc.launch.submit.to_yaml", lambda c: "name: t\n")
     monkeypatch.setattr("omegaconf.OmegaConf.structured", lambda c: c)
     _, p = submit.plan_pipeline("cfg.yaml", [])
     assert [(s.name, s.after, s.array) for s in p.stages] == [

@@ -158,7 +158,7 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
         real_cancel(ids)
 
     monkeypatch.setattr(submit_mod, "_executor", failing)
-    monkeypatch.setattr(slurm, "cancel", recording_cancel)
+    monkeypatch.setattr(submit_mod, "cancel", recording_cancel)
     args = overrides(slurm_cluster, toy_target, vllm_python, tmp_path, f"sqlite:///{tmp_path}/m.db") + [
         "tracking.allow_file_store=true"]
     with pytest.raises(UserError, match="submission failed at stage eval-n3.*cancelled the 3 job"):

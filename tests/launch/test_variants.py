@@ -91,19 +91,17 @@ def test_a_submit_refused_before_any_job_leaves_no_pipeline_behind(tmp_path, mon
     """Slurm refusing the requests, or the tracking server the parent run: nothing was submitted,
     yet the pipeline's directory (0600 variant files, which may hold secrets) and an empty output
     directory stayed, and `dspark status` found a pipeline that never ran."""
-    import hpc.launch.slurm as slurm
+    import hpc.launch.submit as submit_mod
     from hpc.launch.submit import submit
 
-    monkeypatch.setattr(slurm, "requests_for", lambda cfg: [])
-    monkeypatch.setattr(slurm, "check_requests", lambda reqs: ["cluster.partition = 'gpu': no such partition"]
+    monkeypatch.setattr(submit_mod, "requests_for", lambda cfg: [])
+    monkeypatch.setattr(submit_mod, "check_requests", lambda reqs: ["cluster.partition = 'gpu': no such partition"]
                         if fails_at == "slurm" else [])
     if fails_at == "mlflow":
-        import hpc.track.pipeline as pipeline
-
         def unreachable(*a, **k):
             raise ConnectionError("tracking server down")
 
-        monkeypatch.setattr(pipeline, "create_pipeline_run", unreachable)
+        monkeypatch.setattr(submit_mod, "create_pipeline_run", unreachable)
     with pytest.raises((UserError, ConnectionError)):
         submit(KIMI, [*NO_VLLM, f"cluster.log_dir={tmp_path / 'slurm'}", f"train.output_dir={tmp_path / 'train'}",
                       f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.allow_file_store=true"])
