@@ -10,10 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from omegaconf.errors import OmegaConfBaseException
-
-from hpc.config.load import check_sweep, load_config_collecting, sweep_overrides, to_object, with_overrides
-from hpc.config.validate import ranks_per_node, validate
 from hpc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,6 +38,13 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     `runs_here`: the work runs on this machine (`dspark train`, a stage inside its job), so its
     devices are checked too; None means "when cluster.executor is local".
     """
+    # omegaconf and the loaders: every hpc.config module imports this package first, and the draft's
+    # model code reads hpc.config.families in venvs that have no omegaconf (speculators, vLLM's)
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hpc.config.load import check_sweep, load_config_collecting, to_object
+    from hpc.config.validate import ranks_per_node, validate
+
     cfg, problems = load_config_collecting(path, overrides)
     problems += check_sweep(cfg)
     shapes: dict = {}  # the target's shape, read once for the base and every sweep variant
@@ -66,6 +69,10 @@ def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict) -> list[st
     """A sweep value that breaks a range check is named with its variant; checks that hold for
     the base config are not repeated per variant. Each variant is the loaded config plus its
     dotlist, and the target's shape is read once per target: `validate` stays under a second."""
+    # as in resolve: the package stays free of omegaconf
+    from hpc.config.load import sweep_overrides, to_object, with_overrides
+    from hpc.config.validate import validate
+
     variants = sweep_overrides(cfg)
     if variants == [[]]:
         return []
