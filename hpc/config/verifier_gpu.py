@@ -22,7 +22,8 @@ NCCL_PEER_BYTES = 0.05 * GB  # p2p buffers per trainer rank (NCCL_BUFFSIZE x cha
 
 
 def stream_dtype_name(cfg: DSparkConfig) -> str:
-    """As hpc.train.streamer_rank.stream_dtype, without importing torch."""
+    """The dtype the streamers send hidden states in: the config's, else bf16 over NCCL and fp32 over
+    gloo (a name: the login node sizes the stream without torch)."""
     if cfg.stream.dtype != "auto":
         return cfg.stream.dtype
     return "bfloat16" if cfg.train.dist_backend == "nccl" else "float32"

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.verifier_gpu import samples_in_flight
+from hpc.config.verifier_gpu import samples_in_flight, stream_dtype_name
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.stream.streamer import run_streamer
@@ -23,9 +23,7 @@ EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never starte
 
 
 def stream_dtype(cfg: DSparkConfig) -> torch.dtype:
-    if cfg.stream.dtype != "auto":
-        return getattr(torch, cfg.stream.dtype)
-    return torch.bfloat16 if cfg.train.dist_backend == "nccl" else torch.float32
+    return getattr(torch, stream_dtype_name(cfg))  # the rule `dspark plan` sizes the stream by
 
 
 def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: int, epochs: int):

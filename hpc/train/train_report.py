@@ -78,19 +78,21 @@ class TrainReport:
         self.cfg, self.out = cfg, out
         self.logger = RunLogger(cfg.tracking.uri, cfg.tracking.experiment, f"train-{cfg.name}", parent_run_id,
                                 tags={STAGE: STAGE_TRAIN, **common_tags(cfg)})
-        self.progress: Progress | None = None
-        public = OmegaConf.structured(redacted(cfg))  # params and the artifact: no secrets
-        self.logger.log_params(flatten(public))
-        stats_file = out / "data" / "stats.json"
-        if stats_file.is_file():  # skipped rows are counted once, by the preparing process
-            self.logger.log_metrics(json.loads(stats_file.read_text()), step=0)
-        resolved = out / "config.yaml"
-        resolved.write_text(OmegaConf.to_yaml(public))
-        self.logger.log_artifact(str(resolved))
-        self.progress = Progress(cfg.train.steps, cfg.train.global_batch_size)
+        try:
+            public = OmegaConf.structured(redacted(cfg))  # params and the artifact: no secrets
+            self.logger.log_params(flatten(public))
+            stats_file = out / "data" / "stats.json"
+            if stats_file.is_file():  # skipped rows are counted once, by the preparing process
+                self.logger.log_metrics(json.loads(stats_file.read_text()), step=0)
+            resolved = out / "config.yaml"
+            resolved.write_text(OmegaConf.to_yaml(public))
+            self.logger.log_artifact(str(resolved))
+            self.progress = Progress(cfg.train.steps, cfg.train.global_batch_size)
+        except BaseException as err:  # the caller never gets this report to end: end its run here
+            self._end_run(err)
+            raise
 
     def on_step(self, step: int, metrics: dict) -> None:
-        assert self.progress is not None
         metrics.update(self.progress.update(step, metrics))
         self.logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
         write_progress(self.out / "progress.json", step, self.cfg.train.steps, metrics)
@@ -100,8 +102,7 @@ class TrainReport:
 
         Not after a preemption or a failure: an eval must never pick up a half-trained draft.
         """
-        if self.progress is not None:
-            self.progress.close()
+        self.progress.close()
         cfg, out, logger = self.cfg, self.out, self.logger
         ckpt = latest_checkpoint(out / "checkpoints") if export else None
         if ckpt is not None:
@@ -120,8 +121,10 @@ class TrainReport:
     def end_on_error(self, err: BaseException) -> None:
         """The run ends FAILED (KILLED for an interrupt) with its buffer sent, unless it was
         already being closed when the error came."""
-        if self.progress is not None:
-            self.progress.close()
+        self.progress.close()
+        self._end_run(err)
+
+    def _end_run(self, err: BaseException) -> None:
         if not self.logger.closed:
             # A short wait: the other ranks' launcher stops this one a few seconds after they fail.
             self.logger.close(timeout_s=10, status="KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")

@@ -92,3 +92,14 @@ def test_progress_counts_from_the_step_this_job_resumed_at(monkeypatch):
         assert first["eta_s"] == pytest.approx(2.0 * 4999)  # not 5000 steps in 2 s
     finally:
         p.close()
+
+
+def test_a_failure_while_the_run_is_being_set_up_ends_it(rank0, monkeypatch):
+    """The run exists from the logger's first line: an error logging the params must not leave it RUNNING."""
+    def broken(self, params):
+        raise OSError("disk full writing the params")
+    monkeypatch.setattr(FakeLogger, "log_params", broken)
+    monkeypatch.setattr(trainer_rank, "run_trainer", lambda *a, **k: 0)
+    with pytest.raises(OSError):
+        ranks.rank_main(0, rank0, 1, 1, "127.0.0.1", 1, "s" * 64)
+    assert [log.statuses for log in FakeLogger.made] == [["FAILED"]]
