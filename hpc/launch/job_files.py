@@ -29,8 +29,30 @@ def job_file(root: str | Path, kind: str, job_id: int) -> Path:
     return Path(root) / f".{kind}-{attempt(job_id)}"
 
 
+# A job's files are written as its nodes start, and read within minutes. One older than its
+# reader's start by more than this is from an earlier job that had the same id: a reinstalled
+# cluster counts from 1 again, and a node that died never removed its files.
+STALE_S = 600.0
+
+
+# This process's start, near enough: a node's stage imports this module as it begins.
+STARTED = time.time()
+
+
+def stale(path: Path, started: float = STARTED) -> bool:
+    """`path` is an owner-only file of ours written long before `started`: an earlier job's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return owner_only(st) and st.st_mtime < started - STALE_S
+
+
 def publish(path: Path, payload: dict) -> None:
-    """Create `path` (0600) holding `payload`; refuse if it exists already."""
+    """Create `path` (0600) holding `payload`; refuse if it exists already, unless it is an
+    earlier job's (`stale`): that one is replaced."""
+    if stale(path):
+        path.unlink(missing_ok=True)
     try:
         write_text(path, json.dumps(payload), mode=0o600, exclusive=True)
     except FileExistsError:
@@ -60,10 +82,11 @@ def read_published(path: Path) -> dict:
 
 
 def wait_published(path: Path, timeout_s: float, who: str, gone: Path | None = None) -> dict | None:
-    """The payload once `who` has published it; None if `gone` appears first (it came and went)."""
+    """The payload once `who` has published it; None if `gone` appears first (it came and went).
+    An earlier job's file (`stale`) is neither: the wait goes on."""
     deadline = time.monotonic() + timeout_s
-    while not visible(path):
-        if gone is not None and visible(gone):
+    while not visible(path) or stale(path):
+        if gone is not None and visible(gone) and not stale(gone):
             return None
         if time.monotonic() > deadline:
             raise UserError(f"{who} published nothing in {timeout_s:.0f}s ({path}); see {who}'s log")

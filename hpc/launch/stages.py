@@ -93,7 +93,8 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
                         f"cluster.trainer_nodes = {V + Tn}")
     prepare_once(cfg, env)
     ranks, T, V = node_ranks(cfg, env.node_index)
-    master, port, secret = _rendezvous(cfg.cluster, env, master_node=V if env.n_nodes > V else 0)
+    master_node = V if env.n_nodes > V else 0
+    master, port, secret = _rendezvous(cfg.cluster, env, master_node)
     role = "verifier" if env.node_index < V else "trainer"
     print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
@@ -116,6 +117,8 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if env.node_index == master_node:  # every node read it long ago; a reused job id must not find it
+            job_file(cfg.cluster.log_dir, "rendezvous", env.job_id).unlink(missing_ok=True)
     if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg.train):
         if env.node_index == 0:
             requeue(env)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_runs_every_stage_and_prints_the_table(toy_target, tmp_path):
     res = subprocess.run([sys.executable, "-m", "hpc_dev", "demo", "--out", str(tmp_path / "demo"), "--steps", "4",
                           "--rows", "24", "data.regenerate=false", "verifier.backend=hf", "eval.compare=[]",
-                          "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16",
+                          "eval.rows=1", "eval.max_tokens=16", "eval.code_max_tokens=16", "eval.timing_min_pairs=2",
                           "eval.benchmarks=[gsm8k,humaneval]"],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

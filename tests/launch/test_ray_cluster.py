@@ -11,7 +11,7 @@ import pytest
 
 from hpc.data.regen_ray import REGEN_RESOURCE
 from hpc.errors import UserError
-from hpc.launch.job_files import job_file, publish, read_published
+from hpc.launch.job_files import job_file, publish, read_published, wait_published
 from hpc.launch.ray_cluster import RayNode, _refresh_ray_auth, done_marker, ray_start_command
 from hpc.launch.slurm_env import SlurmEnv
 from tests.fixtures.wait import still_running
@@ -58,6 +58,38 @@ def test_job_files_are_created_once_owner_only_and_checked_on_read(tmp_path, mon
     os.chown(theirs, 12345, 12345)  # the tests run as root: any other uid is a co-user
     with pytest.raises(UserError, match="not an owner-only file of yours"):
         read_published(theirs)
+
+
+def test_an_earlier_jobs_file_under_the_same_id_is_replaced_never_read(tmp_path, monkeypatch):
+    """Job ids start over on a reinstalled cluster, and a node that died left its files: an old
+    rendezvous file of ours under this job's id is an earlier job's, not this one's."""
+    import threading
+    import time
+
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    path = job_file(tmp_path, "rendezvous", 10)
+    path.write_text('{"addr": "10.9.9.9", "port": 1, "secret": "old"}')
+    path.chmod(0o600)
+    old = time.time() - 3 * 86400
+    os.utime(path, (old, old))
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.update(wait_published(path, 30, "node 1")))
+    reader.start()  # a reader that starts first waits past the stale file ...
+    time.sleep(1.0)
+    assert not got
+    publish(path, {"addr": "10.0.0.2", "port": 4321, "secret": "new"})  # ... which the publisher replaces
+    reader.join(30)
+    assert got == {"addr": "10.0.0.2", "port": 4321, "secret": "new"}
+    # A recent file is this job's (or a co-user's plant): still never replaced.
+    with pytest.raises(UserError, match="exists already"):
+        publish(path, {"addr": "6.6.6.6", "port": 1})
+    # Nor is an old one that is not ours: it is refused on read, as before.
+    theirs = job_file(tmp_path, "rendezvous", 11)
+    theirs.write_text("{}")
+    theirs.chmod(0o644)
+    os.utime(theirs, (old, old))
+    with pytest.raises(UserError, match="exists already"):
+        publish(theirs, {"addr": "6.6.6.6", "port": 1})
 
 
 def test_a_requeued_job_does_not_see_the_last_runs_done_marker(tmp_path, monkeypatch):

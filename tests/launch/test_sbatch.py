@@ -147,7 +147,7 @@ def test_eval_of_the_trained_export_at_n3(slurm_cluster: SlurmCluster, trained: 
     tmp = trained.tmp
     evals = ["eval.engine=reference", "eval.fixtures=true", "eval.rows=1", "eval.max_tokens=16",
              "eval.code_max_tokens=16", "eval.compare=[]", f"eval.output_dir={tmp / 'eval'}",
-             "eval.benchmarks=[gsm8k,humaneval]"]
+             "eval.benchmarks=[gsm8k,humaneval]", "eval.timing_min_pairs=2"]
     job = sbatch("eval.sbatch", [f"--partition={slurm_cluster.partition}", "--time=00:10:00"],
                  [CONFIG, *trained.overrides, *evals], tmp / "eval.log", timeout_s=420, export=",N=3")
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), f"{job}\n{job.log[-4000:]}"
