@@ -18,7 +18,7 @@ from hpc.errors import UserError
 # help); a module is imported only when its command runs, so the top-level help never pays for
 # torch or mlflow imports.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("validate", "hpc.config.validate_cli", "check a config on the login node before submitting"),
+    ("validate", "hpc.launch.validate_cli", "check a config on the login node before submitting"),
     ("regenerate", "hpc.data.regenerate_cli", "regenerate the data's assistant turns with the target (on-policy data)"),
     ("calibration-set", "hpc.data.calibration_set",
      "benchmark rows no evaluation reads, to calibrate the draft's confidence on (data.calibration_sources)"),
@@ -33,7 +33,9 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("schedule", "hpc.launch.schedule:register_schedule",
      "scheduled retraining: scrontab entry (or a self-resubmitting job) that retrains on new data"),
     ("retrain-tick", "hpc.launch.schedule:register_tick",
-     "one scheduled retraining check: submit the pipeline if the data changed"),
+     "one scheduled retraining check: submit the pipeline if the data changed or the served draft drifted"),
+    ("watch", "hpc.launch.schedule:register_watch",
+     "one tick of the serving watch: live acceptance on serve.endpoints against the champion's"),
     ("stage", "hpc.launch.stage_cli", "run one pipeline stage inside a Slurm job (what sbatch/ scripts call)"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
     ("plan", "hpc.launch.plan",

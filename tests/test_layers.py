@@ -26,7 +26,9 @@ DEPENDS: dict[str, set[str]] = {
     "hpc.cli": {"hpc.bench", "hpc.launch"},
     "hpc.bench": {"hpc.stream"},
     # the Slurm launcher: submit, stages, status, schedule, plan
-    "hpc.launch": {"hpc.calibration", "hpc.train", "hpc.tables"},
+    "hpc.launch": {"hpc.calibration", "hpc.train", "hpc.tables", "hpc.watch"},
+    # the serving watch: live spec-decode counters against the champion's evaluation
+    "hpc.watch": {"hpc.evaluate", "hpc.track"},
     # the calibrate stage and the fits it runs: the draft over captured rows, as training runs it
     "hpc.calibration": {"hpc.train", "hpc.calibration.maps"},
     "hpc.train": {"hpc.data", "hpc.stream", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)

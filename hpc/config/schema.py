@@ -57,6 +57,14 @@ class EvalTiming(str, Enum):
     cached = "cached"
 
 
+class Trigger(str, Enum):
+    """What makes a scheduled tick submit a retrain."""
+
+    cron = "cron"  # the training data changed since the last scheduled run
+    drift = "drift"  # the served draft's live acceptance fell below the line (serve.*)
+    both = "both"
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"
@@ -138,11 +146,29 @@ class VerifierConfig:
     capture_retry_s: float = 600.0
 
 
+class SourceKind(str, Enum):
+    rows = "rows"  # a dataset: every row, as it is
+    # prompts the serving stack logged (hpc/data/traffic.py): JSONL chat rows with a timestamp,
+    # each conversation once, only the last max_age_days before `until`
+    traffic = "traffic"
+
+
 @dataclass
 class DataSource:
     path: str = ""  # a Hugging Face dataset id, or a local .jsonl/.parquet file or directory
     split: str = "train"
     max_rows: int | None = None
+    kind: SourceKind = SourceKind.rows
+    max_age_days: float = 7.0  # traffic: how far back from `until` rows count
+    # traffic: the window's end (ISO 8601). None: the time `dspark submit` runs, which it writes
+    # here, so every stage of one pipeline reads the same rows however long it queues.
+    until: str | None = None
+
+    def settings(self) -> list:
+        """What decides the rows this source reads: the identity of prepared and regenerated data."""
+        base = [self.path, self.split, self.max_rows]
+        kind = self.kind.value if isinstance(self.kind, Enum) else str(self.kind)
+        return base if kind == SourceKind.rows.value else [*base, kind, self.max_age_days, self.until]
 
 
 @dataclass
@@ -286,8 +312,30 @@ class TrackingConfig:
 
 
 @dataclass
+class ServeConfig:
+    """The vLLM servers that serve the champion, as `dspark watch` reads them (hpc/watch)."""
+
+    endpoints: list[str] = field(default_factory=list)  # base URLs; each one's /metrics is read
+    # The endpoints' bearer token (a gateway's, say): the NAME of an environment variable, or a
+    # file only you can read. Never the token itself: config values reach MLflow params and argv.
+    token_env: str | None = None
+    token_file: str | None = None
+    allow_http: bool = False  # send that token over plain http (a network you trust)
+    num_speculative_tokens: int | None = None  # the n they serve; None: eval's largest
+    # Drift: live tau below drift_ratio x the champion's evaluated tau for `window` ticks in a
+    # row, over at least min_drafts drafts; then no second retrain for `cooldown` (Slurm time).
+    drift_ratio: float = 0.9
+    window: int = 3
+    min_drafts: int = 1000
+    cooldown: str = "1-00:00:00"
+    timeout_s: float = 5.0  # per endpoint: one that does not answer is left out of the tick
+    state_dir: str = "runs/watch"  # the counters a tick reads its deltas against
+
+
+@dataclass
 class ScheduleConfig:
     cron: str | None = None
+    trigger: Trigger = Trigger.cron
     warm_start_from_champion: bool = True
     # Every evaluation at the largest n registers its draft; false leaves the champion alias to
     # a person, e.g. while the benchmarks are being changed.
@@ -345,6 +393,7 @@ class DSparkConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     submit: SubmitConfig = field(default_factory=SubmitConfig)
     # One training array task per combination, e.g. {"train.lr": [3e-4, 1e-4]}.

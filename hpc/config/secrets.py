@@ -62,7 +62,7 @@ def shown(key: str, value):
                                                        and "=" not in value):
         return MASK
     if isinstance(value, str):
-        return scrub(value)
+        return MASK if looks_secret(value) else scrub(value)  # a token typed where a name belongs
     return value
 
 

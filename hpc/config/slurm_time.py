@@ -1,7 +1,10 @@
-"""Slurm time limits: the one parser that the config validator, the login-node Slurm checks
-and the submitter all use, so a `cluster.time` one accepts the others accept too."""
+"""Times in a config. Slurm time limits: the one parser that the config validator, the
+login-node Slurm checks and the submitter all use, so a `cluster.time` one accepts the others
+accept too. Instants (a traffic window's end): unix seconds or ISO 8601."""
 
 from __future__ import annotations
+
+import datetime
 
 TIME_FIX = "use MM, HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00"
 
@@ -30,3 +33,20 @@ def parse_slurm_time(s: str) -> int | None:
         h, m, sec = 0, nums[0], (nums[1] if len(nums) == 2 else 0)
     seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
     return -(-seconds // 60)
+
+
+def parse_time(value) -> float | None:
+    """Unix seconds, or ISO 8601 (a trailing Z allowed; naive = UTC); None when it is neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, str):
+        return None
+    try:
+        t = datetime.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.UTC)
+    return t.timestamp()

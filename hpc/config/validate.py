@@ -7,17 +7,19 @@ all so a user fixes a config in one round trip instead of one submit per typo.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.inputs import check_leaves, check_names, check_repeats
-from hpc.config.schema import DRAFT_FROM_VERIFIER, DSparkConfig, FinalHidden
-from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
+from hpc.config.schema import DRAFT_FROM_VERIFIER, DataSource, DSparkConfig, FinalHidden, SourceKind
+from hpc.config.slurm_time import TIME_FIX, parse_slurm_time, parse_time
 from hpc.config.target import is_local, looks_like_hub_id
 from hpc.config.validate_eval import check_eval
 from hpc.config.validate_ops import check_extra_args, check_paths, check_plan, check_schedule
 from hpc.config.validate_ops import check_tracking as tracking_checks
+from hpc.config.validate_serve import check_serve
 from hpc.config.validate_target import TargetShape, check_target, shape_once
 from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
 from hpc.config.vllm_support import support_problems
@@ -177,6 +179,17 @@ def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
                    "raise draft.block_size or lower eval.num_speculative_tokens")
 
 
+def _check_traffic(c: Checker, key: str, src: DataSource) -> None:
+    if not Path(src.path).expanduser().exists():
+        c.fail(f"{key}.path", src.path, "kind: traffic reads the JSONL the serving stack logged, and there is no "
+               "such file or directory here; fix the path")
+    if not (src.max_age_days > 0 and math.isfinite(src.max_age_days)):
+        c.fail(f"{key}.max_age_days", src.max_age_days, "must be > 0: the days of traffic before `until` to read")
+    if src.until is not None and parse_time(src.until) is None:
+        c.fail(f"{key}.until", src.until, "not a time; use ISO 8601 (e.g. 2026-12-05T03:00:00Z), or leave it out "
+               "for the time of submission")
+
+
 def _check_data(c: Checker, cfg: DSparkConfig) -> None:
     data = cfg.data
     if not data.sources:
@@ -189,6 +202,8 @@ def _check_data(c: Checker, cfg: DSparkConfig) -> None:
         for i, src in enumerate(sources):
             if src.max_rows is not None and src.max_rows < 1:
                 c.fail(f"{key}[{i}].max_rows", src.max_rows, "reads no row; give at least 1, or null for every row")
+            if src.kind == SourceKind.traffic:
+                _check_traffic(c, f"{key}[{i}]", src)
     for i, src in enumerate(data.calibration_sources):
         if not src.path:
             c.fail(f"data.calibration_sources[{i}].path", src.path,
@@ -367,6 +382,7 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
     check_eval(c, cfg)
     tracking_checks(c, cfg, check_tracking)
     check_schedule(c, cfg)
+    check_serve(c, cfg)
     check_plan(c, cfg)
     check_paths(c, cfg)
     return c.problems

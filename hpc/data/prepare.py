@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hpc.config.schema import DataConfig, DSparkConfig
+from hpc.config.schema import DataConfig, DataSource, DSparkConfig
 from hpc.data.calibration_set import decoded_tokens
+from hpc.data.reader import read_source
 from hpc.data.regen_shards import verify_shards
 from hpc.data.regenerate import calibration_data, regeneration_complete
-from hpc.data.sources import RowStats, TokenRow, read_rows, tokenize_rows
+from hpc.data.sources import RowStats, TokenRow, tokenize_rows
 from hpc.data.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
 from hpc.errors import UserError
 from hpc.fsio import atomic_path, write_text
@@ -67,21 +68,21 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: t
     return path
 
 
-def training_sources(data: DataConfig) -> list[tuple[str, str, int | None]]:
+def training_sources(data: DataConfig) -> list[DataSource]:
     """The regenerated (on-policy) shards once `dspark regenerate` has finished them, else the
     configured sources as they are."""
     regen = Path(data.output_dir) / "regenerated"
     manifest = regen / "manifest.json"
     if data.regenerate and manifest.is_file() and json.loads(manifest.read_text()).get("finished"):
-        return [(str(regen), "train", None)]
-    return [(s.path, s.split, s.max_rows) for s in data.sources]
+        return [DataSource(str(regen), "train", None)]
+    return list(data.sources)
 
 
 def regeneration_pending(data: DataConfig) -> bool:
     """`data.regenerate` asks for on-policy rows that `dspark regenerate` has not finished: the
     sources are read as they are (the pipeline regenerates first; a hand-run `dspark train` may not)."""
     regen = str(Path(data.output_dir) / "regenerated")
-    return data.regenerate and all(path != regen for path, _, _ in training_sources(data))
+    return data.regenerate and all(s.path != regen for s in training_sources(data))
 
 
 def _tokenize(cfg: DSparkConfig, data: DataConfig,
@@ -99,12 +100,12 @@ def _tokenize(cfg: DSparkConfig, data: DataConfig,
         print(f"warning: data.regenerate is true but {Path(data.output_dir) / 'regenerated'} holds no finished "
               "regeneration: using data's sources as they are (not on-policy); run `dspark regenerate CONFIG` "
               "first, or set data.regenerate=false to silence this", flush=True)
-    for path, split, max_rows in sources:
-        if path == str(Path(data.output_dir) / "regenerated"):
-            verify_shards(path)  # each shard as the verifier wrote it, and nothing beside them
+    for src in sources:
+        if src.path == str(Path(data.output_dir) / "regenerated"):
+            verify_shards(src.path)  # each shard as the verifier wrote it, and nothing beside them
         # remask needs each row as read: tokenize_rows numbers the rows it is given (sample_id).
-        raw = list(read_rows(path, split, max_rows)) if remask is not None else None
-        for r in tokenize_rows(tok, iter(raw) if raw is not None else read_rows(path, split, max_rows),
+        raw = list(read_source(src)) if remask is not None else None
+        for r in tokenize_rows(tok, iter(raw) if raw is not None else read_source(src),
                                cfg.data.max_seq_len, stats):
             if remask is not None and raw is not None:
                 r.loss_mask = remask(raw[r.sample_id], r.loss_mask)
@@ -155,7 +156,7 @@ PREPARED = "prepared.json"
 def data_settings(cfg: DSparkConfig) -> dict:
     """What decides the rows and the vocabulary, and which rows train (the rest calibrate)."""
     v = cfg.verifier
-    return {"sources": [list(s) for s in training_sources(cfg.data)], "max_seq_len": cfg.data.max_seq_len,
+    return {"sources": [s.settings() for s in training_sources(cfg.data)], "max_seq_len": cfg.data.max_seq_len,
             "draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": v.vocab_size,
             "tokenizer": v.tokenizer or v.name or v.model, "hold_out_every": cfg.train.hold_out_every}
 

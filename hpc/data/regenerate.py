@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from hpc.config.schema import DataConfig, VerifierConfig
+from hpc.data.reader import read_source
 from hpc.data.regen_client import ChatClient, Completer, RequestFailed, served_model
 from hpc.data.regen_progress import Reporter, count_rows
 from hpc.data.regen_shards import MANIFEST, ShardStore
-from hpc.data.sources import read_rows, to_messages
+from hpc.data.sources import to_messages
 from hpc.errors import UserError
 from hpc.verifier.vllm_server import VLLMServer, config_flags, server_env, start_vllm_server
 
@@ -165,12 +166,12 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
 
 def source_rows(data: DataConfig, max_rows: int | None = None) -> Iterator[tuple[int, dict]]:
     """(global index, row) over data.sources in config order: the order shards follow."""
-    rows = (row for src in data.sources for row in read_rows(src.path, src.split, src.max_rows))
+    rows = (row for src in data.sources for row in read_source(src))
     return enumerate(islice(rows, max_rows))
 
 
 def _source_settings(data: DataConfig) -> list[list]:
-    return [[s.path, s.split, s.max_rows] for s in data.sources]
+    return [s.settings() for s in data.sources]
 
 
 def regeneration_complete(data: DataConfig) -> bool:

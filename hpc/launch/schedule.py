@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
+import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config import resolve
 from hpc.config.cron import HINT, local_zone, next_run, parse_cron
-from hpc.config.schema import DataConfig, DSparkConfig
 from hpc.errors import UserError
+from hpc.launch.retrain import LAST_SUFFIX, retrain_tick, watch
 from hpc.launch.schedule_slurm import (
     Entry,
     ScrontabUnavailable,
@@ -37,129 +36,10 @@ from hpc.launch.schedule_slurm import (
     remove_scrontab,
     schedule_jobs,
     scrontab_entries,
+    scrontab_log_dirs,
     submit_singleton,
     write_overrides,
 )
-from hpc.launch.submit import submit
-from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
-from hpc.track.registry import CHAMPION
-
-SCHEDULED, FINGERPRINT = "dspark.scheduled", "dspark.data_fingerprint"
-HASH_LIMIT = 64 << 20  # bigger files count by size and mtime only: a tick must stay cheap
-
-
-# ---- has the data changed? -------------------------------------------------------------------
-
-
-def _hash_file(h, path: Path) -> None:
-    st = path.stat()
-    h.update(f"file {path} {st.st_size} {st.st_mtime_ns}\n".encode())
-    if st.st_size < HASH_LIMIT:
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-
-
-def hub_revision(dataset: str) -> str:
-    """The hub's current commit of a dataset id, so new uploads count as new data."""
-    try:
-        from huggingface_hub import HfApi  # optional: its absence is handled here
-
-        return HfApi().dataset_info(dataset, timeout=20).sha or "unresolved"
-    except Exception:  # noqa: BLE001 - offline clusters: the id alone is the fingerprint
-        return "unresolved"
-
-
-def data_fingerprint(data: DataConfig) -> str:
-    """sha256 over the configured data sources: files by path, size, mtime and content (directories
-    file by file in sorted order), hub ids by id, split and revision.
-
-    These are the sources a pipeline trains on (hpc.data.prepare.training_sources). When data
-    is regenerated, the regenerated shards are our own output, so the inputs are what counts.
-    """
-    h = hashlib.sha256()
-    for s in data.sources:
-        path = Path(s.path).expanduser()
-        h.update(f"source {s.split} {s.max_rows}\n".encode())
-        if path.is_dir():
-            for f in sorted(p for p in path.resolve().rglob("*") if p.is_file()):
-                _hash_file(h, f)
-        elif path.is_file():
-            _hash_file(h, path.resolve())
-        else:
-            h.update(f"hub {s.path} {s.split} {hub_revision(s.path)}\n".encode())
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class LastRun:
-    run_id: str
-    name: str
-    fingerprint: str | None
-    status: str = "FINISHED"  # the parent run's: RUNNING while its pipeline is under way
-    failures: int = 0  # newest scheduled runs in a row that FAILED on this fingerprint
-
-
-def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
-    """The newest scheduled pipeline run of this config in the experiment."""
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is None:
-        return None
-    runs = client.search_runs([exp.experiment_id], f"tags.`{SCHEDULED}` = 'true' and tags.`{STAGE}` = '{STAGE_PIPELINE}'",
-                              order_by=["attributes.start_time DESC"], max_results=200)
-    mine = [r for r in runs if r.data.tags.get(CONFIG_NAME) == cfg.name]
-    if not mine:
-        return None
-    run, fp = mine[0], mine[0].data.tags.get(FINGERPRINT)
-    failures = 0
-    while failures < len(mine) and mine[failures].info.status == "FAILED" \
-            and mine[failures].data.tags.get(FINGERPRINT) == fp:
-        failures += 1
-    return LastRun(run.info.run_id, run.info.run_name or run.info.run_id, fp, run.info.status, failures)
-
-
-def champion_version(client, model_name: str) -> str | None:
-    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
-
-    try:
-        return str(client.get_model_version_by_alias(model_name, CHAMPION).version)
-    except MlflowException:  # no such model, or no champion yet
-        return None
-
-
-def retrain_tick(config: str, overrides: list[str]) -> int:
-    """One firing: submit the pipeline if the data changed since the last scheduled run."""
-    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
-
-    cfg = resolve(config, overrides)
-    fingerprint = data_fingerprint(cfg.data)
-    client = MlflowClient(cfg.tracking.uri)
-    last = last_scheduled_run(client, cfg)
-    # A pipeline that failed on this data did not cover it: the tick retries. One a person
-    # cancelled (`dspark cancel` ends it KILLED) is left cancelled until the data changes.
-    if last is not None and last.fingerprint == fingerprint:
-        if last.status != "FAILED":
-            print(f"no new data since {last.name} (run {last.run_id})")
-            return 0
-        if last.failures > cfg.schedule.retries:
-            print(f"{last.failures} pipelines in a row failed on this data, the last {last.name} (run {last.run_id}); "
-                  f"not submitting again (schedule.retries={cfg.schedule.retries}) until the data changes: "
-                  "fix the cause and `dspark submit` it by hand")
-            return 0
-        print(f"{last.name} (run {last.run_id}) ended {last.status} on this data: submitting it again")
-    extra: list[str] = []
-    tags = {SCHEDULED: "true", FINGERPRINT: fingerprint}
-    champ = champion_version(client, cfg.tracking.registered_model)
-    if cfg.schedule.warm_start_from_champion and champ and not cfg.train.init_from:
-        extra.append("train.init_from=champion")
-        tags["dspark.warm_start"] = f"{cfg.tracking.registered_model} v{champ}"
-    if cfg.data.regenerate:
-        # A finished regeneration is reused as it is: new data needs a directory of its own.
-        extra.append(f"data.output_dir={Path(cfg.data.output_dir) / f'data-{fingerprint[:12]}'}")
-    warm = f", warm start from {tags['dspark.warm_start']}" if "dspark.warm_start" in tags else ""
-    print(f"new data (fingerprint {fingerprint[:12]}{warm}): submitting the pipeline")
-    return submit(config, [*overrides, *extra], extra_tags=tags)
-
 
 # ---- install, list, remove -------------------------------------------------------------------
 
@@ -207,13 +87,27 @@ def install(config: str, overrides: list[str], cron: str | None = None, resubmit
     return 0
 
 
+def last_tick(log_dir: str, name: str) -> str:
+    """A schedule's trigger and its last tick's decision, from the record the tick left."""
+    try:
+        rec = json.loads((Path(log_dir) / f"{name}{LAST_SUFFIX}").read_text())
+    except (OSError, ValueError):
+        return "no tick yet"
+    when = datetime.datetime.fromtimestamp(float(rec.get("at", 0))).strftime("%Y-%m-%d %H:%M")
+    said = " / ".join(rec.get("lines") or ["nothing said"])
+    return f"trigger {rec.get('trigger', '?')}; last tick {when}: {said}"
+
+
 def list_schedules() -> str:
     try:
-        blocks = scrontab_entries(read_scrontab())
+        table = read_scrontab()
     except ScrontabUnavailable:
-        blocks = {}
-    lines = [f"{name:<24} scrontab  '{cron}'" for name, cron in sorted(blocks.items())]
-    lines += [f"{j.name:<24} job {j.job_id:<8} {j.state.lower():<8} starts {j.start}" for j in schedule_jobs()]
+        table = ""
+    blocks, logs = scrontab_entries(table), scrontab_log_dirs(table)
+    lines = [f"{name:<24} scrontab  '{cron}'  {last_tick(logs.get(name, ''), name)}"
+             for name, cron in sorted(blocks.items())]
+    lines += [f"{j.name:<24} job {j.job_id:<8} {j.state.lower():<8} starts {j.start}  {last_tick(j.log_dir, j.name)}"
+              for j in schedule_jobs()]
     return "\n".join(lines) + "\n" if lines else "no scheduled retraining (see dspark schedule --help)\n"
 
 
@@ -264,9 +158,21 @@ def register_schedule(sub) -> None:
 
 def register_tick(sub) -> None:
     p = sub.add_parser("retrain-tick", help="one tick of a schedule (what the scrontab entry runs)",
-                       description="One tick of a `dspark schedule`: submit the pipeline if data.sources changed "
-                       "since the last scheduled run (by fingerprint), else say so and submit nothing.")
+                       description="One tick of a `dspark schedule`, by schedule.trigger: submit the pipeline if "
+                       "data.sources changed since the last scheduled run (cron), or if the served draft drifted "
+                       "(drift: the `dspark watch` tick), else say so and submit nothing.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--overrides-file", help=_FILE_HELP)
     p.set_defaults(func=lambda a: retrain_tick(a.config, _overrides(a)))
+
+
+def register_watch(sub) -> None:
+    p = sub.add_parser("watch", help="one tick of the serving watch: live acceptance against the champion's",
+                       description="Read the /metrics of serve.endpoints, judge the spec-decode counters since the "
+                       "last tick against the champion's evaluated acceptance length at the served n, log the point "
+                       "to MLflow, and submit the warm-started retrain when drift holds for serve.window ticks.")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--overrides-file", help=_FILE_HELP)
+    p.set_defaults(func=lambda a: watch(a.config, _overrides(a)))

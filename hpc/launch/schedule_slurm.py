@@ -185,6 +185,19 @@ def scrontab_entries(table: str) -> dict[str, str]:
     return out
 
 
+def scrontab_log_dirs(table: str) -> dict[str, str]:
+    """NAME -> the directory of its tick logs (its `#SCRON -o` line), where its last tick's record is."""
+    out: dict[str, str] = {}
+    name = None
+    for line in table.splitlines():
+        words = line.split()
+        if line.startswith("# dspark-schedule ") and len(words) == 4:
+            name = words[2] if words[3] == "begin" else None
+        elif name and words[:2] == ["#SCRON", "-o"] and len(words) == 3:
+            out[name] = str(Path(words[2]).parent)
+    return out
+
+
 def install_scrontab(e: Entry) -> None:
     Path(e.log_dir).mkdir(parents=True, exist_ok=True)  # Slurm cannot open -o in a missing directory
     write_scrontab(replace_block(read_scrontab(), e.name, scrontab_block(e)))
@@ -215,18 +228,22 @@ class ScheduleJob:
     job_id: str
     name: str  # the schedule's name, without the prefix
     state: str
-    start: str  # squeue %S: the BeginTime of a pending job
+    start: str  # squeue StartTime: the BeginTime of a pending job
+    log_dir: str = ""  # the directory of its StdOut: the schedule's log_dir, where its last tick's record is
+
+
+SQUEUE_FIELDS = "JobID:|,Name:|,State:|,StartTime:|,STDOUT:"  # the last field a path: it may hold a "|"
 
 
 def schedule_jobs(name: str | None = None) -> list[ScheduleJob]:
     """This user's dspark-schedule-* jobs (only NAME's when given)."""
-    res = run_slurm(["squeue", "--me", "-h", "-o", "%i|%j|%T|%S"], timeout=TIMEOUT_S,
+    res = run_slurm(["squeue", "--me", "-h", "-O", SQUEUE_FIELDS], timeout=TIMEOUT_S,
                     missing="squeue not found; run dspark schedule on a Slurm login node", failed="squeue failed: {why}")
     jobs = []
     for line in res.stdout.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4 and parts[1].startswith(JOB_PREFIX):
-            job = ScheduleJob(parts[0], parts[1][len(JOB_PREFIX):], parts[2], parts[3])
+        parts = [p.strip() for p in line.strip().split("|", 4)]
+        if len(parts) == 5 and parts[1].startswith(JOB_PREFIX):
+            job = ScheduleJob(parts[0], parts[1][len(JOB_PREFIX):], parts[2], parts[3], str(Path(parts[4]).parent))
             if name is None or job.name == name:
                 jobs.append(job)
     return jobs

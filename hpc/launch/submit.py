@@ -19,13 +19,14 @@ import datetime
 import json
 import secrets
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from hpc.config import resolve, sweep_overrides, to_yaml
-from hpc.config.schema import ClusterConfig, DSparkConfig
+from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
 from hpc.config.slurm_time import parse_slurm_time
 from hpc.config.validate_ops import warn_advisories
@@ -96,9 +97,22 @@ def _new_pipeline_dir(parent: Path, name: str) -> tuple[Path, str]:
     raise UserError(f"could not create a new pipeline directory under {parent}; check that it is writable")
 
 
+def traffic_pins(cfg: DSparkConfig, now: float | None = None) -> list[str]:
+    """Overrides fixing each traffic source's window at this submission: its stages run hours
+    apart (a requeue, days), and each must read the rows the others read."""
+    when = datetime.datetime.fromtimestamp(time.time() if now is None else now, datetime.UTC)
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return [f"data.{key}.{i}.until='{stamp}'"  # quoted: YAML would read a timestamp, and print it another way
+            for key in ("sources", "calibration_sources") for i, src in enumerate(getattr(cfg.data, key))
+            if src.kind == SourceKind.traffic and src.until is None]
+
+
 def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = None) -> tuple[DSparkConfig, Pipeline]:
     """Validate and lay out the jobs; writes only the frozen variant configs."""
     cfg = resolve(config, overrides)  # every config problem, including the sweep's keys and tracking
+    if pins := traffic_pins(cfg):
+        overrides = [*overrides, *pins]
+        cfg = resolve(config, overrides, check_tracking=False)
 
     warn_advisories(cfg)
     scheme = cfg.tracking.uri.split(":", 1)[0]

@@ -22,6 +22,8 @@ STAGE_TRAIN = "train"
 STAGE_EVAL = "eval"  # one (draft, n) eval run
 STAGE_BASELINE = "baseline"  # one measured baseline, reused across evals
 STAGE_EVAL_ADAPTIVE = "eval_adaptive"  # adaptive verification against fixed n (hpc.evaluate.adaptive_job)
+STAGE_SERVING = "serving"  # the champion as served: one point per `dspark watch` tick (hpc.watch)
+CHAMPION_VERSION = "dspark.champion"  # on a serving run: "MODEL vN", the version it watches
 
 # --- eval and baseline runs (hpc.evaluate.runner writes, compare/record/pipeline read) -------
 SPEC_N = "dspark.n"  # num_speculative_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 from hpc.fsio import atomic_path
@@ -55,3 +56,24 @@ def per_position_png(per_bench: dict[str, list[float]], out: str | Path, title: 
     """Acceptance rate of draft position i, one line per benchmark."""
     return _lines_png(per_bench, out, "draft position", "acceptance rate", f"{title} per-position acceptance",
                       ylim=(0, 1), marker="o", lw=1.2)
+
+
+def live_tau_png(times: list[float], taus: list[float], evaluated: float, line: float, out: str | Path,
+                 title: str = "") -> Path:
+    """A served draft's live acceptance length per watch tick, against its evaluated one and the
+    drift line below which the ticks count toward a retrain."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    when = [datetime.datetime.fromtimestamp(t) for t in times]
+    ax.plot(when, taus, marker="o", lw=1.2, label="live (per tick)")
+    ax.axhline(evaluated, color="tab:green", lw=1.0, label=f"evaluated {evaluated:.2f}")
+    ax.axhline(line, color="tab:red", lw=1.0, ls="--", label=f"drift line {line:.2f}")
+    ax.set_xlabel("tick")
+    ax.set_ylabel("acceptance length")
+    ax.set_title(f"{title} live acceptance".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.autofmt_xdate()
+    path = _save(fig, Path(out))
+    plt.close(fig)
+    return path

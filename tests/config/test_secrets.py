@@ -131,7 +131,7 @@ def test_the_outcome_tag_of_a_failed_pipeline_holds_no_password():
 
 def test_unpinned_remote_code_is_a_login_node_warning(capsys):
     """trust_remote_code runs the hub's *.py on every node: unpinned, whatever main holds at job time."""
-    from hpc.config.validate_cli import run
+    from hpc.launch.validate_cli import run
 
     args = type("A", (), {"config": str(KIMI), "overrides": NO_VLLM, "offline": True, "print": False})()
     assert run(args) == 0

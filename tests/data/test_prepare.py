@@ -11,21 +11,25 @@ from hpc.data.prepare import regeneration_pending, training_sources
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def reads(cfg) -> list[list]:
+    return [s.settings() for s in training_sources(cfg.data)]
+
+
 def test_regenerated_shards_replace_the_sources_only_when_finished(tmp_path):
     src = tmp_path / "orig.jsonl"
     src.write_text("")
     cfg = to_object(load_config(ROOT / "configs" / "toy-cpu.yaml",
                                 [f"data.sources=[{{path: {src}}}]", f"data.output_dir={tmp_path}"]))
-    assert training_sources(cfg.data) == [(str(src), "train", None)] and regeneration_pending(cfg.data)
+    assert reads(cfg) == [[str(src), "train", None]] and regeneration_pending(cfg.data)
     regen = tmp_path / "regenerated"
     regen.mkdir()
     (regen / "manifest.json").write_text(json.dumps({"finished": False, "shards": []}))
-    assert training_sources(cfg.data) == [(str(src), "train", None)]  # half done: not yet
+    assert reads(cfg) == [[str(src), "train", None]]  # half done: not yet
     assert regeneration_pending(cfg.data)  # a hand-run `dspark train` is told it reads the sources as they are
     (regen / "manifest.json").write_text(json.dumps({"finished": True, "shards": []}))
-    assert training_sources(cfg.data) == [(str(regen), "train", None)] and not regeneration_pending(cfg.data)
+    assert reads(cfg) == [[str(regen), "train", None]] and not regeneration_pending(cfg.data)
     cfg.data.regenerate = False
-    assert training_sources(cfg.data) == [(str(src), "train", None)] and not regeneration_pending(cfg.data)
+    assert reads(cfg) == [[str(src), "train", None]] and not regeneration_pending(cfg.data)
 
 
 def _cfg(tmp_path, toy_target, data, *extra):

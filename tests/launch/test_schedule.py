@@ -15,7 +15,7 @@ import pytest
 
 from hpc.config.cron import next_run
 from hpc.errors import UserError
-from hpc.launch import schedule
+from hpc.launch import retrain, schedule
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,13 @@ def test_scrontab_reinstall_replaces_only_its_block(fake_slurm, tmp_path, monkey
         f"#SCRON -o {tmp_path}/slurm/schedule/toy-%j.out", tick_line(tmp_path), "# dspark-schedule toy end",
         *other]
     assert schedule.list_schedules().splitlines() == [
-        f"{'other':<24} scrontab  '0 1 * * *'", f"{'toy':<24} scrontab  '0 3 * * 0'"]
+        f"{'other':<24} scrontab  '0 1 * * *'  no tick yet", f"{'toy':<24} scrontab  '0 3 * * 0'  no tick yet"]
+    # A tick leaves its trigger and decision beside the schedule's logs, where the list finds them.
+    (tmp_path / "slurm" / "schedule" / "toy.last.json").write_text(
+        '{"trigger": "both", "at": 1800000000, "lines": ["live tau 1.2 ...: drift; firing", "no new data"]}')
+    when = D.fromtimestamp(1800000000).strftime("%Y-%m-%d %H:%M")
+    assert schedule.list_schedules().splitlines()[1] == (
+        f"{'toy':<24} scrontab  '0 3 * * 0'  trigger both; last tick {when}: live tau 1.2 ...: drift; firing / no new data")
     assert schedule.remove("toy") == 0
     assert fake.table.splitlines() == ["MAILTO=me", "*/5 * * * * echo mine", *other]
     assert schedule.remove("other") == 0 and fake.table.splitlines() == ["MAILTO=me", "*/5 * * * * echo mine"]
@@ -244,7 +250,7 @@ def test_the_tick_job_runs_and_resubmits_itself(slurm_cluster, mlflow_server, tm
     name = f"loop-{uuid.uuid4().hex[:8]}"
     ov = toy_overrides(tmp_path, mlflow_server.uri, name, slurm_cluster.partition)
     fake_submit(monkeypatch)
-    schedule.retrain_tick(CONFIG, ov)  # a scheduled run with this data: the job's tick has nothing to do
+    retrain.retrain_tick(CONFIG, ov)  # a scheduled run with this data: the job's tick has nothing to do
     try:
         res = dspark("schedule", CONFIG, *ov, "--cron", "* * * * *")
         assert res.returncode == 0, res.stderr[-2000:]
@@ -272,7 +278,7 @@ def test_the_scrontab_entry_runs_as_scrontab_would_run_it(slurm_cluster, mlflow_
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)  # scrontab jobs start in the home directory: the entry must not need ROOT
     fake_submit(monkeypatch)
-    schedule.retrain_tick(CONFIG, ov)  # a scheduled run with this data already exists
+    retrain.retrain_tick(CONFIG, ov)  # a scheduled run with this data already exists
     lines = fake.table.splitlines()
     options = [line.removeprefix("#SCRON ") for line in lines if line.startswith("#SCRON ")]
     (entry,) = [line for line in lines if line and not line.startswith("#")]
@@ -334,8 +340,8 @@ def register_champion(uri: str, experiment: str, model_name: str, tmp: Path) -> 
     return version
 
 
-def fake_submit(monkeypatch) -> list[tuple[list[str], dict]]:
-    """schedule.submit records its calls and creates the parent run (with its tags), no jobs."""
+def fake_submit(monkeypatch, module=None) -> list[tuple[list[str], dict]]:
+    """retrain.submit records its calls and creates the parent run (with its tags), no jobs."""
     from mlflow.tracking import MlflowClient
 
     from hpc.config import resolve
@@ -350,7 +356,7 @@ def fake_submit(monkeypatch) -> list[tuple[list[str], dict]]:
         calls.append((list(overrides), dict(extra_tags or {})))
         return 0
 
-    monkeypatch.setattr(schedule, "submit", fake)
+    monkeypatch.setattr(module or retrain, "submit", fake)
     return calls
 
 
@@ -362,72 +368,73 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     calls = fake_submit(monkeypatch)
     name = f"tick-{uuid.uuid4().hex[:8]}"
     ov = toy_overrides(tmp_path, mlflow_server.uri, name)
-    fp = schedule.data_fingerprint(resolve(CONFIG, ov).data)
+    fp = retrain.data_fingerprint(resolve(CONFIG, ov).data)
 
-    assert schedule.retrain_tick(CONFIG, ov) == 0  # nothing recorded yet: submit, no champion to start from
+    assert retrain.retrain_tick(CONFIG, ov) == 0  # nothing recorded yet: submit, no champion to start from
     [(first, tags)] = calls
     assert first == [*ov, f"data.output_dir={tmp_path / 'data' / f'data-{fp[:12]}'}"]
     assert tags == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp}
     capsys.readouterr()
 
-    assert schedule.retrain_tick(CONFIG, ov) == 0  # same data
-    last = schedule.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
+    assert retrain.retrain_tick(CONFIG, ov) == 0  # same data
+    last = retrain.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
     assert capsys.readouterr().out.splitlines() == [f"no new data since {name}-0 (run {last.run_id})"]
     assert len(calls) == 1
 
     version = register_champion(mlflow_server.uri, name, f"{name}-draft", tmp_path)
     with (tmp_path / "train.jsonl").open("a") as f:
         f.write('{"conversations": [{"from": "human", "value": "new"}, {"from": "gpt", "value": "row"}]}\n')
-    fp2 = schedule.data_fingerprint(resolve(CONFIG, ov).data)
+    fp2 = retrain.data_fingerprint(resolve(CONFIG, ov).data)
     assert fp2 != fp
-    assert schedule.retrain_tick(CONFIG, ov) == 0
+    assert retrain.retrain_tick(CONFIG, ov) == 0
     second, tags2 = calls[1]
     assert "train.init_from=champion" in second and f"data.output_dir={tmp_path / 'data' / f'data-{fp2[:12]}'}" in second
     assert tags2 == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp2,
                      "dspark.warm_start": f"{name}-draft v{version}"}
 
     res = dspark("retrain-tick", CONFIG, *ov)  # the command the schedule runs; nothing new since
-    last = schedule.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
+    last = retrain.last_scheduled_run(MlflowClient(mlflow_server.uri), resolve(CONFIG, ov))
     assert res.returncode == 0 and res.stdout.splitlines() == [f"no new data since {name}-1 (run {last.run_id})"]
     assert len(calls) == 2
 
     # That pipeline failed: the data is not covered, so the next tick submits it again.
     MlflowClient(mlflow_server.uri).set_terminated(last.run_id, "FAILED")
     capsys.readouterr()
-    assert schedule.retrain_tick(CONFIG, ov) == 0
+    assert retrain.retrain_tick(CONFIG, ov) == 0
     said = capsys.readouterr().out.splitlines()[0]
     assert said == f"{name}-1 (run {last.run_id}) ended FAILED on this data: submitting it again"
     assert len(calls) == 3 and calls[2][1]["dspark.data_fingerprint"] == fp2
     # One a person cancelled stays cancelled until the data changes.
     client = MlflowClient(mlflow_server.uri)
-    cancelled = schedule.last_scheduled_run(client, resolve(CONFIG, ov))
+    cancelled = retrain.last_scheduled_run(client, resolve(CONFIG, ov))
     client.set_terminated(cancelled.run_id, "KILLED")
-    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 3
+    assert retrain.retrain_tick(CONFIG, ov) == 0 and len(calls) == 3
 
     # Failing again and again: schedule.retries (2) resubmissions after the first failure, then it waits.
     client.set_terminated(cancelled.run_id, "FAILED")
-    assert schedule.last_scheduled_run(client, resolve(CONFIG, ov)).failures == 2
-    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
-    client.set_terminated(schedule.last_scheduled_run(client, resolve(CONFIG, ov)).run_id, "FAILED")
+    assert retrain.last_scheduled_run(client, resolve(CONFIG, ov)).failures == 2
+    assert retrain.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
+    client.set_terminated(retrain.last_scheduled_run(client, resolve(CONFIG, ov)).run_id, "FAILED")
     capsys.readouterr()
-    assert schedule.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
+    assert retrain.retrain_tick(CONFIG, ov) == 0 and len(calls) == 4
     assert capsys.readouterr().out.startswith("3 pipelines in a row failed on this data, the last ")
 
 
 def test_fingerprint_of_files_directories_and_hub_ids(tmp_path, monkeypatch):
     from types import SimpleNamespace as NS
 
-    monkeypatch.setattr(schedule, "hub_revision", lambda dataset: "rev1")
+    from hpc.config.schema import DataSource
+
+    monkeypatch.setattr(retrain, "hub_revision", lambda dataset: "rev1")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("a\n")
-    cfg = NS(data=NS(sources=[NS(path=str(tmp_path / "d"), split="train", max_rows=None),
-                              NS(path="org/set", split="train", max_rows=None)]))
-    fp = schedule.data_fingerprint(cfg.data)
-    assert fp == schedule.data_fingerprint(cfg.data) and len(fp) == 64
+    cfg = NS(data=NS(sources=[DataSource(str(tmp_path / "d")), DataSource("org/set")]))
+    fp = retrain.data_fingerprint(cfg.data)
+    assert fp == retrain.data_fingerprint(cfg.data) and len(fp) == 64
     (tmp_path / "d" / "b.jsonl").write_text("b\n")  # a new file in the directory
-    fp2 = schedule.data_fingerprint(cfg.data)
+    fp2 = retrain.data_fingerprint(cfg.data)
     assert fp2 != fp
-    monkeypatch.setattr(schedule, "hub_revision", lambda dataset: "rev2")  # a new hub revision
-    assert schedule.data_fingerprint(cfg.data) != fp2
+    monkeypatch.setattr(retrain, "hub_revision", lambda dataset: "rev2")  # a new hub revision
+    assert retrain.data_fingerprint(cfg.data) != fp2
     cfg.data.sources[1].split = "test"
-    assert schedule.data_fingerprint(cfg.data) not in (fp, fp2)
+    assert retrain.data_fingerprint(cfg.data) not in (fp, fp2)

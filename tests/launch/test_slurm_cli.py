@@ -128,18 +128,19 @@ def test_a_refused_requeue_is_one_line_with_scontrols_reason(slurm, capsys):
 # ---- squeue, sbatch and scrontab behind `dspark schedule` ---------------------------------
 
 
-SQUEUE = ("901|dspark-schedule-nightly|PENDING|2026-12-02T03:00:00\n"
-          "902|other-job|RUNNING|2026-12-01T05:00:00\n"
-          "903|dspark-schedule-weekly|RUNNING|2026-12-01T04:00:00\n"
+SQUEUE = ("901|dspark-schedule-nightly|PENDING|2026-12-02T03:00:00|/shared/runs/slurm/schedule/nightly-901.out\n"
+          "902|other-job|RUNNING|2026-12-01T05:00:00|/home/u/slurm-902.out\n"
+          "903|dspark-schedule-weekly|RUNNING|2026-12-01T04:00:00|/shared/a|b/schedule/weekly-903.out\n"
           "garbage line\n")
 
 
 def test_schedule_jobs_parses_squeue_and_keeps_ours(slurm):
     calls = slurm(lambda argv: done(argv, out=SQUEUE))
-    assert ss.schedule_jobs() == [ss.ScheduleJob("901", "nightly", "PENDING", "2026-12-02T03:00:00"),
-                                  ss.ScheduleJob("903", "weekly", "RUNNING", "2026-12-01T04:00:00")]
+    assert ss.schedule_jobs() == [
+        ss.ScheduleJob("901", "nightly", "PENDING", "2026-12-02T03:00:00", "/shared/runs/slurm/schedule"),
+        ss.ScheduleJob("903", "weekly", "RUNNING", "2026-12-01T04:00:00", "/shared/a|b/schedule")]  # a "|" in a path
     assert [j.job_id for j in ss.schedule_jobs("weekly")] == ["903"]
-    assert calls[0] == ["squeue", "--me", "-h", "-o", "%i|%j|%T|%S"]
+    assert calls[0] == ["squeue", "--me", "-h", "-O", "JobID:|,Name:|,State:|,StartTime:|,STDOUT:"]
 
 
 @pytest.mark.parametrize("reply,needle", [

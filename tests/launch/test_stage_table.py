@@ -93,7 +93,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     extra = stage_table.Stage("lint", lambda *a: 0, after=(("afterok", "train"),), gpus=False, per_variant=False)
     monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
     cfg = SimpleNamespace(
-        name="t", sweep={}, data=SimpleNamespace(regenerate=False, calibration_sources=[]),
+        name="t", sweep={}, data=SimpleNamespace(regenerate=False, sources=[], calibration_sources=[]),
         eval=SimpleNamespace(num_speculative_tokens=[3], compare=[], adaptive=False),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,

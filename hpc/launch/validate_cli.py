@@ -1,4 +1,7 @@
-"""`dspark validate CONFIG [KEY=VALUE ...]`: every problem at once, exit 2 if any."""
+"""`dspark validate CONFIG [KEY=VALUE ...]`: every problem at once, exit 2 if any.
+
+It lives with the launcher because one check needs the registry: a drift trigger compares the
+served draft with the champion's evaluation at the served n, which must exist."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from hpc.config import resolve
 from hpc.config.secrets import redacted
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError
+from hpc.launch.retrain import check_champion
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     warn_advisories(cfg)
+    if not args.offline and (why := check_champion(cfg)):
+        print(f"error: schedule.trigger = {cfg.schedule.trigger.value}: {why}", file=sys.stderr)
+        return 2
     if args.print:
         print(OmegaConf.to_yaml(OmegaConf.structured(redacted(cfg))), end="")
     print(f"ok: {args.config} is valid ({cfg.name})")
@@ -34,5 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML config, e.g. configs/kimi-k2.6-dspark.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. train.lr=1e-4")
     p.add_argument("--print", action="store_true", help="print the resolved config")
-    p.add_argument("--offline", action="store_true", help="skip the tracking-server reachability check")
+    p.add_argument("--offline", action="store_true",
+                   help="skip the checks that ask the tracking server: reachable, and the champion a drift "
+                   "trigger compares with")
     p.set_defaults(func=run)
