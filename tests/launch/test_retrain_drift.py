@@ -1,7 +1,7 @@
 """`dspark watch` and a drift schedule's tick against a real MLflow server: the champion's
 evaluated figures at the served n, the serving run, the retrain a drift fires (once, then the
 cooldown), the evidence on its parent run, and a token that reaches no run, line or file.
-The endpoints are stdlib servers the test moves (tests/fixtures/metrics.py); vLLM's own
+The endpoints are stdlib servers the test moves (hpc/watch/local_endpoints.py); vLLM's own
 counters drive tests/watch/test_watch_vllm.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hpc.errors import UserError
 from hpc.launch import retrain
 from hpc.launch.schedule import last_tick
 from hpc.track.keys import DRAFT_SHA256, PARENT_RUN_ID, SPEC_N, STAGE, STAGE_EVAL, STAGE_PIPELINE, TEMPERATURE
-from tests.fixtures.metrics import MetricsServer
+from hpc.watch.local_endpoints import MetricsServer
 from tests.launch.test_schedule import CONFIG, fake_submit, toy_overrides
 
 TOKEN = "watch-secret-9f8e7d6c5b4a"  # noqa: S105 - a test token, looked for everywhere it must not be
