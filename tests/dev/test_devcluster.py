@@ -41,7 +41,9 @@ def _executor(cluster: SlurmCluster, folder: Path, **params: Any) -> submitit.Au
     # tmp_path is on the one host every "node" shares, so it works as submitit's shared folder.
     executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
     executor.update_parameters(
-        slurm_partition=cluster.partition, timeout_min=2, cpus_per_task=1, **params
+        # 5 minutes: submitit signals USR2 90 s before the limit, and a 2-minute limit left a loaded
+        # machine 30 s to start Python, unpickle and run a 3 s task (it timed out in CI once).
+        slurm_partition=cluster.partition, timeout_min=5, cpus_per_task=1, **params
     )
     return executor
 

@@ -237,7 +237,7 @@ def test_fallback_job_on_the_real_cluster(slurm_cluster, mlflow_server, tmp_path
         assert second != first and start2 == start
         listing = dspark("schedule", "--list")
         assert listing.returncode == 0 and any(
-            line.split()[:3] == [name, "job", second] and line.endswith(f"starts {start}")
+            line.split()[:3] == [name, "job", second] and line.endswith(f"starts {start}  no tick yet")
             for line in listing.stdout.splitlines()), listing.stdout
         res = dspark("schedule", "--remove", name)
         assert res.returncode == 0 and f"schedule {name}: removed job {second}" in res.stdout, res.stderr
@@ -373,7 +373,7 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     assert retrain.retrain_tick(CONFIG, ov) == 0  # nothing recorded yet: submit, no champion to start from
     [(first, tags)] = calls
     assert first == [*ov, f"data.output_dir={tmp_path / 'data' / f'data-{fp[:12]}'}"]
-    assert tags == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp}
+    assert tags == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp, "dspark.trigger": "cron"}
     capsys.readouterr()
 
     assert retrain.retrain_tick(CONFIG, ov) == 0  # same data
@@ -389,7 +389,7 @@ def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypa
     assert retrain.retrain_tick(CONFIG, ov) == 0
     second, tags2 = calls[1]
     assert "train.init_from=champion" in second and f"data.output_dir={tmp_path / 'data' / f'data-{fp2[:12]}'}" in second
-    assert tags2 == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp2,
+    assert tags2 == {"dspark.scheduled": "true", "dspark.data_fingerprint": fp2, "dspark.trigger": "cron",
                      "dspark.warm_start": f"{name}-draft v{version}"}
 
     res = dspark("retrain-tick", CONFIG, *ov)  # the command the schedule runs; nothing new since

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -16,7 +18,6 @@ import requests
 
 from hpc.data.sources import to_messages
 from hpc.evaluate.engines import parse_spec_metrics
-from hpc.launch import retrain
 from hpc.launch.status import cancel
 from tests.launch.test_retrain_drift import evaluated_champion
 from tests.launch.test_submit import overrides as submit_overrides
@@ -92,6 +93,14 @@ class Traffic:
         send(server, [self.ids([{"role": "user", "content": q}]) for q in qs], temperature=1.0)
 
 
+def watch(overrides: list[str]) -> str:
+    """One `dspark watch` tick, the command a drift schedule runs; the token comes from the environment."""
+    res = subprocess.run([sys.executable, "-m", "hpc", "watch", CONFIG, *overrides], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return res.stdout
+
+
 def watch_overrides(cluster, toy_target, vllm_python, tmp: Path, uri: str, server, name: str, *extra: str):
     return [*submit_overrides(cluster, toy_target, vllm_python, tmp, uri), f"name={name}",
             f"tracking.experiment={name}", f"tracking.registered_model={name}-draft",
@@ -102,7 +111,7 @@ def watch_overrides(cluster, toy_target, vllm_python, tmp: Path, uri: str, serve
 
 
 def test_a_drop_on_live_traffic_fires_one_retrain_on_the_cluster(ngram_server, slurm_cluster, toy_target, vllm_python,
-                                                                   mlflow_server, tmp_path, monkeypatch, capsys):
+                                                                   mlflow_server, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     server, traffic = ngram_server["server"], Traffic(toy_target)
@@ -117,10 +126,8 @@ def test_a_drop_on_live_traffic_fires_one_retrain_on_the_cluster(ngram_server, s
     ov = watch_overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri, server, name,
                          "serve.window=2", "serve.min_drafts=20")
 
-    def tick(k: int) -> str:
-        capsys.readouterr()
-        retrain.retrain_tick(CONFIG, ov, now=1.8e9 + 600 * k)
-        return capsys.readouterr().out
+    def tick(_k: int) -> str:
+        return watch(ov)
 
     assert "first read" in tick(0)
     traffic.reasked(server, 8, seed=2)
@@ -149,7 +156,7 @@ def test_a_drop_on_live_traffic_fires_one_retrain_on_the_cluster(ngram_server, s
 
 
 def test_a_restarted_server_is_a_new_base_not_a_drift(ngram_server, slurm_cluster, toy_target, vllm_python,
-                                                      mlflow_server, tmp_path, monkeypatch, capsys):
+                                                      mlflow_server, tmp_path, monkeypatch):
     from hpc.verifier.vllm_server import start_vllm_server
 
     server, traffic = ngram_server["server"], Traffic(toy_target)
@@ -162,10 +169,9 @@ def test_a_restarted_server_is_a_new_base_not_a_drift(ngram_server, slurm_cluste
     ov = watch_overrides(slurm_cluster, toy_target, vllm_python, tmp_path, mlflow_server.uri, server, name,
                          "serve.window=1", "serve.min_drafts=0", "serve.drift_ratio=0.8")
     monkeypatch.setenv(TOKEN_ENV, server.api_key)
-    retrain.retrain_tick(CONFIG, ov, now=1.8e9)
+    watch(ov)
     traffic.reasked(server, 8, seed=8)
-    retrain.retrain_tick(CONFIG, ov, now=1.8e9 + 600)
-    assert "above the drift line" in capsys.readouterr().out
+    assert "above the drift line" in watch(ov)
     # The same address, a new process: every counter starts over below the last read.
     port, key = server.port, server.api_key
     server.stop()
@@ -174,11 +180,9 @@ def test_a_restarted_server_is_a_new_base_not_a_drift(ngram_server, slurm_cluste
                                extra_args=["--max-model-len", "512", "--speculative-config", json.dumps(SPEC)])
     ngram_server["server"] = server
     traffic.reasked(server, 2, seed=9)  # fewer drafts than before the restart: a naive delta is negative
-    retrain.retrain_tick(CONFIG, ov, now=1.8e9 + 1200)
-    out = capsys.readouterr().out
+    out = watch(ov)
     assert "counters reset (the server restarted); counting from now" in out and "firing" not in out
     traffic.reasked(server, 8, seed=10)
-    retrain.retrain_tick(CONFIG, ov, now=1.8e9 + 1800)
-    out = capsys.readouterr().out
+    out = watch(ov)
     assert "above the drift line" in out and "firing" not in out
     assert not (tmp_path / "slurm" / "pipelines").exists()  # nothing was ever submitted
