@@ -37,9 +37,11 @@ rules.install()
 
 # A test that needs a real service or a model build is slow by definition: the fast suite
 # (`-m "not slow"`, about 2 minutes on two workers) never starts Slurm, vLLM, an MLflow server or a toy build.
-INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "vllm_server", "regen_server", "mlflow_server",
+INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "toy_vllm", "vllm_server", "regen_server", "mlflow_server",
                   "speculators_python", "toy_target", "toy_deepseek"}
-SHARED_SERVERS = ("vllm_server", "regen_server")  # session servers: their users share one xdist group
+# The session's one vLLM server, under each name its users know it by: they share one xdist group.
+SHARED_SERVERS = ("toy_vllm", "vllm_server", "regen_server")
+SHARED_GROUP = "toy-vllm"
 
 
 # Under xdist (`-n 2 --dist loadgroup`, the README's test command) a worker takes one group at a
@@ -62,7 +64,7 @@ def _group(item, host_wide_files: set[str]) -> str:
     path = item.nodeid.split("::")[0]
     if path in host_wide_files:
         return HOST_WIDE
-    return next((f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ())), path)
+    return SHARED_GROUP if set(SHARED_SERVERS) & set(getattr(item, "fixturenames", ())) else path
 
 
 @pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects: `-m "not slow"` sees these marks
@@ -73,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
     host_wide = {i.nodeid.split("::")[0] for i in items
                  if "slurm_cluster" in getattr(i, "fixturenames", ()) or i.get_closest_marker("host_wide")}
     groups = {id(i): _group(i, host_wide) for i in items}
-    server_of = {i.nodeid.split("::")[0]: groups[id(i)] for i in items if groups[id(i)] in SHARED_SERVERS}
+    server_of = {i.nodeid.split("::")[0]: groups[id(i)] for i in items if groups[id(i)] == SHARED_GROUP}
     for i in items:  # a file with one user of a shared server goes whole with that server's group
         path = i.nodeid.split("::")[0]
         if path in server_of and groups[id(i)] != HOST_WIDE:

@@ -102,7 +102,9 @@ def test_dspark_on_the_reference_engine_with_cache_requeue_registry_and_outage(
 
     parent = create_pipeline_run(client, cfg)
     out = tmp_path / "eval"
+    # Three benchmarks are enough for what this checks (a requeue reruns only the unfinished one).
     args = [*common(toy_target, vllm_python, mlflow_server.uri, out, exp), "eval.compare=[]",
+            "eval.benchmarks=[gsm8k, math500, humaneval]",
             "eval.engine=reference", "eval.timing=cached", "tracking.registered_model=eval-reference-draft", "--draft",
             str(drafts["dspark"]), "--n", "3,7", "--parent-run-id", parent]
     first = dspark("evaluate", *args)
