@@ -156,15 +156,20 @@ def register_schedule(sub) -> None:
     p.set_defaults(func=_schedule_cmd)
 
 
+def _config_command(p: argparse.ArgumentParser, run) -> None:
+    """CONFIG [KEY=VALUE ...] [--overrides-file F] -> run(config, overrides): a schedule's own commands."""
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--overrides-file", help=_FILE_HELP)
+    p.set_defaults(func=lambda a: run(a.config, _overrides(a)))
+
+
 def register_tick(sub) -> None:
     p = sub.add_parser("retrain-tick", help="one tick of a schedule (what the scrontab entry runs)",
                        description="One tick of a `dspark schedule`, by schedule.trigger: submit the pipeline if "
                        "data.sources changed since the last scheduled run (cron), or if the served draft drifted "
                        "(drift: the `dspark watch` tick), else say so and submit nothing.")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--overrides-file", help=_FILE_HELP)
-    p.set_defaults(func=lambda a: retrain_tick(a.config, _overrides(a)))
+    _config_command(p, retrain_tick)
 
 
 def register_watch(sub) -> None:
@@ -172,7 +177,4 @@ def register_watch(sub) -> None:
                        description="Read the /metrics of serve.endpoints, judge the spec-decode counters since the "
                        "last tick against the champion's evaluated acceptance length at the served n, log the point "
                        "to MLflow, and submit the warm-started retrain when drift holds for serve.window ticks.")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--overrides-file", help=_FILE_HELP)
-    p.set_defaults(func=lambda a: watch(a.config, _overrides(a)))
+    _config_command(p, watch)

@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,30 +173,26 @@ def replace_block(table: str, name: str, block: list[str] | None) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def scrontab_entries(table: str) -> dict[str, str]:
-    """NAME -> cron of every dspark block in `table`."""
-    out: dict[str, str] = {}
+def _block_lines(table: str) -> Iterator[tuple[str, list[str]]]:
+    """(NAME, the line's words) for every line inside a dspark block of `table`."""
     name = None
     for line in table.splitlines():
         words = line.split()
         if line.startswith("# dspark-schedule ") and len(words) == 4:
             name = words[2] if words[3] == "begin" else None
-        elif name and line.strip() and not line.lstrip().startswith("#"):
-            out[name] = " ".join(words[:5])
-    return out
+        elif name and words:
+            yield name, words
+
+
+def scrontab_entries(table: str) -> dict[str, str]:
+    """NAME -> cron of every dspark block in `table`."""
+    return {name: " ".join(words[:5]) for name, words in _block_lines(table) if not words[0].startswith("#")}
 
 
 def scrontab_log_dirs(table: str) -> dict[str, str]:
     """NAME -> the directory of its tick logs (its `#SCRON -o` line), where its last tick's record is."""
-    out: dict[str, str] = {}
-    name = None
-    for line in table.splitlines():
-        words = line.split()
-        if line.startswith("# dspark-schedule ") and len(words) == 4:
-            name = words[2] if words[3] == "begin" else None
-        elif name and words[:2] == ["#SCRON", "-o"] and len(words) == 3:
-            out[name] = str(Path(words[2]).parent)
-    return out
+    return {name: str(Path(words[2]).parent) for name, words in _block_lines(table)
+            if words[:2] == ["#SCRON", "-o"] and len(words) == 3}
 
 
 def install_scrontab(e: Entry) -> None:
