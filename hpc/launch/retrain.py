@@ -23,9 +23,9 @@ from hpc.config import resolve
 from hpc.config.schema import DataConfig, DSparkConfig, SourceKind, Trigger
 from hpc.errors import UserError
 from hpc.fsio import write_text
-from hpc.launch.submit import submit
 from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
 from hpc.track.registry import CHAMPION
+from hpc.track.rest import not_found, tracking_client
 from hpc.watch.drift import Verdict
 from hpc.watch.evaluated import NoChampion, champion_at
 from hpc.watch.tick import TickResult, load_state, save_state, served_n, state_path, watch_tick
@@ -105,12 +105,12 @@ def last_scheduled_run(client, cfg: DSparkConfig) -> LastRun | None:
 
 
 def champion_version(client, model_name: str) -> str | None:
-    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
-
     try:
         return str(client.get_model_version_by_alias(model_name, CHAMPION).version)
-    except MlflowException:  # no such model, or no champion yet
-        return None
+    except Exception as err:
+        if not_found(err):  # no such model, or no champion yet
+            return None
+        raise
 
 
 def _warm_start(cfg: DSparkConfig, client, fingerprint: str) -> tuple[list[str], dict[str, str]]:
@@ -138,6 +138,8 @@ def submit_retrain(config: str, overrides: list[str], cfg: DSparkConfig, client,
     extra, base = _warm_start(cfg, client, fingerprint)
     warm = f", warm start from {base['dspark.warm_start']}" if "dspark.warm_start" in base else ""
     say(said, f"{why}{warm}: submitting the pipeline")
+    from hpc.launch.submit import submit  # the whole launcher: loaded only when a tick submits
+
     return submit(config, [*overrides, *extra], extra_tags={**base, **tags})
 
 
@@ -222,11 +224,9 @@ def record_path(cfg: DSparkConfig) -> Path:
 def retrain_tick(config: str, overrides: list[str], now: float | None = None) -> int:
     """One firing of a schedule, by schedule.trigger: drift first (its evidence goes on the run),
     then new data; one retrain at most, since a running one holds the next back."""
-    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
-
     cfg = resolve(config, overrides)
     fingerprint = data_fingerprint(cfg.data)
-    client = MlflowClient(cfg.tracking.uri)
+    client = tracking_client(cfg.tracking.uri)
     rc, said = 0, list[str]()
     try:
         if cfg.schedule.trigger in (Trigger.drift, Trigger.both):
@@ -247,25 +247,21 @@ def retrain_tick(config: str, overrides: list[str], now: float | None = None) ->
 
 def watch(config: str, overrides: list[str]) -> int:
     """`dspark watch`: one tick of the serving watch, as a drift schedule runs it."""
-    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
-
     cfg = resolve(config, overrides)
     if not cfg.serve.endpoints:
         raise UserError("serve.endpoints is empty: list the vLLM servers that serve the champion under serve: "
                         "(README, \"Retraining on drift\")")
-    rc, _ = drift_tick(config, overrides, cfg, MlflowClient(cfg.tracking.uri), data_fingerprint(cfg.data), [])
+    rc, _ = drift_tick(config, overrides, cfg, tracking_client(cfg.tracking.uri), data_fingerprint(cfg.data), [])
     return rc
 
 
 def check_champion(cfg: DSparkConfig) -> str | None:
     """For `dspark validate`: a drift trigger needs the champion evaluated at the served n. With
     trigger both and no champion yet, new data trains the first one: a warning, not an error."""
-    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
-
     if cfg.schedule.trigger == Trigger.cron:
         return None
     try:
-        champion_at(MlflowClient(cfg.tracking.uri), cfg.tracking.registered_model, served_n(cfg))
+        champion_at(tracking_client(cfg.tracking.uri), cfg.tracking.registered_model, served_n(cfg))
     except NoChampion as err:
         if cfg.schedule.trigger == Trigger.both:
             print(f"warning: {err}; until one is, only new data triggers a retrain", file=sys.stderr)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hpc.errors import UserError
 from hpc.track.keys import DRAFT_SHA256, MEAN_ACCEPT_LEN, PARENT_RUN_ID, SPEC_N, STAGE, STAGE_EVAL, TEMPERATURE
 from hpc.track.registry import CHAMPION, N_TAG
+from hpc.track.rest import not_found
 
 
 class NoChampion(UserError):
@@ -41,11 +42,11 @@ def _per_position(metrics: dict[str, float], n: int) -> list[float]:
 
 def champion_at(client, model: str, n: int) -> Evaluated:
     """The champion of `model` and its evaluated tau at `n`; a UserError saying what is missing."""
-    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
-
     try:
         mv = client.get_model_version_by_alias(model, CHAMPION)
-    except MlflowException:
+    except Exception as err:
+        if not not_found(err):
+            raise
         raise NoChampion(f"tracking.registered_model = {model}: no champion in the registry to compare the served "
                         "draft with; evaluate a draft (`dspark evaluate` registers it) first") from None
     run = client.get_run(mv.run_id)

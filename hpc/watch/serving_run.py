@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hpc.track.keys import CHAMPION_VERSION, PARENT_RUN_ID, STAGE, STAGE_SERVING
 from hpc.track.plots import live_tau_png
+from hpc.track.rest import Metric, RestClient
 from hpc.watch.drift import Tick, Verdict
 from hpc.watch.evaluated import Evaluated
 
@@ -39,12 +40,18 @@ def serving_run(client, ev: Evaluated, endpoints: list[str]) -> str:
     return run.info.run_id
 
 
+def _metric_type(client):
+    if isinstance(client, RestClient):
+        return Metric
+    from mlflow.entities import Metric as MlflowMetric  # mlflow: loaded only on this path
+
+    return MlflowMetric
+
+
 def log_tick(client, run_id: str, ev: Evaluated, verdict: Verdict, step: int, answered: int, ratio: float,
              plot_dir: Path | None = None) -> None:
     """A judged tick's point, and the plot of every point so far. An unjudged tick logs only how
     many endpoints answered: no tau is made up for it."""
-    from mlflow.entities import Metric  # mlflow: loaded only on this path
-
     tick: Tick | None = verdict.tick
     at = int((tick.at if tick else 0) * 1000)
     values = {"serving/endpoints_answered": float(answered)}
@@ -53,7 +60,8 @@ def log_tick(client, run_id: str, ev: Evaluated, verdict: Verdict, step: int, an
                        "serving/drop": 1.0 - tick.live_tau / ev.tau})
         for i, a in enumerate(tick.accepted_per_pos[:ev.n], start=1):
             values[f"serving/accept_pos_{i}"] = a / tick.drafts
-    client.log_batch(run_id, metrics=[Metric(k, v, at, step) for k, v in values.items()])
+    metric = _metric_type(client)
+    client.log_batch(run_id, metrics=[metric(k, v, at, step) for k, v in values.items()])
     if tick is None:
         return
     history = sorted(client.get_metric_history(run_id, LIVE_TAU), key=lambda m: (m.timestamp, m.step))

@@ -16,6 +16,7 @@ import pytest
 from hpc.config.cron import next_run
 from hpc.errors import UserError
 from hpc.launch import retrain, schedule
+from hpc.launch import submit as launch_submit
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,8 +341,8 @@ def register_champion(uri: str, experiment: str, model_name: str, tmp: Path) -> 
     return version
 
 
-def fake_submit(monkeypatch, module=None) -> list[tuple[list[str], dict]]:
-    """retrain.submit records its calls and creates the parent run (with its tags), no jobs."""
+def fake_submit(monkeypatch) -> list[tuple[list[str], dict]]:
+    """submit (which a tick loads when it submits) records its calls and creates the parent run (with its tags), no jobs."""
     from mlflow.tracking import MlflowClient
 
     from hpc.config import resolve
@@ -356,7 +357,7 @@ def fake_submit(monkeypatch, module=None) -> list[tuple[list[str], dict]]:
         calls.append((list(overrides), dict(extra_tags or {})))
         return 0
 
-    monkeypatch.setattr(module or retrain, "submit", fake)
+    monkeypatch.setattr(launch_submit, "submit", fake)
     return calls
 
 

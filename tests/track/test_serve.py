@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from hpc.errors import UserError
+from hpc.track.rest import RestClient
 from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +45,8 @@ def test_a_pipeline_logs_through_the_authenticated_server(served, toy_target, tm
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
     with pytest.raises(Exception, match="401|403|nauthori|ermission"):
         MlflowClient(uri).search_experiments()  # anyone else on the network: refused
+    with pytest.raises(UserError, match="answered 401; set MLFLOW_TRACKING_USERNAME"):
+        RestClient(uri).get_experiment_by_name("served")  # the watch tick's client says what to set
 
     data = write_toy_conversations(tmp_path / "train.jsonl", n=24, seed=1)
     res = subprocess.run([sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
@@ -57,6 +61,8 @@ def test_a_pipeline_logs_through_the_authenticated_server(served, toy_target, tm
     (run,) = client.search_runs([client.get_experiment_by_name("served").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "4"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    (light,) = RestClient(uri).search_runs([run.info.experiment_id])  # the credentials from the environment
+    assert light.info.run_id == run.info.run_id and light.data.params["train.steps"] == "4"
 
 
 def test_submit_refuses_a_file_store_before_anything_happens(toy_target, tmp_path):
@@ -68,7 +74,6 @@ def test_submit_refuses_a_file_store_before_anything_happens(toy_target, tmp_pat
 
 
 def test_credentials_are_drawn_once_whole_and_a_broken_file_is_named(tmp_path):
-    from hpc.errors import UserError
     from hpc.track.serve_cli import CREDENTIALS, credentials
 
     root = tmp_path / "store"
