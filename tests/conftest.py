@@ -30,8 +30,10 @@ torch.set_num_threads(1)
 # Each xdist worker keeps its own log: a violation in one worker's test must not fail the test
 # the other worker is running.
 os.environ[rules.ENV] = "1"
+OWN_FILES: list[str] = []  # the temp files this process made for the session: removed at its end
 if os.environ.get("PYTEST_XDIST_WORKER") or rules.LOG_ENV not in os.environ:
     os.environ[rules.LOG_ENV] = tempfile.mkstemp(prefix="dspark-nccl-rules-", suffix=".log")[1]
+    OWN_FILES.append(os.environ[rules.LOG_ENV])
 rules.install()
 
 
@@ -58,6 +60,13 @@ GROUPS_ENV = "DSPARK_XDIST_GROUPS"
 def pytest_configure(config):
     if config.getoption("numprocesses", default=None) and "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[GROUPS_ENV] = tempfile.mkstemp(prefix="dspark-xdist-groups-", suffix=".json")[1]
+        OWN_FILES.append(os.environ[GROUPS_ENV])
+
+
+def pytest_unconfigure(config):
+    for path in OWN_FILES:
+        Path(path).unlink(missing_ok=True)
+        shutil.rmtree(path + order.ORDER_SUFFIX, ignore_errors=True)
 
 
 def _group(item, host_wide_files: set[str]) -> str:

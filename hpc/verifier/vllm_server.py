@@ -98,6 +98,7 @@ class VLLMServer(SubprocessServer):
     started_at: float = field(default_factory=time.monotonic)
     rpc_dir: Path | None = None  # holds vLLM's ZMQ sockets; removed when the server stops
     plugin_dir: Path | None = None  # our middleware module on vLLM's PYTHONPATH; removed too
+    tmp_dir: Path | None = None  # vLLM's TMPDIR; removed too
 
     @property
     def url(self) -> str:
@@ -124,10 +125,19 @@ class VLLMServer(SubprocessServer):
 
     def stop(self, grace: float | None = None) -> None:
         super().stop(grace)
-        for d in (self.rpc_dir, self.plugin_dir):
+        for d in (self.rpc_dir, self.plugin_dir, self.tmp_dir):
             if d is not None:
                 shutil.rmtree(d, ignore_errors=True)
         sweep_shm(min_age_s=5.0)  # a server SIGKILLed after the grace leaves its segments behind
+
+
+def _user() -> str:
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container): inductor's own fallback
+        return "unknown"
 
 
 def start_vllm_server(
@@ -179,11 +189,16 @@ def start_vllm_server(
     if "VLLM_RPC_BASE_PATH" not in full_env:
         rpc_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-rpc-"))
         full_env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
+    # Its multiprocess executor rendezvous through a vllm_dist_<uuid> file in the temp dir, which
+    # stays when the server is stopped. Inductor's cache stays where it was: it is worth keeping.
+    tmp_dir = Path(tempfile.mkdtemp(prefix="dspark-vllm-tmp-"))
+    full_env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"))
+    full_env["TMPDIR"] = str(tmp_dir)
 
     proc = spawn(cmd, log_path, env=full_env, shown=redact_args(list(cmd)),
-                 cleanup=[plugin_dir, *([rpc_dir] if rpc_dir else []), *cleanup])
+                 cleanup=[plugin_dir, tmp_dir, *([rpc_dir] if rpc_dir else []), *cleanup])
     server = VLLMServer(proc=proc, host=host, port=port, model=str(model), log_path=log_path, api_key=api_key,
-                        rpc_dir=rpc_dir, plugin_dir=plugin_dir)
+                        rpc_dir=rpc_dir, plugin_dir=plugin_dir, tmp_dir=tmp_dir)
     if wait:
         server.wait_healthy(timeout)
     return server

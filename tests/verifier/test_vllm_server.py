@@ -92,6 +92,8 @@ def test_server_refuses_requests_without_its_key(vllm_server, toy_target):
     assert vllm_server.api_key not in " ".join(map(str, vllm_server.proc.args))
     # Its engine's ZMQ sockets are in its own dir, which stop() removes, not loose in /tmp.
     assert vllm_server.rpc_dir is not None and any(p.is_socket() for p in vllm_server.rpc_dir.iterdir())
+    # So is its executor's rendezvous file, which vLLM never removes.
+    assert vllm_server.tmp_dir is not None and any(p.name.startswith("vllm_dist_") for p in vllm_server.tmp_dir.iterdir())
 
 
 def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
@@ -124,13 +126,15 @@ def test_a_process_squatting_on_the_port_is_not_taken_for_our_server(tmp_path):
         ours.kill()
 
 
-def test_each_server_keeps_its_sockets_in_its_own_dir_and_removes_it(tmp_path):
-    # vLLM leaves a ZMQ socket file per engine in the temp dir; a CI day left 3,500 in /tmp.
+def test_each_server_keeps_its_sockets_and_temp_files_in_its_own_dirs_and_removes_them(tmp_path):
+    # vLLM leaves a ZMQ socket file per engine and a rendezvous file per start in the temp dir; a CI
+    # day left 3,500 sockets and 300 rendezvous files in /tmp.
     import sys
 
     (tmp_path / "fakevllm.py").write_text(
         "import os, socket, time\n"
         "s = socket.socket(socket.AF_UNIX)\n"
+        "import tempfile; tempfile.mkstemp(prefix='vllm_dist_')\n"  # its executor's rendezvous file
         "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine'))\n"
         "time.sleep(60)\n")
     server = start_vllm_server(sys.executable, "m", entrypoint="fakevllm", env={"PYTHONPATH": str(tmp_path)},
@@ -141,9 +145,10 @@ def test_each_server_keeps_its_sockets_in_its_own_dir_and_removes_it(tmp_path):
         while not (server.rpc_dir / "engine").is_socket():
             assert time.monotonic() < deadline and server.proc.poll() is None, (tmp_path / "log").read_text()
             time.sleep(0.1)
+        assert server.tmp_dir is not None and [p.name[:10] for p in server.tmp_dir.iterdir()] == ["vllm_dist_"]
     finally:
         server.stop()
-    assert not server.rpc_dir.exists()
+    assert not server.rpc_dir.exists() and not server.tmp_dir.exists()
     # A caller's own VLLM_RPC_BASE_PATH is left to it.
     own = tmp_path / "rpc"
     own.mkdir()
