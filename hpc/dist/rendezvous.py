@@ -22,13 +22,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import os
 import secrets
 import socket
 
 import torch
 import torch.distributed as dist
 
-_LISTENING: list[socket.socket] = []  # kept open (shut down): a closed fd's number could be reused under libuv
+_RETIRED: list[int] = []  # the write ends of the pipes that stand in for retired listeners (see _stop_listening)
 
 
 def new_secret() -> str:
@@ -55,11 +56,27 @@ def rendezvous_store(rank: int, world_size: int, master_addr: str, port: int, ti
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((socket.gethostbyname(master_addr), port))
         sock.listen(1024)
-        _LISTENING.append(sock)
         # Returns once every rank's client has connected (wait_for_workers): stop listening now.
         store = dist.TCPStore(master_addr, port, world_size, True, timeout, master_listen_fd=sock.fileno())
-        sock.shutdown(socket.SHUT_RDWR)
+        _stop_listening(sock)
     return dist.PrefixStore(key_prefix(secret), store)
+
+
+def _stop_listening(sock: socket.socket) -> None:
+    """Close the listener under the store's server loop, which still polls its fd number.
+
+    Shutting the socket down instead leaves it in the loop's epoll set reporting EPOLLHUP, and
+    libuv answers each wake-up with an accept() that fails: the server thread spun a whole core
+    for the rest of the run on every world's rank 0. Closing the number outright would let the
+    next open() reuse it under libuv. So the number is handed to a pipe that never becomes
+    readable: the listener's last reference goes, the kernel drops it from the epoll set, and a
+    stranger's connect is refused.
+    """
+    fd = sock.detach()
+    read_end, write_end = os.pipe()
+    os.dup2(read_end, fd, inheritable=False)  # closes the listener; fd is now the pipe's read end
+    os.close(read_end)
+    _RETIRED.append(write_end)  # held open for good: the read end never sees EOF
 
 
 def _proof(secret: str, rank: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ the port in the meantime would answer `/health` and then our requests.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import secrets
@@ -133,8 +134,6 @@ class VLLMServer(SubprocessServer):
 
 def _user() -> str:
     try:
-        import getpass
-
         return getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container): inductor's own fallback
         return "unknown"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,21 @@ def _refused(port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+
+
+def _store_thread_cpu() -> float:
+    """CPU seconds of this process's TCPStore server thread(s) (torch names them pt_tcpstore*)."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if task.joinpath("comm").read_text().startswith("pt_tcpstore"):
+                fields = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    assert total or any(t.joinpath("comm").read_text().startswith("pt_tcpstore")
+                        for t in Path("/proc/self/task").iterdir()), "no TCPStore server thread found"
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def test_the_store_listens_on_the_master_address_until_every_rank_joined_then_refuses_strangers():
@@ -52,6 +69,10 @@ def test_the_store_listens_on_the_master_address_until_every_rank_joined_then_re
     # The world formed: nobody else gets in, and the ranks' own connections still work.
     assert listening_addresses(port) == set()
     assert _refused(port)
+    # ... and its server thread sleeps until a rank asks: a retired listener must not wake it.
+    spent = _store_thread_cpu()
+    threading.Event().wait(1.0)
+    assert _store_thread_cpu() - spent < 0.2, "the store's server thread spins on its retired listener"
     rank1.set("k", "v")
     assert got["store"].get("k") == b"v"
     # Every key sits under the secret's prefix: a key the world reads cannot be written by name.
