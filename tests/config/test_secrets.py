@@ -78,6 +78,7 @@ def test_a_vllm_server_log_names_the_command_without_its_secrets(tmp_path):
     server = start_vllm_server("/bin/true", "m", port=1, wait=False, log_path=tmp_path / "s.log", base_args=[],
                                extra_args=["--hf-token", "hf_10", "--api-key=k11", "--x", "http://u:pw12@h/"])
     server.proc.wait()
+    server.stop()  # its temp dirs go with it
     first = (tmp_path / "s.log").read_text().splitlines()[0]
     assert f" --hf-token {MASK} --api-key={MASK} --x http://u:{MASK}@h/ --middleware " in first
     assert not any(s in first for s in ("hf_10", "k11", "pw12"))
