@@ -1,17 +1,15 @@
 """Reading /metrics over real HTTP: the token only in the header, from the environment or an
-owner-only file; endpoints that refuse, hang or answer garbage are named, not fatal. A stdlib
-server stands in for vLLM here (what vLLM exports is read in test_watch_vllm.py)."""
+owner-only file; endpoints that refuse, hang or answer garbage are named, not fatal. The bench's
+local endpoint stands in for vLLM here (what vLLM exports is read in test_watch_vllm.py)."""
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from hpc.errors import UserError
+from hpc.watch.local_endpoints import MetricsServer
 from hpc.watch.scrape import check_transport, read_token, scrape
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -28,47 +26,12 @@ process_start_time_seconds 1.7649e+09
 """
 
 
-class Server:
-    """A /metrics endpoint on 127.0.0.1 that wants `token` (if any) and records what it was sent."""
-
-    def __init__(self, body: str = METRICS, token: str | None = None, delay_s: float = 0.0, status: int = 200):
-        self.seen: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                outer.seen.append({"path": self.path, **dict(self.headers)})
-                time.sleep(delay_s)
-                ok = token is None or self.headers.get("Authorization") == f"Bearer {token}"
-                code = status if ok else 401
-                data = body.encode() if code == 200 else b"no"
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                try:
-                    self.wfile.write(data)
-                except BrokenPipeError:  # the client timed out first: what the slow endpoint is for
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True  # a handler still sleeping must not hold the test's teardown
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def servers():
-    made: list[Server] = []
+    made: list[MetricsServer] = []
 
-    def make(**kw) -> Server:
-        made.append(Server(**kw))
+    def make(body: str = METRICS, **kw) -> MetricsServer:
+        made.append(MetricsServer(body=body, **kw))
         return made[-1]
     yield make
     for s in made:
