@@ -31,13 +31,18 @@ class Counters:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Whole-engine counters (vLLM only): tokens generated, and engine steps that produced output.
+    generated_tokens: int = 0
+    engine_steps: int = 0
 
     def minus(self, before: Counters) -> Counters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
         pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
         return Counters(self.verify_steps - before.verify_steps, self.drafted_tokens - before.drafted_tokens,
                         self.accepted_tokens - before.accepted_tokens,
-                        [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))])
+                        [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))],
+                        generated_tokens=self.generated_tokens - before.generated_tokens,
+                        engine_steps=self.engine_steps - before.engine_steps)
 
     @property
     def accept_len(self) -> float | None:
@@ -58,6 +63,11 @@ def parse_spec_metrics(text: str) -> Counters:
              "num_accepted_tokens": "accepted_tokens"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            # vllm:iteration_tokens_total is a histogram observed once per engine step (loggers.py)
+            if s.name == "vllm:generation_tokens_total":
+                out.generated_tokens += int(s.value)
+            elif s.name == "vllm:iteration_tokens_total_count":
+                out.engine_steps += int(s.value)
             if not s.name.startswith(SPEC_PREFIX) or not s.name.endswith("_total"):
                 continue
             key = s.name[len(SPEC_PREFIX):-len("_total")]

@@ -65,13 +65,22 @@ class Job:
     n: int
     engine: str
     temperature: float = 0.0
+    adaptive: bool = False  # vLLM's adaptive verification, up to n drafts (eval-adaptive on a GPU vLLM)
 
     @property
     def name(self) -> str:
         suffix = f"-t{self.temperature:g}" if self.temperature > 0 else ""
         if self.draft is None:
             return f"baseline-{self.engine}{suffix}"
-        return f"eval-n{self.n}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}{suffix}"
+        mode = "adaptive" if self.adaptive else f"n{self.n}"
+        return f"eval-{mode}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.draft.label)}{suffix}"
+
+    def speculative_config(self) -> dict:
+        assert self.draft is not None
+        spec = self.draft.speculative_config(self.n, self.temperature)
+        if self.adaptive:
+            spec["enable_adaptive_verification"] = True
+        return spec
 
 
 def _tracking(tracking: TrackingConfig):
@@ -149,8 +158,7 @@ class EngineFactory:
                                    confidence=_value(self.cfg.eval.confidence))
 
         v = self.cfg.verifier
-        spec = (["--speculative-config", json.dumps(job.draft.speculative_config(job.n, job.temperature))]
-                if job.draft else [])
+        spec = ["--speculative-config", json.dumps(job.speculative_config())] if job.draft else []
         server = start_vllm_server(v.python, v.model, host=v.host, port=v.port or None, base_args=config_flags(v),
                                    extra_args=[*spec, *v.extra_args], env=server_env(v),
                                    log_path=self.out / "logs" / f"{job.name}.log", timeout=v.health_timeout_s)
