@@ -20,7 +20,7 @@ from hpc.config.schema import DSparkConfig
 from hpc.config.target import localize
 from hpc.errors import UserError
 from hpc.evaluate.adaptive import BatchStats, CostTable, measure_cost, replay_fixed, run_batch
-from hpc.evaluate.adaptive_served import format_served, run_served, served_verdict
+from hpc.evaluate.adaptive_served import against_best, format_served, run_served, served_verdict
 from hpc.evaluate.drafts import choose_engine
 from hpc.evaluate.harness import chat_ids, write_json_atomic
 from hpc.evaluate.reference import Decoding
@@ -154,12 +154,9 @@ def verdict(rows: list[BatchStats], cost: CostTable, R: int, n_max: int) -> str:
     """Adaptive against the best fixed n at R, and the figures that say why it gains or not:
     how many slots it verified, how often those were accepted, and what one more verified
     token costs under this cost table."""
-    ada = next((r for r in rows if r.concurrency == R and r.mode == "adaptive"), None)
-    fixed = [r for r in rows if r.concurrency == R and r.mode != "adaptive"]
-    if ada is None or not fixed:
+    if (found := against_best(rows, R)) is None:
         return ""
-    best = max(fixed, key=lambda r: r.tokens_per_s)
-    ratio = ada.tokens_per_s / best.tokens_per_s if best.tokens_per_s else float("nan")
+    ada, best, ratio = found
     request_steps = sum(ada.admitted_hist)
     share = ada.verified / (request_steps * n_max) if request_steps else 0.0
     marginal = (cost.verify(R * (n_max + 1)) - cost.verify(R)) / (R * n_max) / cost.step_ms(R, 0)

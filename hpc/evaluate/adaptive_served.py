@@ -146,13 +146,21 @@ def format_served(rows: list[ServedStats]) -> str:
     return "\n".join(lines)
 
 
-def served_verdict(rows: list[ServedStats], R: int) -> str:
+def against_best(rows: list, R: int):
+    """(adaptive's row, the fastest fixed n's row, their tok/s ratio) at R, or None; rows of
+    either engine (BatchStats or ServedStats: both have mode, concurrency and tokens_per_s)."""
     ada = next((r for r in rows if r.concurrency == R and r.mode == "adaptive"), None)
     fixed = [r for r in rows if r.concurrency == R and r.mode != "adaptive"]
     if ada is None or not fixed:
-        return ""
+        return None
     best = max(fixed, key=lambda r: r.tokens_per_s)
-    ratio = ada.tokens_per_s / best.tokens_per_s if best.tokens_per_s else float("nan")
+    return ada, best, ada.tokens_per_s / best.tokens_per_s if best.tokens_per_s else float("nan")
+
+
+def served_verdict(rows: list[ServedStats], R: int) -> str:
+    if (found := against_best(rows, R)) is None:
+        return ""
+    ada, best, ratio = found
     word = "beats" if ratio > 1 else "does not beat"
     return (f"at R={R} adaptive {word} the best fixed n ({best.mode}) on vLLM: {ratio:.3f}x its measured tok/s, "
             f"{ada.generated_per_step:.2f} tokens per engine step against {best.generated_per_step:.2f}, acceptance "

@@ -158,3 +158,15 @@ def test_the_measured_cost_table_covers_every_step_size_up_to_the_largest():
     (one, t1), (three, t3) = cost.draft_ms
     assert (one, three) == (1, 3) and t3 == pytest.approx(3 * t1) and t1 > 0
     assert cost.source.startswith("measured on the reference engine (cpu, 32-token context)")
+
+
+def test_the_reference_verdict_names_the_best_fixed_n_and_why():
+    from hpc.evaluate.adaptive import BatchStats
+    from hpc.evaluate.adaptive_job import verdict
+
+    rows = [BatchStats("n3", 8, 10, 30, 12, 92, 100.0), BatchStats("n7", 8, 10, 70, 14, 94, 120.0),
+            BatchStats("adaptive", 8, 10, 20, 12, 92, 90.0, admitted_hist=[70, 10, 0, 0, 0, 0, 0, 0])]
+    line = verdict(rows, table([(1, 1.0), (64, 2.0)]), 8, 7)
+    assert line.startswith("at R=8 adaptive beats the best fixed n (n3): 1.111x its tokens/s. It verified 4% of "
+                           "the slots n=7 would, 0.600 of them accepted against 0.400 for n3"), line
+    assert verdict(rows, table([(1, 1.0)]), 32, 7) == ""  # nothing ran at R=32
