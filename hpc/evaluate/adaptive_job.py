@@ -76,16 +76,16 @@ def evaluate_adaptive(cfg: DSparkConfig, draft_path: str, parent_run_id: str | N
                             cfg.eval.seed, say=lambda line: _say(quiet, line))
         report = {**head, "confidence": "served", "rows": [r.row() for r in served]}
         text = format_served(served) + "\n" + served_verdict(served, max(Rs))
-        second = ("accept_len", "acceptance length (vLLM's counters)")
+        axes_of = ("accept_len", "tokens/s measured", "acceptance length (vLLM's counters)")
         rows: list = served
     else:
         batch, cost, reading = _on_reference(cfg, draft_path, out, tok, prompts, ns, Rs, quiet)
         report = {**head, "confidence": reading, "cost": cost.record(), "rows": [r.row() for r in batch]}
         text = format_rows(batch, cost.source) + "\n" + verdict(batch, cost, max(Rs), n_max)
         rows = batch
-        second = ("accepted_per_verified", "accepted per verified draft")
+        axes_of = ("accepted_per_verified", "tokens/s under the cost table", "accepted per verified draft")
     write_json_atomic(out / RESULTS, report)
-    png = adaptive_png(rows, out / "adaptive.png", f"{spec.label}: adaptive against fixed n ({engine})", second)
+    png = adaptive_png(rows, out / "adaptive.png", f"{spec.label}: adaptive against fixed n ({engine})", axes_of)
     print(text, flush=True)
     if parent_run_id:
         _log(cfg, parent_run_id, spec.label, sha, engine, rows, report, [out / RESULTS, png])
@@ -167,17 +167,17 @@ def verdict(rows: list[BatchStats], cost: CostTable, R: int, n_max: int) -> str:
             f"plain step under this cost table ({cost.source})")
 
 
-def adaptive_png(rows: list, path: Path, title: str, second: tuple[str, str]) -> Path:
-    """tok/s against R per mode, and `second` (a row attribute, its axis label)."""
+def adaptive_png(rows: list, path: Path, title: str, axes_of: tuple[str, str, str]) -> Path:
+    """tok/s against R per mode, and a second figure: (its row attribute, the tok/s axis's label,
+    its own axis's label)."""
     plt = _figure()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for mode in sorted({r.mode for r in rows}):
         mine = sorted((r for r in rows if r.mode == mode), key=lambda r: r.concurrency)
         xs = [r.concurrency for r in mine]
         axes[0].plot(xs, [r.tokens_per_s for r in mine], marker="o", label=mode)
-        axes[1].plot(xs, [getattr(r, second[0]) for r in mine], marker="o", label=mode)
-    first = "tokens/s measured" if second[0] == "accept_len" else "tokens/s under the cost table"
-    for ax, ylabel in zip(axes, (first, second[1])):
+        axes[1].plot(xs, [getattr(r, axes_of[0]) for r in mine], marker="o", label=mode)
+    for ax, ylabel in zip(axes, axes_of[1:]):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests R")
         ax.set_ylabel(ylabel)

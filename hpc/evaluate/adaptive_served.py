@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import requests
 
 from hpc.errors import UserError
-from hpc.evaluate.engines import Counters
+from hpc.evaluate.engines import Counters, complete
 
 # vLLM's start-up refusal (adaptive_verification.py): an attention backend that cannot verify
 # variable-length drafts, or cannot replay them in CUDA graphs.
@@ -82,22 +82,14 @@ def stream(server, prompts: list[tuple[list[int], int]], concurrency: int, tempe
     """Every prompt, `concurrency` in flight, in order: (completion tokens, wall seconds).
     Request i samples with seed + i, whatever R: a rerun at any R asks the same questions."""
     local, sessions = threading.local(), []
-    lock = threading.Lock()
 
     def one(item: tuple[int, tuple[list[int], int]]) -> int:
         i, (ids, max_tokens) = item
         if not hasattr(local, "session"):  # a Session per thread: requests' Session is not thread-safe
             local.session = requests.Session()
             local.session.headers.update(getattr(server, "headers", {}))
-            with lock:
-                sessions.append(local.session)
-        body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature}
-        if temperature > 0:
-            body["seed"] = seed + i
-        resp = local.session.post(f"{server.url}/v1/completions", json=body, timeout=timeout_s)
-        if resp.status_code != 200:
-            raise UserError(f"vLLM answered {resp.status_code} at {server.url}: {resp.text[:300]}")
-        return int(resp.json()["usage"]["completion_tokens"])
+            sessions.append(local.session)  # list.append holds under the GIL
+        return complete(local.session, server, ids, max_tokens, temperature, seed + i, timeout_s)
 
     t0 = time.perf_counter()
     try:

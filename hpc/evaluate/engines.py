@@ -80,6 +80,18 @@ def parse_spec_metrics(text: str) -> Counters:
     return out
 
 
+def complete(session: requests.Session, server, prompt_ids: list[int], max_tokens: int, temperature: float,
+             seed: int, timeout_s: float) -> int:
+    """One completion request to a vLLM server: its output tokens. Sampled requests carry `seed`."""
+    body: dict = {"model": server.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature}
+    if temperature > 0:
+        body["seed"] = seed
+    resp = session.post(f"{server.url}/v1/completions", json=body, timeout=timeout_s)
+    if resp.status_code != 200:
+        raise UserError(f"vLLM answered {resp.status_code} at {server.url}: {resp.text[:300]}")
+    return int(resp.json()["usage"]["completion_tokens"])
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -97,17 +109,11 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[int, float]:
         """(output tokens, seconds) for one request, nothing else in flight."""
-        body = {"model": self.server.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                "temperature": self.temperature}
-        if self.temperature > 0:  # a seed per request: a rerun samples the same outputs
-            body["seed"] = self.seed + self.requests
+        seed = self.seed + self.requests  # a seed per request: a rerun samples the same outputs
         self.requests += 1
         t0 = time.perf_counter()
-        resp = self.session.post(f"{self.server.url}/v1/completions", json=body, timeout=self.timeout)
-        wall = time.perf_counter() - t0
-        if resp.status_code != 200:
-            raise UserError(f"vLLM answered {resp.status_code} at {self.server.url}: {resp.text[:300]}")
-        return int(resp.json()["usage"]["completion_tokens"]), wall
+        tokens = complete(self.session, self.server, prompt_ids, max_tokens, self.temperature, seed, self.timeout)
+        return tokens, time.perf_counter() - t0
 
     def close(self) -> None:
         self.server.stop()

@@ -123,5 +123,5 @@ def test_served_rows_survive_a_path_with_no_cost_table(tmp_path):
 
     rows = [ServedStats.of(m, R, 4, 40, 1.0 + R, Counters(10, 30, 5, [], 40, 20)) for m in ("n3", "adaptive")
             for R in (1, 8)]
-    png = adaptive_png(rows, tmp_path / "a.png", "t", ("accept_len", "acceptance length"))
+    png = adaptive_png(rows, tmp_path / "a.png", "t", ("accept_len", "tokens/s measured", "acceptance length"))
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
