@@ -4,6 +4,11 @@
 slurmdbd, slurmctld and one `slurmd -N nodeN` per node (Debian's slurmd supports several on one
 host, each on its own port). Clients only need ``SLURM_CONF`` (see :meth:`DevCluster.env`).
 
+Each node is a host of its own: its slurmd, and so every job step it starts, runs in a network
+namespace with its own address on a private bridge, whose host side is the login node
+(hpc_dev/devcluster_net.py). `network="loopback"` is the fallback for machines where
+namespaces cannot be made: every node on 127.0.0.1.
+
 Every fresh start wipes the controller state and the accounting database, so job ids restart
 at 1 and no job from an earlier session can resurface. There is no systemd here: daemons are
 started detached by hand and stopped by their pid files.
@@ -52,10 +57,12 @@ from hpc_dev.devcluster_host import (
     remove_own_hosts_entries,
     secure_state_dir,
 )
+from hpc_dev.devcluster_net import LOGIN_NAME, default_subnet
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("/var/tmp/dspark-devcluster")
+NETWORK_MADE = "network-made"  # in the state dir: this cluster's `up` made the namespaces and bridge
 # Start order; one slurmd per node follows them.
 CORE_DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld")
 # Node states that mean "slurmd registered and answers"; a fresh start waits for all idle.
@@ -84,9 +91,12 @@ class DevCluster:
         partition: str = "debug",
         num_nodes: int = 3,
         timeout_s: float = 60.0,
+        network: str = "netns",
+        subnet: str | None = None,
     ) -> None:
         root = Path(state_dir) if state_dir else default_state_dir()
-        self.spec = DevClusterSpec(root=root.absolute(), partition=partition, num_nodes=num_nodes)
+        self.spec = DevClusterSpec(root=root.absolute(), partition=partition, num_nodes=num_nodes,
+                                   network=network, subnet=subnet or default_subnet())
         self.timeout_s = timeout_s
 
     # ---- what clients need ------------------------------------------------------------------
@@ -98,6 +108,14 @@ class DevCluster:
     @property
     def partition(self) -> str:
         return self.spec.partition
+
+    @property
+    def login_addr(self) -> str:
+        """The login side's address on the cluster network: bind servers the nodes dial here."""
+        return self.spec.login_addr
+
+    def node_addrs(self) -> dict[str, str]:
+        return {n: self.spec.node_addr(n) for n in self.spec.node_names}
 
     # ---- inspection --------------------------------------------------------------------------
 
@@ -129,6 +147,8 @@ class DevCluster:
         expected = [*CORE_DAEMONS, *(f"slurmd-{n}" for n in s.node_names)]
         if not all(pids.get(name) for name in expected) or not self._configs_current():
             return False
+        if s.isolated and not s.net.is_up():
+            return False
         states = self.node_states()
         return sorted(states) == sorted(s.node_names) and set(states.values()) <= LIVE_NODE_STATES
 
@@ -136,6 +156,11 @@ class DevCluster:
         s = self.spec
         lines = [f"devcluster at {s.root}: cluster {s.cluster_name}, partition {s.partition}, "
                  f"{s.num_nodes} node(s)"]
+        where = f"network {s.subnet}, a namespace per node" if s.isolated else "loopback (one address)"
+        lines.append(f"  {'login':<14} {s.login_addr:<15} {LOGIN_NAME}  ({where})")
+        for node in s.node_names:
+            lines.append(f"  {node:<14} {s.node_addr(node):<15} namespace {s.net.netns(node)}" if s.isolated
+                         else f"  {node:<14} {s.node_addr(node)}")
         pids = self.pids()
         for name, pid in pids.items():
             lines.append(f"  {name:<14} {'running, pid ' + str(pid) if pid else 'stopped'}")
@@ -163,13 +188,17 @@ class DevCluster:
         ensure_installed()
         if os.geteuid() != 0:
             raise UserError("devcluster must run as root: slurmd and SlurmUser=root need it")
+        if self.spec.isolated:
+            self.spec.net.check_free()  # before anything running is stopped
         with self._locked():
             if self.is_healthy():
                 return False
             # Half-up is not worth repairing: a fresh start takes a few seconds and is predictable.
+            # The network is the exception: `up` keeps what is right (a server may be bound to it).
             self._stop_all()
+            self._network_up()
             self._write_files()
-            ensure_hosts_entries(self.spec.node_names, state_dir=self.spec.root)
+            ensure_hosts_entries(self.spec.hosts_lines(), state_dir=self.spec.root)
             self._start_munged()
             self._start_mariadb()
             self._start_slurmdbd()
@@ -177,12 +206,40 @@ class DevCluster:
             self._start_slurmds()
             return True
 
-    def down(self) -> bool:
-        """Stop every daemon and take out the /etc/hosts line `up` added; False if nothing ran."""
+    def up_network(self) -> str:
+        """The network alone (no daemons), for a server the nodes must reach before or without the
+        cluster (the tests' tracking server); returns the login address. Idempotent."""
+        if problems := self.spec.check():
+            raise UserError("; ".join(problems))
+        with self._locked():
+            self._network_up()
+            ensure_hosts_entries(self.spec.hosts_lines(), state_dir=self.spec.root)
+        return self.spec.login_addr
+
+    def down(self, keep_network: bool = False) -> bool:
+        """Stop every daemon, then remove the namespaces, veths and bridge and the /etc/hosts lines
+        `up` added (after a crash too); False if nothing ran. `keep_network` leaves the network and
+        its names for servers still bound to it (a test session's other worker)."""
         with self._locked():
             stopped = self._stop_all()
-        remove_own_hosts_entries(self.spec.root)
+            if not keep_network and os.path.lexists(marker := self.spec.root / NETWORK_MADE):
+                # Only the state dir that made it: the network is the host's, like /etc/hosts, and
+                # another dev cluster (a test's own state dir) going down must not cut the live one's.
+                stopped = self.spec.net.down() or stopped
+                marker.unlink()
+        if not keep_network:
+            remove_own_hosts_entries(self.spec.root)
         return stopped
+
+    def _network_up(self) -> None:
+        """The namespaces and bridge (or, for the loopback fallback, none: the other mode's would hold
+        the node names' addresses); the state dir records that it made them, for `down`."""
+        if self.spec.isolated:
+            self.spec.net.up()
+            write_text(self.spec.root / NETWORK_MADE, f"{self.spec.subnet}\n")
+        elif os.path.lexists(self.spec.root / NETWORK_MADE):
+            self.spec.net.down()
+            (self.spec.root / NETWORK_MADE).unlink()
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -349,7 +406,9 @@ class DevCluster:
             spool = s.spool_dir / name
             shutil.rmtree(spool, ignore_errors=True)
             spool.mkdir(mode=0o755)
-            self._launch(f"slurmd-{name}", ["slurmd", "-N", name])
+            # In the node's namespace: every job step it starts inherits the node's address.
+            prefix = s.net.exec_prefix(name) if s.isolated else []
+            self._launch(f"slurmd-{name}", [*prefix, "slurmd", "-N", name])
 
         def all_idle() -> bool:
             states = self.node_states()

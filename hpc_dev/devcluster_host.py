@@ -22,7 +22,7 @@ from hpc.fsio import unsafe_ancestor, write_text
 
 log = logging.getLogger(__name__)
 
-APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "slurmdbd", "munge", "mariadb-server")
+APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "slurmdbd", "munge", "mariadb-server", "iproute2")
 # Every binary the cluster runs, with the Debian package that ships it (for the error message).
 BINARIES = {
     "munged": "munge",
@@ -42,6 +42,8 @@ BINARIES = {
     "scontrol": "slurm-client",
     "sbatch": "slurm-client",
     "srun": "slurm-client",
+    "ip": "iproute2",  # the nodes' network namespaces, veths and bridge
+    "nsenter": "util-linux",  # a slurmd started inside its node's namespace
 }
 # Daemons live in sbin, which a non-login shell often lacks.
 SEARCH_PATH = os.pathsep.join(
@@ -131,21 +133,34 @@ def ensure_installed() -> None:
         raise UserError(f"apt-get installed {packages} but {', '.join(still)} is still missing")
 
 
-def ensure_hosts_entries(names: Sequence[str], hosts: Path = Path("/etc/hosts"),
+def ensure_hosts_entries(pairs: Sequence[tuple[str, str]], hosts: Path = Path("/etc/hosts"),
                          state_dir: Path | None = None) -> bool:
-    """Node names must resolve (MASTER_ADDR=node1 in torch.distributed, srun, gloo). True if a
-    line was added; `state_dir` then records it, so that only this cluster's `down` takes it out."""
-    known: set[str] = set()
-    for line in hosts.read_text().splitlines():
-        known.update(line.split("#", 1)[0].split()[1:])
-    missing = [n for n in names if n not in known]
-    if not missing:
+    """Every (address, name) must resolve: MASTER_ADDR=node1, srun, gloo, the login name in a tracking
+    URI. Names another line already maps to the same address are left to it; one it maps elsewhere
+    is refused (the resolver takes the first line). Our own marked lines are rewritten to match.
+    True if the file changed; `state_dir` then records it, so that only this cluster's `down`
+    takes them out."""
+    lines = hosts.read_text().splitlines(keepends=True)
+    theirs: dict[str, str] = {}
+    for line in lines:
+        if HOSTS_MARK not in line and (fields := line.split("#", 1)[0].split()):
+            for name in fields[1:]:
+                theirs.setdefault(name, fields[0])
+    by_addr: dict[str, list[str]] = {}
+    for addr, name in pairs:
+        if name not in theirs:
+            by_addr.setdefault(addr, []).append(name)
+        elif theirs[name] != addr:
+            raise UserError(f"devcluster: {hosts} maps {name} to {theirs[name]}, the cluster needs {addr}; "
+                            f"remove that line (or pass another --subnet) and run `up` again")
+    wanted = [f"{addr} {' '.join(names)}  {HOSTS_MARK}\n" for addr, names in by_addr.items()]
+    kept = [ln for ln in lines if HOSTS_MARK not in ln]
+    if [ln for ln in lines if HOSTS_MARK in ln] == wanted:
         return False
-    text = hosts.read_text()
-    sep = "" if text.endswith("\n") or not text else "\n"
-    with hosts.open("a") as fh:  # marked, so `down` can take it out again
-        fh.write(f"{sep}127.0.0.1 {' '.join(missing)}  {HOSTS_MARK}\n")
-    if state_dir is not None:
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    hosts.write_text("".join(kept + wanted))  # in place: /etc/hosts is often a bind mount
+    if state_dir is not None and wanted:
         write_text(state_dir / HOSTS_ADDED, f"{hosts}\n")
     return True
 

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3.11}
 WHEELS=${DSPARK_WHEELS:-/opt/wheels}
-APT_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
+APT_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server iproute2)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 

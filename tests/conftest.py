@@ -39,7 +39,8 @@ rules.install()
 
 # A test that needs a real service or a model build is slow by definition: the fast suite
 # (`-m "not slow"`, about 2 minutes on two workers) never starts Slurm, vLLM, an MLflow server or a toy build.
-INFRA_FIXTURES = {"slurm_cluster", "vllm_python", "toy_vllm", "vllm_server", "regen_server", "mlflow_server",
+INFRA_FIXTURES = {"slurm_cluster", "cluster_network", "vllm_python", "toy_vllm", "vllm_server", "regen_server",
+                  "mlflow_server",
                   "speculators_python", "toy_target", "toy_deepseek"}
 # The session's one vLLM server, under each name its users know it by: they share one xdist group.
 SHARED_SERVERS = ("toy_vllm", "vllm_server", "regen_server")

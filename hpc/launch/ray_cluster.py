@@ -3,7 +3,7 @@
 Node 0 runs `ray start --head --block`, every other node `ray start --address=HEAD:PORT --block`,
 each as a child of the node's task. Node 0 picks the GCS port (a free one on its own address)
 and every other port is left to the OS, so two raylets can share a host: two jobs on one
-node, or the dev cluster, where all "nodes" are one machine. Each node offers one
+node, or the dev cluster's loopback fallback, where all "nodes" are one machine. Each node offers one
 unit of REGEN_RESOURCE, which places one vLLM server per node.
 
 The GCS listens on the node's address (the other nodes must reach it), so the cluster runs with

@@ -122,6 +122,8 @@ def test_two_node_job_gloo_all_reduce(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert len(set(nodes)) == 2 and set(nodes) <= set(slurm_cluster.node_names), nodes
     assert [r["node_id"] for r in results] == [0, 1]
     assert all(r["master_addr"] == nodes[0] for r in results)
+    addrs = slurm_cluster.cluster.node_addrs()
+    assert [r["addr"] for r in results] == [addrs[n] for n in nodes]  # each rank on its own node's address
 
 
 @pytest.mark.timeout(90, func_only=True)
@@ -202,17 +204,35 @@ def test_up_needs_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_hosts_entries_added_once(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.1 node1  # already there")
-    for _ in range(2):
-        devcluster_host.ensure_hosts_entries(["node1", "node2", "node3"], hosts)
-    assert hosts.read_text().splitlines()[-1] == "127.0.0.1 node2 node3  # dspark-devcluster"
-    assert hosts.read_text().count("node2") == 1
+    hosts.write_text("127.0.0.1 localhost\n10.9.0.2 node1  # already there")
+    pairs = [("10.9.0.1", "dspark-login"), ("10.9.0.2", "node1"), ("10.9.0.3", "node2")]
+    assert devcluster_host.ensure_hosts_entries(pairs, hosts)
+    assert not devcluster_host.ensure_hosts_entries(pairs, hosts)
+    assert hosts.read_text().splitlines()[-2:] == ["10.9.0.1 dspark-login  # dspark-devcluster",
+                                                   "10.9.0.3 node2  # dspark-devcluster"]
+    # a new subnet rewrites our lines, and only ours
+    assert devcluster_host.ensure_hosts_entries([("10.8.0.1", "dspark-login"), ("10.9.0.2", "node1")], hosts)
+    assert hosts.read_text() == "127.0.0.1 localhost\n10.9.0.2 node1  # already there\n" \
+                                "10.8.0.1 dspark-login  # dspark-devcluster\n"
+
+
+def test_a_node_name_someone_else_maps_elsewhere_is_one_line(tmp_path: Path) -> None:
+    """The resolver takes the first line: node1 would dial 127.0.0.1, not its namespace."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost node1\n")
+    with pytest.raises(UserError, match=r"maps node1 to 127\.0\.0\.1, the cluster needs 10\.9\.0\.2; remove that line"):
+        devcluster_host.ensure_hosts_entries([("10.9.0.2", "node1")], hosts)
+    assert hosts.read_text() == "127.0.0.1 localhost node1\n"
 
 
 def test_slurm_conf_follows_spec() -> None:
-    text = render_slurm_conf(DevClusterSpec(Path("/x"), partition="gpu", num_nodes=2))
+    text = render_slurm_conf(DevClusterSpec(Path("/x"), partition="gpu", num_nodes=2, subnet="10.77.0.0/24"))
     assert "PartitionName=gpu Nodes=node1,node2 Default=YES" in text
-    assert "NodeName=node2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002" in text
+    # each node its own address; the controller and accounting on the login side's
+    assert "NodeName=node2 NodeHostname=localhost NodeAddr=10.77.0.3 Port=17002" in text
+    assert "SlurmctldHost=localhost(10.77.0.1)" in text and "AccountingStorageHost=10.77.0.1" in text
+    loop = render_slurm_conf(DevClusterSpec(Path("/x"), num_nodes=2, network="loopback"))
+    assert "NodeName=node2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002" in loop
     assert "node3" not in text
     assert "DependencyParameters=kill_invalid_depend" in text
     assert "AuthInfo=socket=/x/munge/munge.sock,cred_expire=10" in text
@@ -333,7 +353,7 @@ def test_a_host_with_a_real_slurm_is_refused_without_force(tmp_path: Path, monke
 def test_down_takes_out_the_hosts_line_up_added(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n10.0.0.5 db\n")
-    devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts)
+    devcluster_host.ensure_hosts_entries([("10.9.0.2", "node1"), ("10.9.0.3", "node2")], hosts)
     assert "node1" in hosts.read_text()
     assert devcluster_host.remove_hosts_entries(hosts)
     assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.5 db\n"
@@ -346,8 +366,9 @@ def test_only_the_cluster_that_added_the_hosts_line_takes_it_out(tmp_path: Path)
     hosts.write_text("127.0.0.1 localhost\n")
     live, other = tmp_path / "live", tmp_path / "other"
     live.mkdir(), other.mkdir()
-    assert devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts, state_dir=live)
-    assert not devcluster_host.ensure_hosts_entries(["node1", "node2"], hosts, state_dir=other)  # already named
+    pairs = [("10.9.0.2", "node1"), ("10.9.0.3", "node2")]
+    assert devcluster_host.ensure_hosts_entries(pairs, hosts, state_dir=live)
+    assert not devcluster_host.ensure_hosts_entries(pairs, hosts, state_dir=other)  # already named
     assert not devcluster_host.remove_own_hosts_entries(other, hosts)
     assert "node1" in hosts.read_text()
     assert devcluster_host.remove_own_hosts_entries(live, hosts)

@@ -26,8 +26,15 @@ def gloo_all_reduce() -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
+    from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
+
     # The dev cluster has fake GPUs only; leave CUDA_VISIBLE_DEVICES to Slurm.
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    # Each node is a host of its own: gloo otherwise takes the machine name's address (loopback
+    # here, as on many clusters) and the other node dials its own loopback. What a real cluster
+    # needs too, and what `dspark`'s stages do (hpc/launch/stages.py).
+    mine = advertised_ip(SlurmEnv.from_environ())
+    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(mine) or ""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         value = torch.tensor([float(env.rank + 1)])
@@ -36,8 +43,8 @@ def gloo_all_reduce() -> dict[str, object]:
             "rank": env.rank,
             "world_size": env.world_size,
             "master_addr": env.master_addr,
-            # All "nodes" share one host: only Slurm's names tell them apart.
             "node": os.environ["SLURMD_NODENAME"],
+            "addr": mine,
             "node_id": int(os.environ["SLURM_NODEID"]),
             "value": value.item(),
         }
