@@ -4,7 +4,9 @@ printed into shared job logs see them masked."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import os
 import re
 import traceback
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -23,6 +25,18 @@ SECRET_VALUE = re.compile(
 # A URI anywhere in a text: exception messages (MLflow's, urllib's) quote the request URL.
 _URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
 _CREDS = re.compile(r"//([^/@:]*)(:[^/]*)?@")  # the authority's user[:password]@, up to its last @
+
+
+def tracking_auth_header(env=None) -> str | None:
+    """The Authorization header MLflow's clients send from its standard variables:
+    MLFLOW_TRACKING_TOKEN (bearer), else MLFLOW_TRACKING_USERNAME / _PASSWORD (basic)."""
+    env = os.environ if env is None else env
+    if env.get("MLFLOW_TRACKING_TOKEN"):
+        return f"Bearer {env['MLFLOW_TRACKING_TOKEN']}"
+    if env.get("MLFLOW_TRACKING_USERNAME") or env.get("MLFLOW_TRACKING_PASSWORD"):
+        pair = f"{env.get('MLFLOW_TRACKING_USERNAME', '')}:{env.get('MLFLOW_TRACKING_PASSWORD', '')}"
+        return "Basic " + base64.b64encode(pair.encode()).decode()
+    return None
 
 
 def looks_secret(value: str) -> bool:

@@ -9,12 +9,12 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 
 from hpc.config.checker import Checker
 from hpc.config.cron import HINT, parse_cron
 from hpc.config.schema import DSparkConfig
-from hpc.config.secrets import flag_name, names_flag
+from hpc.config.secrets import flag_name, names_flag, tracking_auth_header
 from hpc.config.target import is_local
 
 TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
@@ -51,23 +51,47 @@ def check_plan(c: Checker, cfg: DSparkConfig) -> None:
                "give the verifier node's measured prefill tokens/s")
 
 
-def _tracking_reachable(uri: str) -> str | None:
-    """Why the MLflow server at `uri` does not answer, or None. Credentials in the URI go as
-    Basic auth, as MLflow sends them: urllib reads `user:pw@host` as the host name."""
+HOST_REFUSED = "Invalid Host header"  # MLflow's 403 body when the Host header is not on its allow-list
+
+
+def _tracking_problem(uri: str, experiment: str) -> str | None:
+    """What is wrong with the MLflow server at `uri`, with the fix, or None: one authenticated
+    API call, as every job will make (a TCP connect or /health passes where the API refuses: /health
+    is exempt from both auth and MLflow's Host check). Credentials: the URI's `user:pw@`, else
+    MLflow's variables (MLFLOW_TRACKING_TOKEN, or _USERNAME and _PASSWORD)."""
     parts = urlsplit(uri)
     host = parts.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
     if parts.port is not None:
         netloc += f":{parts.port}"
-    request = urllib.request.Request(urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", "")))
-    if parts.username is not None:
+    query = urlencode({"experiment_name": experiment or "Default"})
+    api = parts.path.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name"
+    request = urllib.request.Request(urlunsplit((parts.scheme, netloc, api, query, "")))
+    if parts.username is not None:  # urllib would read `user:pw@host` as the host name
         token = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
+    elif header := tracking_auth_header():
+        request.add_header("Authorization", header)
     try:
-        with urllib.request.urlopen(request, timeout=3) as resp:
-            return None if resp.status == 200 else f"HTTP {resp.status}"
+        with urllib.request.urlopen(request, timeout=5):
+            return None
+    except urllib.error.HTTPError as err:
+        body = err.read(4096).decode(errors="replace")
+        if err.code == 404 and "RESOURCE_DOES_NOT_EXIST" in body:
+            return None  # the experiment is made by the first job: the server answered as MLflow
+        if err.code == 403 and HOST_REFUSED in body:
+            return (f"the server refuses the host name {host!r} (MLflow's Host-header check: it answers only the "
+                    f"names it serves); dial it by its --host address, or restart it with "
+                    f"`dspark tracking serve --allow-host {host}`")
+        if err.code == 401:
+            return ("the server asks for credentials (401); `source ROOT/credentials.env` of `dspark tracking "
+                    "serve` (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD) where you validate and submit")
+        if err.code == 403:
+            return ("these credentials may not read experiments (403); use the server's credentials.env or an "
+                    "account with READ and EDIT on the experiment")
+        return f"the MLflow API answered HTTP {err.code} ({err.reason}); is this an MLflow tracking server?"
     except (urllib.error.URLError, OSError) as err:
-        return str(getattr(err, "reason", err))
+        return f"MLflow server unreachable ({getattr(err, 'reason', err)}); start it or fix the URI"
 
 
 def _store_parent_ok(uri: str, cfg: DSparkConfig) -> bool:
@@ -106,9 +130,8 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
         c.fail("tracking.uri", tr.uri, f"the directory of this store does not exist (relative to {os.getcwd()}); "
                "create it, or fix the path")
     elif scheme in ("http", "https") and check_tracking:
-        why = _tracking_reachable(tr.uri)
-        if why:
-            c.fail("tracking.uri", tr.uri, f"MLflow server unreachable ({why}); start it or fix the URI")
+        if why := _tracking_problem(tr.uri, tr.experiment):
+            c.fail("tracking.uri", tr.uri, why)
     if not tr.experiment:
         c.fail("tracking.experiment", tr.experiment, "set an experiment name")
     # The registry is searched with MLflow filter strings (name = '...'), which a quote would end early:

@@ -25,6 +25,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
+from hpc.config.secrets import tracking_auth_header
 from hpc.errors import UserError
 
 MISSING = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # no such model, alias or experiment
@@ -113,10 +114,8 @@ def _session() -> requests.Session:
     s.mount("http://", HTTPAdapter(max_retries=retry))
     s.mount("https://", HTTPAdapter(max_retries=retry))
     env = os.environ
-    if env.get("MLFLOW_TRACKING_TOKEN"):
-        s.headers["Authorization"] = f"Bearer {env['MLFLOW_TRACKING_TOKEN']}"
-    elif env.get("MLFLOW_TRACKING_USERNAME") or env.get("MLFLOW_TRACKING_PASSWORD"):
-        s.auth = (env.get("MLFLOW_TRACKING_USERNAME", ""), env.get("MLFLOW_TRACKING_PASSWORD", ""))
+    if header := tracking_auth_header(env):
+        s.headers["Authorization"] = header
     if env.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
         s.verify = False
     elif env.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):

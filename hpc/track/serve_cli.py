@@ -7,9 +7,14 @@ basic-auth app on, and a password drawn once and kept in `<root>/credentials.env
 Jobs authenticate through MLflow's standard variables, which Slurm passes on from the
 submitting shell:
 
-    dspark tracking serve --root /shared/mlflow --host $(hostname -i)    # on a service node
-    source /shared/mlflow/credentials.env                                # on the login node
-    dspark submit configs/kimi-k2.6-dspark.yaml tracking.uri=http://HOST:PORT
+    dspark tracking serve --root /shared/mlflow --host ADDR    # ADDR: the interface the nodes reach
+    source /shared/mlflow/credentials.env                      # on the login node
+    dspark submit configs/kimi-k2.6-dspark.yaml tracking.uri=http://ADDR:PORT
+
+MLflow answers only requests whose Host header it was told to serve: this command passes it
+--host's address and every name that resolves to it (host and host:port); add a DNS alias the
+nodes use with --allow-host. 0.0.0.0 or :: (every interface) needs --all-interfaces, and the
+URI printed is still a real address.
 """
 
 from __future__ import annotations
@@ -56,8 +61,12 @@ def credentials(root: Path, user: str = "dspark") -> str:
 def run(args: argparse.Namespace) -> int:
     root = Path(args.root).resolve()
     password = credentials(root)
-    server = MlflowServer(root, host=args.host, port=args.port, auth_password=password).start()
+    server = MlflowServer(root, host=args.host, port=args.port, auth_password=password,
+                          all_interfaces=args.all_interfaces, extra_hosts=tuple(args.allow_host)).start()
     print(f"tracking server: {server.uri} (MLflow basic auth; store and artifacts in {root})", flush=True)
+    if len(server.served) > 1:
+        print(f"  also on: {', '.join(server.served[1:])}", flush=True)
+    print(f"tracking.uri={server.uri}", flush=True)
     print(f"jobs log to it with:  source {root / CREDENTIALS}; dspark submit CONFIG tracking.uri={server.uri}",
           flush=True)
     proc = server.proc
@@ -82,4 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; give the node's own address for jobs on other nodes")
     serve.add_argument("--port", type=int, default=0, help="0: a free port")
+    serve.add_argument("--all-interfaces", action="store_true",
+                       help="allow --host 0.0.0.0 or :: (every interface, outside ones included)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="another name clients dial the server by (a DNS alias); repeatable")
     serve.set_defaults(func=run)

@@ -1,13 +1,20 @@
-"""A local MLflow tracking server: SQLite backend, loopback only, stopped by pid.
+"""A local MLflow tracking server: SQLite backend, bound to one address, stopped by pid.
 
 Many Slurm jobs writing one SQLite file over NFS corrupt it; one server that owns the file
 and serves HTTP to every job does not. Tests and the CPU demo use this; a real cluster points
 `tracking.uri` at its own long-lived server.
+
+MLflow 3.x checks every API request's Host header against an allow-list (against DNS rebinding);
+by default the list holds loopback and the private ranges only, so a server on a login node's
+name or public address answers 403 to every job. The server is therefore started with the
+names and addresses it serves, in the host and host:port forms clients send: its bind address,
+the names that resolve to it, and any the caller adds (`extra_hosts`: a DNS alias).
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import secrets
 import socket
@@ -27,7 +34,7 @@ AUTH_DB = "basic_auth.db"  # MLflow basic auth's users: the admin keeps the pass
 def _check_host(host: str) -> None:
     """One line naming --host when it is no address of this machine (`hostname -i` can print a
     loopback alias, or several addresses): a bind there fails whatever the port."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.bind((host, 0))
         except socket.gaierror as err:
@@ -41,7 +48,7 @@ def _check_host(host: str) -> None:
 
 
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # As the server itself binds: a port in TIME_WAIT after a restart is free, a listener is not.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -49,6 +56,56 @@ def _bindable(host: str, port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def this_machines_addresses() -> list[str]:
+    """Every address of this machine (loopback last): what a server on 0.0.0.0 or :: serves."""
+    import psutil  # psutil: only for a wildcard bind
+
+    found = [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family in (socket.AF_INET, socket.AF_INET6)]
+    try:  # the address this machine's name resolves to comes first: it is the one others know
+        own = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        own = ""
+    return sorted(dict.fromkeys(found),
+                  key=lambda a: (ipaddress.ip_address(a).is_loopback, a != own, ":" in a, a))
+
+
+def _names_of(addr: str) -> list[str]:
+    """The names that resolve to `addr` (/etc/hosts, DNS); a client may dial any of them."""
+    try:
+        name, aliases, _ = socket.gethostbyaddr(addr)
+    except OSError:
+        return []
+    return [name, *aliases]
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def allowed_hosts(addresses: list[str], port: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The Host headers clients send for these addresses and names: `host` and `host:port`
+    (IPv6 in brackets). Loopback adds localhost, as MLflow's own default does."""
+    hosts: list[str] = []
+    for addr in addresses:
+        hosts += [addr, *_names_of(addr)]
+        if _is_address(addr) and ipaddress.ip_address(addr).is_loopback:
+            hosts.append("localhost")
+    hosts += list(extra)
+    out: list[str] = []
+    for h in dict.fromkeys(hosts):
+        bare = f"[{h}]" if ":" in h else h
+        out += [bare, f"{bare}:{port}"]
+    return out
 
 
 def is_healthy(uri: str, timeout: float = 2.0) -> bool:
@@ -64,6 +121,9 @@ class MlflowServer(SubprocessServer):
     # MLflow's basic-auth app: every API call needs this admin's (or another user's) password.
     auth_password: str | None = None
     auth_user: str = "dspark"
+    # 0.0.0.0 / :: serve every interface: refused unless asked for (a login node's outside one too).
+    all_interfaces: bool = False
+    extra_hosts: tuple[str, ...] = ()  # more names clients dial it by (a DNS alias), for MLflow's Host check
     stop_grace = 10.0  # a class attribute (no annotation): SIGTERM to SIGKILL
     log_path: Path = field(init=False)
 
@@ -72,8 +132,24 @@ class MlflowServer(SubprocessServer):
         self.log_path = self.root / "server.log"
 
     @property
+    def served(self) -> list[str]:
+        """What it answers on, the URI's host first: the bind address (a name, then its addresses),
+        or every address of this machine for a wildcard."""
+        if self.host in WILDCARDS:
+            return this_machines_addresses()
+        if _is_address(self.host):
+            return [self.host]
+        try:
+            addrs = [str(a[4][0]) for a in socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)]
+        except OSError:
+            addrs = []
+        return list(dict.fromkeys([self.host, *addrs]))
+
+    @property
     def uri(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """A URI clients can dial: never the wildcard, which is no address to connect to."""
+        host = self.served[0]
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def what(self) -> str:
@@ -83,8 +159,12 @@ class MlflowServer(SubprocessServer):
         return is_healthy(self.uri)
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.host in WILDCARDS and not self.all_interfaces:
+            raise UserError(f"mlflow server: --host {self.host or repr('')} listens on every interface of this "
+                            "machine, outside ones too; give the address the compute nodes reach (one of "
+                            "`hostname -I`), or pass --all-interfaces to mean it")
         _check_host(self.host)
+        self.root.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         if is_healthy(self.uri, timeout=1.0) or not _bindable(self.host, self.port):
             # Else the health probe would be answered by whoever holds the port, not by us.
@@ -94,6 +174,7 @@ class MlflowServer(SubprocessServer):
             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
             "--artifacts-destination", str(self.root / "artifacts"),
             "--host", self.host, "--port", str(self.port), "--workers", "1",
+            "--allowed-hosts", ",".join(allowed_hosts(self.served, self.port, self.extra_hosts)),
         ]
         # No job runner: MLflow's GenAI jobs are not ours, and the runner's store is a temp dir in
         # /dev/shm that MLflow never removes (one per server start, left in node RAM).

@@ -270,36 +270,57 @@ def test_invalid_yaml_is_one_line(tmp_path):
     assert res.returncode == 2 and "not valid YAML" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_a_tracking_uri_with_credentials_is_reachable_and_sends_them():
+def test_the_tracking_check_is_one_authenticated_api_call(monkeypatch):
     """urllib read `alice:s3cret@127.0.0.1` as the host name: validate called every server with a
-    password in its URI unreachable, so `dspark submit` refused it."""
+    password in its URI unreachable, so `dspark submit` refused it. And it asked /health, which
+    MLflow exempts from auth and from its Host check: a server that refused every job's API call
+    read "valid". Now one API call, as the jobs make it, with the URI's or MLflow's credentials."""
     import base64
     import http.server
     import threading
 
-    from hpc.config.validate_ops import _tracking_reachable
+    from hpc.config.validate_ops import _tracking_problem
 
     seen: list = []
+    answers = {"ok": (200, b"{}"), "missing": (404, b'{"error_code": "RESOURCE_DOES_NOT_EXIST"}'),
+               "noauth": (401, b"You are not authenticated."), "host": (403, b"Invalid Host header - possible DNS"),
+               "denied": (403, b'{"error_code": "PERMISSION_DENIED"}'), "odd": (500, b"")}
 
-    class Health(http.server.BaseHTTPRequestHandler):
+    class Api(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             seen.append((self.path, self.headers.get("Authorization")))
-            self.send_response(200)
+            code, body = answers[self.path.rsplit("=", 1)[1]]
+            self.send_response(code)
             self.end_headers()
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
 
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Api)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    for var in ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
     try:
-        port = srv.server_address[1]
-        assert _tracking_reachable(f"http://alice:s3%40cret@127.0.0.1:{port}/") is None
-        assert _tracking_reachable(f"http://127.0.0.1:{port}") is None
+        uri = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert _tracking_problem(f"http://alice:s3%40cret@127.0.0.1:{srv.server_address[1]}/", "ok") is None
+        assert _tracking_problem(uri, "missing") is None  # the first job makes the experiment
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw")
+        assert _tracking_problem(uri, "ok") is None
+        says = {name: _tracking_problem(uri, name) for name in ("noauth", "host", "denied", "odd")}
     finally:
         srv.shutdown()
         srv.server_close()
-    assert seen == [("/health", "Basic " + base64.b64encode(b"alice:s3@cret").decode()), ("/health", None)]
+    basic = "Basic " + base64.b64encode(b"alice:s3@cret").decode()
+    api = "/api/2.0/mlflow/experiments/get-by-name?experiment_name="
+    bob = "Basic " + base64.b64encode(b"bob:pw").decode()
+    assert seen[:3] == [(api + "ok", basic), (api + "missing", None), (api + "ok", bob)]
+    assert "credentials.env" in says["noauth"] and "(401)" in says["noauth"]
+    assert "refuses the host name '127.0.0.1'" in says["host"] and "--allow-host 127.0.0.1" in says["host"]
+    assert "(403)" in says["denied"] and "READ" in says["denied"]
+    assert "HTTP 500" in says["odd"]
+    assert all("\n" not in line for line in says.values())
 
 
 def test_a_path_with_a_hash_survives_an_override():

@@ -181,3 +181,39 @@ def test_a_submission_failing_midway_cancels_what_was_submitted(slurm_cluster, t
     [parent] = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                   "tags.`dspark.stage` = 'pipeline'")
     assert parent.info.status == "FAILED" and "submission failed at stage eval-n3" in parent.data.tags["dspark.outcome"]
+
+
+@pytest.mark.slow
+def test_every_server_the_pipeline_starts_is_dialled_at_its_own_hosts_address(readme_pipeline):
+    """The walk-through's pipeline across the dev cluster's hosts (a network namespace each): every
+    server it started, the address it bound and the address each client dialled, from the hosts'
+    TCP tables while it ran. Traffic between hosts goes to the server host's own address; a server
+    on loopback (a node's vLLM) has clients on its own host only."""
+    import ipaddress
+
+    from tests.fixtures.walkthrough import LOGIN
+
+    run = readme_pipeline
+    assert run.returncode == 0, run.failure()
+    watch = run.sockets
+    print(watch.table())  # what the CI log shows for this test: every server with its clients
+    rows = watch.servers()
+    for r in rows:
+        for client, dialled in r.clients:
+            if client != r.host:
+                assert dialled == watch.addresses[r.host], f"{client} dialled {dialled} for {r}"
+        if ipaddress.ip_address(r.bound[0]).is_loopback:
+            assert not r.cross_host, f"a loopback server reached from another host: {r}"
+    crossing = {(r.kind, r.host == LOGIN) for r in rows if r.cross_host}
+    # every node logs to the tracking server at the login address; the controller is dialled there too
+    assert {("mlflow", True), ("slurm", True)} <= crossing, watch.table()
+    mlflow_clients = {c for r in rows if r.kind == "mlflow" and r.host == LOGIN for c, _ in r.cross_host}
+    assert len(mlflow_clients) >= 2, watch.table()  # more than one node logged
+    # regeneration: the second node's raylet joins node 0's head; training: the ranks' rendezvous
+    # store and gloo between the verifier and the trainer node
+    assert {("ray", False), ("dspark", False)} <= crossing, watch.table()
+    vllm = [r for r in rows if r.kind == "vllm"]
+    assert vllm and all(ipaddress.ip_address(r.bound[0]).is_loopback for r in vllm), watch.table()
+    # what every job was given to dial: the login side's name, never loopback
+    uri = run.pipeline_state()["tracking_uri"]
+    assert uri.startswith("http://dspark-login:"), uri
