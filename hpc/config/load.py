@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import scrub, shown
 from hpc.config.target import follow_target, written_keys
+from hpc.config.yaml_bounds import MAX_BYTES, load_bounded
 from hpc.errors import ConfigError, UserError
 
 
@@ -259,6 +260,9 @@ def _schema() -> DictConfig:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file not found: {path}; pass a YAML file such as configs/toy-cpu.yaml")
+    if path.stat().st_size > MAX_BYTES:  # not read at all: a 50 MB file took validate half a minute
+        raise UserError(f"{path} is {path.stat().st_size:,} bytes, over the {MAX_BYTES:,} a config may have; "
+                        "is it the right file?")
     raw = path.read_bytes()
     if b"\0" in raw[:8192]:
         raise UserError(f"{path}: is a binary file, not a YAML config; pass a file such as configs/toy-cpu.yaml")
@@ -269,7 +273,9 @@ def _read_yaml(path: Path) -> dict:
     if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
         raise UserError(f"{path}: is empty; start from configs/toy-cpu.yaml or configs/kimi-k2.6-dspark.yaml")
     try:
-        data = yaml.load(text, Loader=_Loader) or {}
+        data = load_bounded(text, _Loader, str(path)) or {}
+    except ValueError as err:  # past a bound: before anything is built from it
+        raise UserError(str(err)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -287,7 +293,10 @@ def _parse_overrides(overrides: list[str], problems: list[str]) -> list[tuple[st
             continue
         key, raw = item.split("=", 1)
         try:
-            value = yaml.load(raw, Loader=_Loader) if raw else ""
+            value = load_bounded(raw, _Loader, f"override `{key.strip()}`") if raw else ""
+        except ValueError as err:
+            problems.append(str(err))
+            continue
         except yaml.YAMLError:
             value = raw
         if isinstance(value, str) and " #" in raw and not raw.lstrip().startswith(("'", '"')):
