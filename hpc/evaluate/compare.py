@@ -8,6 +8,7 @@ the eval runner logs (see `hpc.evaluate` for the contract).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import os
@@ -297,10 +298,32 @@ def missing_store(uri: str) -> str | None:
         path = Path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else parsed.path)
         if not path.is_file():
             return f"no tracking database at {path} ({redact_uri(uri)}); check --tracking-uri or tracking.uri"
+        return _not_mlflow_sqlite(path)
     elif parsed.scheme in ("", "file"):
         path = Path(parsed.path if parsed.scheme == "file" else uri)
         if not path.is_dir():
             return f"no tracking store at {path}; check --tracking-uri or tracking.uri"
+    return None
+
+
+def _not_mlflow_sqlite(path: Path) -> str | None:
+    """Why the file is no MLflow SQLite store, read read-only, or None. MLflow creates its tables
+    in any database it opens: a reader on an empty or foreign file would write them there."""
+    import sqlite3
+
+    with path.open("rb") as fh:
+        head = fh.read(16)
+    if not head:
+        return f"{path} is empty (0 bytes), not an MLflow tracking database; check --tracking-uri or tracking.uri"
+    if head != b"SQLite format 3\0":
+        return f"{path} is not an SQLite database; check --tracking-uri or tracking.uri"
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as err:
+        return f"{path} cannot be read as SQLite ({err}); check --tracking-uri or tracking.uri"
+    if not {"experiments", "runs"} <= tables:
+        return f"{path} holds no MLflow tracking tables; check --tracking-uri or tracking.uri"
     return None
 
 

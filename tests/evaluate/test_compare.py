@@ -199,6 +199,35 @@ def test_a_mistyped_store_is_one_line_and_nothing_is_created(uri, tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def _foreign_db(path):
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE notes (x)")
+
+
+@pytest.mark.parametrize("kind, says", [("empty", "is empty (0 bytes)"), ("text", "is not an SQLite database"),
+                                        ("foreign", "holds no MLflow tracking tables"),
+                                        ("torn", "cannot be read as SQLite")])
+def test_a_store_that_is_no_mlflow_database_is_one_line_and_left_as_it_was(kind, says, tmp_path, capsys):
+    """`compare` on a 0-byte file made MLflow's tables in it (0 bytes became 954,368): a reader
+    reads, read-only, and an empty, foreign or corrupt file is one line."""
+    db = tmp_path / "store.db"
+    if kind == "empty":
+        db.touch()
+    elif kind == "text":
+        db.write_text("experiments: none\n")
+    else:
+        _foreign_db(db)
+        if kind == "torn":
+            db.write_bytes(db.read_bytes()[:100] + b"\xff" * 4000)
+    before = db.read_bytes()
+    assert main(["compare", "--tracking-uri", f"sqlite:///{db}", "--experiment", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "--tracking-uri" in err[0], err
+    assert db.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["store.db"]
+
+
 @pytest.mark.parametrize("argv", [["compare", "--experiment", "x"]])
 def test_no_tracking_uri_is_a_user_error(argv, capsys, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
