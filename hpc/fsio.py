@@ -154,3 +154,39 @@ def unsafe_ancestor(path: str | Path) -> str | None:
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             return f"{d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}) without the sticky bit"
     return None
+
+
+def untrusted(path: str | Path) -> str | None:
+    """Why a file a command acts on (a pipeline.json it sends credentials for, a marker) cannot be
+    trusted, or None: it and its directory must be this user's, the file a plain one nobody else
+    may write, neither a link (another user could point it, or swap it, at their own)."""
+    path = Path(path)
+    me = os.geteuid()
+    for p, what in ((path.parent, "directory"), (path, "file")):
+        try:
+            st = os.lstat(p)
+        except OSError as err:
+            return f"{p}: {err.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{p} is a symbolic link"
+        if st.st_uid != me:
+            return f"{p} belongs to uid {st.st_uid}, not to you (uid {me})"
+        if what == "file" and not stat.S_ISREG(st.st_mode):
+            return f"{p} is not a plain file"
+        if what == "file" and st.st_mode & 0o022:
+            return f"{p} may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def read_trusted(path: str | Path) -> str:
+    """The text of a file that passes `untrusted`'s check, read through a descriptor that checked it
+    (O_NOFOLLOW; fstat of what was opened), so a swap between check and read changes nothing.
+    Raises PermissionError with the reason."""
+    if (why := untrusted(path)) is not None:
+        raise PermissionError(why)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{path} changed while it was opened")
+        return fh.read().decode("utf-8")

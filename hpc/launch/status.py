@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_uri, scrub, without_credentials
 from hpc.errors import UserError
+from hpc.fsio import read_trusted, untrusted
 from hpc.launch.slurm import cancel as scancel
 from hpc.launch.slurm import run_slurm
 from hpc.launch.stage_table import NAMES, stage_of
@@ -67,8 +68,11 @@ def find_pipeline(arg: str, log_dir: str = DEFAULT_LOG_DIR) -> Path:
            "--log-dir must match the config's cluster.log_dir")
     found = sorted(root.glob("*/pipeline.json")) if root.is_dir() else []
     if arg == "latest":
+        # Only the user's own: in a shared log_dir another user's file (a future `submitted` date,
+        # a tracking_uri of theirs) would win, and status would send it the user's MLflow password.
+        found = [f for f in found if untrusted(f) is None]
         if not found:
-            raise UserError(f"no submitted pipeline under {root}: submit one with `dspark submit CONFIG`, "
+            raise UserError(f"no pipeline of yours under {root}: submit one with `dspark submit CONFIG`, "
                             "or pass --log-dir (the config's cluster.log_dir)")
         return max(found, key=_submitted_key)
     if (root / arg / "pipeline.json").is_file():
@@ -96,8 +100,12 @@ def _submitted_key(state_file: Path) -> tuple[str, float]:
 
 
 def load_pipeline(state_file: Path) -> dict:
+    """The pipeline's state, from a file of this user's only: status and cancel act on its job ids
+    and send the user's MLflow credentials to its tracking_uri."""
     try:
-        state = json.loads(Path(state_file).read_text())
+        state = json.loads(read_trusted(state_file))
+    except PermissionError as err:
+        raise UserError(f"{state_file}: refusing to trust it ({err}); pass a pipeline you submitted") from None
     except (OSError, ValueError) as err:
         raise UserError(f"{state_file}: cannot read it as a pipeline state file ({err}); "
                         "pass the pipeline.json `dspark submit` wrote") from None

@@ -259,8 +259,37 @@ def test_find_pipeline(tmp_path: Path, monkeypatch) -> None:
         find_pipeline("toy-2026", ld)
     with pytest.raises(UserError, match="has no pipeline.json"):
         find_pipeline("toy-broken", ld)
-    with pytest.raises(UserError, match="no submitted pipeline under .*dspark submit CONFIG"):
+    with pytest.raises(UserError, match="no pipeline of yours under .*dspark submit CONFIG"):
         find_pipeline("latest", str(tmp_path / "elsewhere"))
+
+
+def test_only_the_users_own_pipeline_files_are_trusted(tmp_path: Path) -> None:
+    """In a shared log_dir, another uid's pipeline.json with a future `submitted` date won `latest`,
+    and status sent the user's MLflow password to the tracking_uri it named."""
+    import os
+
+    log_dir = tmp_path / "slurm"
+    (log_dir / "pipelines").mkdir(parents=True)
+    (log_dir / "pipelines").chmod(0o1777)
+    mine = _write_pipeline(log_dir, "toy-mine", {"train": "1"}, [], submitted="2026-11-29T22:15:00")
+    theirs = _write_pipeline(log_dir, "toy-theirs", {"train": "2"}, [], submitted="2099-01-01T00:00:00",
+                             uri="http://attacker.invalid:5000")
+    os.chown(theirs, 65534, 65534)
+    os.chown(theirs.parent, 65534, 65534)
+    assert find_pipeline("latest", str(log_dir)) == mine
+    with pytest.raises(UserError, match=r"toy-theirs.*refusing to trust it \(.*belongs to uid 65534"):
+        st.load_pipeline(theirs)
+    loose = _write_pipeline(log_dir, "toy-loose", {"train": "3"}, [], submitted="2099-01-02T00:00:00")
+    loose.chmod(0o666)
+    linked = _write_pipeline(log_dir, "toy-linked", {"train": "4"}, [], submitted="2099-01-03T00:00:00")
+    linked.unlink()
+    linked.symlink_to(mine)
+    assert find_pipeline("latest", str(log_dir)) == mine  # neither the 0666 file nor the link
+    with pytest.raises(UserError, match=r"may be written by others \(mode 666\)"):
+        st.load_pipeline(loose)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        st.load_pipeline(linked)
+    assert st.load_pipeline(mine)["jobs"] == {"train": "1"}
 
 
 def test_relative_train_dirs_are_found_from_elsewhere(tmp_path: Path, monkeypatch) -> None:
