@@ -149,6 +149,17 @@ def pytest_make_collect_report(collector):
 
 
 @pytest.fixture(autouse=True)
+def _secrets_per_test():
+    """The secrets a process's configs held mask its printouts (hpc.config.secrets.KNOWN): one
+    process per command in use, one test at a time here."""
+    from hpc.config import secrets
+
+    secrets.KNOWN.clear()
+    yield
+    secrets.KNOWN.clear()
+
+
+@pytest.fixture(autouse=True)
 def nccl_rules_hold(request):
     """Fails the test when any of its processes broke an NCCL rule (see hpc/dist/rules.py)."""
     log = os.environ[rules.LOG_ENV]

@@ -21,12 +21,23 @@ from typing import Any, cast
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, ValueNode
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.resolvers import oc as _oc
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.secrets import scrub, shown
+from hpc.config.secrets import env_resolved, scrub, shown
 from hpc.config.target import follow_target, written_keys
 from hpc.config.yaml_bounds import MAX_BYTES, load_bounded
 from hpc.errors import ConfigError, UserError
+
+_oc_env_default = _oc._DEFAULT_MARKER_  # "no default given", as oc.env tells it apart from None
+
+
+def _env(key: str, default: Any = _oc_env_default) -> Any:
+    """OmegaConf's own `oc.env`, recording a value that is a secret so it is masked wherever it lands."""
+    return env_resolved(key, _oc.env(key, default))
+
+
+OmegaConf.register_resolver("oc.env", _env, replace=True, annotation_validation="off")
 
 
 class _Loader(yaml.SafeLoader):

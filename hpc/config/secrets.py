@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import os
 import re
 import traceback
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from hpc.config.schema import DSparkConfig
 
 MASK = "***"
+# Values that are secrets wherever interpolation carries them (`tracking.experiment=${verifier.env.X}`,
+# `${oc.env:HF_TOKEN}` in any key): every value of this process's configs that equals one is masked
+# when printed or logged. Filled by `remember_secrets` (each resolved config) and `env_resolved`.
+KNOWN: set[str] = set()
+EMBEDDED_MIN = 6  # a secret this long is masked inside longer values too; a shorter one only whole
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|PWD|API_?KEY|ACCESS_?KEY|PRIVATE|CREDENTIAL|AUTH", re.IGNORECASE)
 # A value that is a secret whatever its name: a connection string's key=value pairs (Azure's
 # ...;AccountKey=...), a token with a vendor prefix, or a long random-looking word.
 SECRET_VALUE = re.compile(
@@ -65,6 +72,55 @@ def redact_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def env_resolved(name: str, value):
+    """`${oc.env:NAME}` resolved to `value`: a secret when its name or its value looks like one."""
+    if isinstance(value, str) and value and (SECRET_NAME.search(name) or looks_secret(value)):
+        KNOWN.add(value)
+    return value
+
+
+def _secret_values(cfg: DSparkConfig) -> set[str]:
+    """The secrets a resolved config holds: verifier.env's values, secret flags' values, the URI's password."""
+    found = {str(v) for v in cfg.verifier.env.values() if v is not None and str(v)}
+    args = [str(a) for a in cfg.verifier.extra_args]
+    for i, arg in enumerate(args):
+        if names_flag(arg, SECRET_FLAGS) is not None:
+            found.add(arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else ""))
+    try:
+        found.add(unquote(urlsplit(cfg.tracking.uri).password or ""))
+    except ValueError:
+        pass
+    return found - {""}
+
+
+def remember_secrets(cfg: DSparkConfig) -> None:
+    KNOWN.update(_secret_values(cfg))
+
+
+def _masked(value, secrets: set[str]):
+    """`value` with every secret in it masked: a value equal to one whole, a long one inside it too."""
+    if not isinstance(value, str) or not secrets:
+        return value
+    if value in secrets:
+        return MASK
+    for secret in secrets:
+        if len(secret) >= EMBEDDED_MIN and secret in value:
+            value = value.replace(secret, MASK)
+    return value
+
+
+def _mask_tree(node, secrets: set[str]):
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            setattr(node, f.name, _mask_tree(getattr(node, f.name), secrets))
+        return node
+    if isinstance(node, list):
+        return [_mask_tree(v, secrets) for v in node]
+    if isinstance(node, dict):
+        return {k: _mask_tree(v, secrets) for k, v in node.items()}
+    return _masked(node, secrets)
+
+
 def shown(key: str, value):
     """`value` as an error line about `key` may show it: env values masked, URIs redacted.
     Every value under `verifier.env` is masked: it is where secrets go (tokens, connection
@@ -76,7 +132,9 @@ def shown(key: str, value):
                                                        and "=" not in value):
         return MASK
     if isinstance(value, str):
-        return MASK if looks_secret(value) else scrub(value)  # a token typed where a name belongs
+        if looks_secret(value):  # a token typed where a name belongs
+            return MASK
+        return scrub(_masked(value, KNOWN))  # a secret interpolated into this key
     return value
 
 
@@ -148,7 +206,9 @@ def redact_args(args: list[str]) -> list[str]:
 def redacted(cfg: DSparkConfig) -> DSparkConfig:
     """A copy of a DSparkConfig fit for logging; the original keeps its secrets for the jobs."""
     out = copy.deepcopy(cfg)
+    remember_secrets(cfg)
     out.verifier.env = {k: MASK for k in out.verifier.env}  # its names stay: they say what was set
     out.verifier.extra_args = redact_args(list(out.verifier.extra_args))
     out.tracking.uri = redact_uri(out.tracking.uri)
-    return out
+    # and wherever interpolation carried a secret: `tracking.experiment=${verifier.env.HF_TOKEN}`
+    return _mask_tree(out, set(KNOWN))

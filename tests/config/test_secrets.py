@@ -245,3 +245,30 @@ def test_every_spelling_vllms_parser_takes_for_an_owned_flag_is_refused(vllm_pyt
     for word, flags in taken:
         assert len(flags) == 1, (word, flags)
         assert names_flag(word, OWNED_FLAGS) == flags[0], word
+
+
+def test_a_secret_is_masked_wherever_interpolation_carries_it(monkeypatch, capsys):
+    """`--print verifier.env.HF_TOKEN=x 'tracking.experiment=${verifier.env.HF_TOKEN}'` printed the
+    token in clear, and `${oc.env:VAR}` pulled any secret of the environment into an unmasked key."""
+    from hpc.config import secrets
+    from hpc.launch.validate_cli import run
+
+    monkeypatch.setattr(secrets, "KNOWN", set())
+    monkeypatch.setenv("HF_TOKEN", "hf_Zq8Tn2Lr5Wv9Xc3Bm7Kd")  # a secret by its value
+    monkeypatch.setenv("DB_PASSWORD", "opensesame")  # by its variable's name
+    monkeypatch.setenv("SCRATCH", "/scratch/alice")  # neither: shown as it is
+    overrides = [*NO_VLLM, "verifier.env.TOKEN=tiny", "tracking.experiment=${verifier.env.TOKEN}",
+                 "tracking.registered_model=${oc.env:DB_PASSWORD}", "cluster.account=${oc.env:HF_TOKEN}",
+                 "data.output_dir=${oc.env:SCRATCH}/x-${oc.env:HF_TOKEN}", "train.output_dir=${oc.env:SCRATCH}/t"]
+    args = type("A", (), {"config": str(KIMI), "overrides": overrides, "offline": True, "print": True})()
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    for secret in ("tiny", "opensesame", "hf_Zq8Tn2Lr5Wv9Xc3Bm7Kd"):
+        assert secret not in out
+    assert "experiment: '***'" in out and "registered_model: '***'" in out and "account: '***'" in out
+    assert "output_dir: /scratch/alice/x-***" in out and "output_dir: /scratch/alice/t" in out
+    # and in an error line about the key it reached
+    with pytest.raises(ConfigError) as err:
+        resolve_recipe(KIMI, ["verifier.env.TOKEN=tiny", "tracking.experiment=${verifier.env.TOKEN}",
+                              "tracking.registered_model='bad/${oc.env:DB_PASSWORD}'"])
+    assert "opensesame" not in str(err.value) and "registered_model" in str(err.value)
