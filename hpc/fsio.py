@@ -190,3 +190,36 @@ def read_trusted(path: str | Path) -> str:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise PermissionError(f"{path} changed while it was opened")
         return fh.read().decode("utf-8")
+
+
+def own_dir(path: str | Path) -> None:
+    """`path` as a private directory of this user's (0700): made so if missing; an existing one must
+    be ours, no link and written by nobody else, and is tightened to 0700 (a server's store, its
+    credentials). Raises PermissionError with the reason."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} is not a plain directory (a link?)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
+    if st.st_mode & 0o022:  # anything in it may have been planted by another user
+        raise PermissionError(f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):o})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def private_file(path: str | Path) -> None:
+    """`path` exists as a plain 0600 file of ours, made empty if missing, never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionError(f"{path} is not a plain file of yours")
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -15,6 +15,7 @@ last lines, which is where the cause is.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ from hpc.errors import UserError
 
 def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
           cwd: str | Path | None = None, append: bool = False, shown: Sequence[str] | None = None,
-          cleanup: Sequence[str | Path] = (), grace: float = 15.0) -> subprocess.Popen:
+          cleanup: Sequence[str | Path] = (), grace: float = 15.0, umask: int = -1) -> subprocess.Popen:
     """`cmd` in a new session (its own process group), its output and the command line in `log_path`
     (as `shown`, when the caller masked secrets in it).
 
@@ -45,11 +46,21 @@ def spawn(cmd: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None =
     guard = [sys.executable, "-I", proc_guard.__file__, str(os.getpid()), str(grace),
              json.dumps([str(p) for p in cleanup]),
              "--", *map(str, cmd)]
-    with log_path.open("a" if append else "w") as log:
+    # Never through a link someone planted where the log goes (it would append to their target).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(log_path, flags, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(f"{log_path} is a symbolic link; a server log is never written through one: "
+                            "remove it") from None
+        raise
+    with os.fdopen(fd, "w") as log:
         log.write("$ " + " ".join(map(str, cmd if shown is None else shown)) + "\n")
         log.flush()
         return subprocess.Popen(guard, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=None if env is None else dict(env), cwd=cwd, start_new_session=True)
+                                env=None if env is None else dict(env), cwd=cwd, start_new_session=True,
+                                umask=umask)
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

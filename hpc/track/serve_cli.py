@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.fsio import write_text
+from hpc.fsio import own_dir, read_trusted, untrusted, write_text
 from hpc.track.server import AUTH_DB, MlflowServer
 
 CREDENTIALS = "credentials.env"
@@ -37,20 +37,28 @@ def credentials(root: Path, user: str = "dspark") -> str:
     """The server's admin password: drawn once, kept owner-only under `root`."""
     path = root / CREDENTIALS
     users = root / AUTH_DB
-    if not path.is_file() and users.exists():
+    try:
+        own_dir(root)  # 0700 and ours, or refused: the password is kept here
+    except PermissionError as err:
+        raise UserError(f"tracking server: {err}; pass --root a directory of your own") from None
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        if (why := untrusted(path)) is not None or st.st_mode & 0o077:
+            why = why or f"{path} may be read by others (mode {st.st_mode & 0o777:o})"
+            raise UserError(f"{path}: not a credentials file this command wrote ({why}); refusing its password. "
+                            f"Remove it and {users} (the server's users) to draw a new one")
+    if not os.path.lexists(path) and users.exists():
         # MLflow keeps an existing admin's password: a new one drawn here would lock every job out.
         raise UserError(f"{path} is gone but {users} still holds the admin password it named; restore the "
                         f"file, or delete {users} too to start the server's users over")
     if not path.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, 0o700)
         password = secrets.token_urlsafe(24)
         try:  # whole or absent (tmp + link): a half-written file would lock the server out for good
             write_text(path, f"export MLFLOW_TRACKING_USERNAME={user}\nexport MLFLOW_TRACKING_PASSWORD={password}\n",
                        mode=0o600, exclusive=True)
         except FileExistsError:
             pass  # another server drew one first: share it
-    for line in path.read_text().splitlines():
+    for line in read_trusted(path).splitlines():
         if line.startswith("export MLFLOW_TRACKING_PASSWORD="):
             return line.split("=", 1)[1].strip()
     raise UserError(f"{path} has no `export MLFLOW_TRACKING_PASSWORD=` line; delete it and {users} (the "

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_args
 from hpc.errors import UserError
+from hpc.fsio import own_dir, private_file, write_text
 from hpc.net import free_port
 from hpc.proc import SubprocessServer, http_ok, spawn
 
@@ -164,7 +165,7 @@ class MlflowServer(SubprocessServer):
                             "machine, outside ones too; give the address the compute nodes reach (one of "
                             "`hostname -I`), or pass --all-interfaces to mean it")
         _check_host(self.host)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._own_root()
         self.port = self.port or free_port(self.host)
         if is_healthy(self.uri, timeout=1.0) or not _bindable(self.host, self.port):
             # Else the health probe would be answered by whoever holds the port, not by us.
@@ -184,19 +185,38 @@ class MlflowServer(SubprocessServer):
             env.update(MLFLOW_AUTH_CONFIG_PATH=str(self._auth_config()), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth_password,
                        # CSRF key of the auth app's forms: one server, so a fresh one per start is consistent.
                        MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))
-        # Own session: stop() signals the whole group (the server forks workers).
-        self.proc = spawn(cmd, self.log_path, env=env, cwd=self.root, append=True, shown=redact_args(cmd))
+        # Own session: stop() signals the whole group (the server forks workers). umask 077: what it
+        # makes (journals, artifact directories and files) is the owner's alone, as its root is.
+        self.proc = spawn(cmd, self.log_path, env=env, cwd=self.root, append=True, shown=redact_args(cmd),
+                          umask=0o077)
         self.wait_healthy(timeout_s)
         return self
+
+    def _own_root(self) -> None:
+        """The root is ours alone (0700), or refused: other users share the login node, and the
+        store, the users' database and the credentials live here. Its stores are 0600 files and its
+        artifacts a 0700 directory, made so before MLflow opens them (never through a link)."""
+        try:
+            own_dir(self.root)
+            own_dir(self.root / "artifacts")
+            for name in ("mlflow.db", AUTH_DB):
+                private_file(self.root / name)
+        except PermissionError as err:
+            raise UserError(f"mlflow server: {err}; refusing to keep a tracking store there: pass --root a "
+                            "directory of your own (it is made 0700)") from None
+        except OSError as err:
+            raise UserError(f"mlflow server: {err.filename}: {err.strerror} (a link?); remove it, or pass "
+                            "another --root") from None
 
     def _auth_config(self) -> Path:
         """MLflow's auth settings: users in their own SQLite file next to ours; nobody but a
         user with a password may read or write (the password goes by environment, not file)."""
         path = self.root / "auth.ini"
-        path.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-                        f"database_uri = sqlite:///{self.root / AUTH_DB}\n"
-                        f"admin_username = {self.auth_user}\n"
-                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        # A new file renamed into place: a link planted at the name is replaced, never written through.
+        write_text(path, "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                   f"database_uri = sqlite:///{self.root / AUTH_DB}\n"
+                   f"admin_username = {self.auth_user}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n", mode=0o600)
         return path
 
     def __enter__(self) -> MlflowServer:

@@ -91,3 +91,57 @@ def test_credentials_are_drawn_once_whole_and_a_broken_file_is_named(tmp_path):
     with pytest.raises(UserError, match=r"is gone but .*basic_auth.db still holds the admin password"):
         credentials(root)
     assert not path.exists()
+
+
+def test_the_server_owns_its_root_and_trusts_nothing_planted_in_it(tmp_path):
+    """With --root already there at 0777: a credentials.env of another uid let the planter's password
+    in, auth.ini was written through a planted link, server.log appended through another, and the
+    store stayed 0777 with mlflow.db 0644."""
+    from hpc.track.serve_cli import CREDENTIALS, credentials
+    from hpc.track.server import MlflowServer
+
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    open_root.chmod(0o777)
+    with pytest.raises(UserError, match=r"may be written by others \(mode 777\).*--root a directory of your own"):
+        credentials(open_root)
+    with pytest.raises(UserError, match=r"may be written by others \(mode 777\).*--root a directory of your own"):
+        MlflowServer(open_root).start()
+    assert list(open_root.iterdir()) == []  # refused before anything was written
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(UserError, match="belongs to uid 65534"):
+        credentials(foreign)
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    planted = root / CREDENTIALS
+    planted.write_text("export MLFLOW_TRACKING_USERNAME=dspark\nexport MLFLOW_TRACKING_PASSWORD=planted\n")
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(UserError, match=r"not a credentials file this command wrote .*belongs to uid 65534"):
+        credentials(root)
+    os.chown(planted, os.getuid(), os.getgid())
+    planted.chmod(0o644)
+    with pytest.raises(UserError, match=r"may be read by others \(mode 644\)"):
+        credentials(root)
+    planted.unlink()
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    (root / "auth.ini").symlink_to(victim)
+    password = credentials(root)
+    server = MlflowServer(root, auth_password=password)
+    with server:
+        assert (root / "auth.ini").is_file() and not (root / "auth.ini").is_symlink()  # replaced, not followed
+        modes = {p.name: p.stat().st_mode & 0o777 for p in root.iterdir()}
+        assert oct(root.stat().st_mode & 0o777) == "0o700"
+        assert modes["mlflow.db"] == modes["basic_auth.db"] == modes["auth.ini"] == 0o600, modes
+        assert modes["artifacts"] == 0o700 and modes["server.log"] == 0o600, modes
+    assert victim.read_text() == "keep\n"
+    log = root / "server.log"
+    log.unlink()
+    log.symlink_to(victim)
+    with pytest.raises(UserError, match=r"server.log is a symbolic link; a server log is never written through one"):
+        MlflowServer(root, auth_password=password).start()
+    assert victim.read_text() == "keep\n"
