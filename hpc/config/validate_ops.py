@@ -16,6 +16,7 @@ from hpc.config.cron import HINT, parse_cron
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import flag_name, names_flag, tracking_auth_header
 from hpc.config.target import is_local
+from hpc.fsio import unsafe_ancestor
 
 TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "databricks")
 REGISTERED_MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._ -]*")
@@ -189,9 +190,14 @@ def advisories(cfg: DSparkConfig) -> list[str]:
 
 def check_paths(c: Checker, cfg: DSparkConfig) -> None:
     """An empty path means this directory, silently: captures of ~1 GB each on the shared
-    filesystem instead of /dev/shm, or outputs mixed into the checkout."""
+    filesystem instead of /dev/shm, or outputs mixed into the checkout. And every directory on the
+    way to each must be root's or ours, and written by others only with the sticky bit."""
     for key, path in (("cluster.log_dir", cfg.cluster.log_dir), ("data.output_dir", cfg.data.output_dir),
                       ("train.output_dir", cfg.train.output_dir), ("eval.output_dir", cfg.eval.output_dir),
                       ("verifier.capture_dir", cfg.verifier.capture_dir)):
         if not str(path).strip():
             c.fail(key, path, "empty; name a directory")
+        elif (why := unsafe_ancestor(Path(path).expanduser())) is not None:
+            # On the login node, before anything is written: another user who can swap a directory on
+            # the way could read the captures or plant the checkpoints, configs and markers jobs trust.
+            c.fail(key, path, f"{why}; use a directory of your own (the sticky bit makes a shared one safe)")

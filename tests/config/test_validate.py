@@ -353,3 +353,41 @@ def test_an_override_through_a_list_index_sets_that_item_in_place():
                            ("data.sources.0.max_rows=x", "data.sources.0.max_rows = 'x': must be an integer")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(KIMI, [override])
+
+
+def test_directories_others_could_swap_are_refused_at_validate(tmp_path):
+    """A capture_dir writable by all without the sticky bit, or another user's, read "valid" and was
+    refused only when vLLM started on a compute node; a 0777 log_dir and an output_dir linked into
+    another user's directory were not refused at all."""
+    import os
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    (tmp_path / "linked").symlink_to(theirs)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with pytest.raises(ConfigError) as err:
+        resolve_recipe(KIMI, [f"verifier.capture_dir={open_dir}", f"cluster.log_dir={open_dir}/slurm",
+                              f"train.output_dir={tmp_path}/linked/train", f"data.output_dir={theirs}",
+                              f"eval.output_dir={sticky}/eval"])
+    lines = {line.split(" = ")[0]: line for line in err.value.problems}
+    assert "writable by other users (mode 777) without the sticky bit" in lines["verifier.capture_dir"]
+    assert "writable by other users" in lines["cluster.log_dir"]
+    assert "belongs to uid 65534" in lines["train.output_dir"] and "belongs to uid 65534" in lines["data.output_dir"]
+    assert "eval.output_dir" not in lines  # a shared directory with the sticky bit is safe
+    assert all("use a directory of your own" in line for line in lines.values() if "output_dir" in line)
+    assert sorted(p.name for p in open_dir.iterdir()) == []  # nothing made on the way
+
+
+def test_a_dry_run_refused_for_its_directories_leaves_nothing(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    res = run_cli("submit", str(KIMI), *NO_VLLM, f"cluster.log_dir={open_dir}/slurm", "--dry-run")
+    assert res.returncode == 2 and "cluster.log_dir" in res.stderr and "Traceback" not in res.stderr
+    assert list(open_dir.iterdir()) == []  # no pipelines/ behind it
