@@ -60,6 +60,32 @@ def build_parser(argv: list[str], prog: str = "dspark", description: str = DESCR
     return parser
 
 
+_CONTROL = {chr(c) for c in (*range(0x20), 0x7F)} - {"\t", "\n"}
+
+
+def _unreadable(word: str) -> str | None:
+    """Why a command-line word cannot be a path, a name or a value of ours, or None: bytes that are
+    not UTF-8 (Python hands them over as lone surrogates) or control characters (a NUL ends a path
+    at the system call; an escape sequence rewrites the terminal that prints it back)."""
+    if any("\udc80" <= ch <= "\udcff" for ch in word):
+        return "has bytes that are not UTF-8"
+    if bad := next((ch for ch in word if ch in _CONTROL), None):
+        return f"has a control character ({bad!r})"
+    return None
+
+
+def _given_twice(overrides: list[str]) -> str | None:
+    """The first KEY that two of a user's KEY=VALUE words set (`sweep.train.lr` and `sweep={train.lr: ..}`
+    are told apart by their text only: the loader merges what differs)."""
+    seen: set[str] = set()
+    for word in overrides:
+        key = str(word).split("=", 1)[0].strip()
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     return run(argv)
 
@@ -70,6 +96,9 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
     line of its message, exit code its own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv, prog, description, commands)
+    for i, word in enumerate(argv, 1):
+        if why := _unreadable(word):  # the word itself is never echoed: it may be a secret
+            parser.error(f"word {i} of the command line {why}; retype it (a file name or value as plain text)")
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "rest") and not any(a.startswith("-") for a in extra):
         args.rest, extra = [*args.rest, *extra], []  # `dspark export CKPT --n 3 OUT`: OUT came after a flag
@@ -82,6 +111,9 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
         parser.error(f"override `{stray[0]}`: expected KEY=VALUE, e.g. train.lr=1e-4")
     if extra:
         args.overrides = list(args.overrides) + extra
+    # Not for `stage`: the sbatch scripts append their own (train.output_dir=...) after the user's.
+    if argv[:1] != ["stage"] and (twice := _given_twice(getattr(args, "overrides", None) or [])):
+        parser.error(f"override `{twice}` is given twice; keep one (the last would win without a word)")
     try:
         return int(args.func(args) or 0)
     except UserError as err:
@@ -90,6 +122,17 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
         for line in scrub(str(err)).splitlines() or [type(err).__name__]:
             print(f"error: {line}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:
+        if err.filename is None:
+            raise
+        # A path the user named (a flag, a config's key) that the filesystem refuses: too long, not
+        # a directory, not ours to read. Theirs to fix, so one line, as for any bad input.
+        from hpc.config.secrets import scrub  # only when an error is printed
+
+        name = str(err.filename)
+        shown = name if len(name) <= 120 else f"{name[:60]}...({len(name)} characters)"
+        print(f"error: {scrub(shown)}: {err.strerror or err}; check the path you gave", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -61,6 +61,11 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
 
 def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
     v = cfg.verifier
+    for key, value, what in (("verifier.model", v.model, "the target: a hub id (moonshotai/Kimi-K2.6) or a local "
+                              "model directory"), ("verifier.entrypoint", v.entrypoint,
+                              "the module vLLM's server runs as, vllm.entrypoints.openai.api_server")):
+        if not str(value).strip():
+            c.fail(key, value, f"empty; name {what}")
     if v.model and looks_like_hub_id(v.model) and Path(v.model).exists():
         c.fail("verifier.model", v.model, f"names a hub id, and ./{v.model} exists here too; write ./{v.model} "
                "(or an absolute path) for the directory, or remove it to use the hub id")
@@ -337,6 +342,8 @@ def _check_verifier_gpu(c: Checker, cfg: DSparkConfig) -> None:
     """The streamer fits in what vLLM leaves of a verifier node's last GPU."""
     if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
         return
+    if cfg.stream.dtype not in ("auto", *DTYPES):
+        return  # stream.dtype's own line says so; its size is unknown
     need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg)))
     left = headroom_bytes(cfg)
     if need > left:

@@ -35,6 +35,8 @@ def _endpoint_problem(url: str) -> str | None:
 
 def check_serve(c: Checker, cfg: DSparkConfig) -> None:
     s = cfg.serve
+    if not str(s.state_dir).strip():
+        c.fail("serve.state_dir", s.state_dir, "empty; name the directory a watch tick keeps its counters in")
     for i, url in enumerate(s.endpoints):
         why = _endpoint_problem(str(url))
         if why:

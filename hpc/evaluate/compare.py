@@ -332,7 +332,11 @@ def run(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     uri, name = _tracking(args)
-    if (why := missing_store(uri)) is not None:
+    try:
+        why = missing_store(uri)
+    except OSError as err:  # a name too long for the filesystem, a directory we may not enter
+        why = f"the tracking store {redact_uri(uri)[:80]!r} cannot be opened ({err.strerror}); check --tracking-uri"
+    if why is not None:
         raise UserError(why)
     # A dead server should fail in seconds, not after MLflow's minutes of backoff.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")

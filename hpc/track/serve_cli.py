@@ -20,7 +20,9 @@ URI printed is still a real address.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 import secrets
 import signal
 import threading
@@ -66,11 +68,43 @@ def credentials(root: Path, user: str = "dspark") -> str:
                     "wherever jobs are submitted")
 
 
+def _host_name(text: str) -> str:
+    """--allow-host as argparse checks it: a DNS name or an address, as a Host header carries it."""
+    bare = text.strip("[]")
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    labels = text.split(".")
+    if len(text) > 253 or not all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", la) for la in labels):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a host name or address (e.g. mlflow.cluster.local)")
+    return text
+
+
+def _port(text: str) -> int:
+    """--port as argparse checks it, before anything is made under --root."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0..65535; 0 picks a free one)")
+    return port
+
+
 def run(args: argparse.Namespace) -> int:
-    root = Path(args.root).resolve()
-    password = credentials(root)
-    server = MlflowServer(root, host=args.host, port=args.port, auth_password=password,
-                          all_interfaces=args.all_interfaces, extra_hosts=tuple(args.allow_host)).start()
+    if not str(args.root).strip():
+        raise UserError("--root is empty; name the directory for the store, artifacts and credentials")
+    try:
+        root = Path(args.root).resolve()
+        server = MlflowServer(root, host=args.host, port=args.port, all_interfaces=args.all_interfaces,
+                              extra_hosts=tuple(args.allow_host))
+        server.check_address()  # a wrong --host is one line before --root is touched
+        server.auth_password = credentials(root)
+        server.start()
+    except OSError as err:  # --root too long, on a read-only filesystem, ...
+        raise UserError(f"--root {str(args.root)[:80]!r}: {err.strerror or err}; name a directory you can write") \
+            from None
     print(f"tracking server: {server.uri} (MLflow basic auth; store and artifacts in {root})", flush=True)
     if len(server.served) > 1:
         print(f"  also on: {', '.join(server.served[1:])}", flush=True)
@@ -98,9 +132,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--root", default="runs/mlflow-server", help="store, artifacts and credentials")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; give the node's own address for jobs on other nodes")
-    serve.add_argument("--port", type=int, default=0, help="0: a free port")
+    serve.add_argument("--port", type=_port, default=0, help="0: a free port")
     serve.add_argument("--all-interfaces", action="store_true",
                        help="allow --host 0.0.0.0 or :: (every interface, outside ones included)")
-    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME", type=_host_name,
                        help="another name clients dial the server by (a DNS alias); repeatable")
     serve.set_defaults(func=run)

@@ -159,12 +159,16 @@ class MlflowServer(SubprocessServer):
     def healthy(self) -> bool:
         return is_healthy(self.uri)
 
-    def start(self, timeout_s: float = 90.0) -> MlflowServer:
+    def check_address(self) -> None:
+        """--host is an address of this machine, and a wildcard only when asked for: before anything is made."""
         if self.host in WILDCARDS and not self.all_interfaces:
             raise UserError(f"mlflow server: --host {self.host or repr('')} listens on every interface of this "
                             "machine, outside ones too; give the address the compute nodes reach (one of "
                             "`hostname -I`), or pass --all-interfaces to mean it")
         _check_host(self.host)
+
+    def start(self, timeout_s: float = 90.0) -> MlflowServer:
+        self.check_address()
         self._own_root()
         self.port = self.port or free_port(self.host)
         if is_healthy(self.uri, timeout=1.0) or not _bindable(self.host, self.port):
