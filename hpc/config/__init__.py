@@ -53,7 +53,7 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     except OmegaConfBaseException as err:  # e.g. ${oc.env:SCRATCH} unset on this node: the list, not a traceback
         line = f"{getattr(err, 'full_key', None) or '?'}: {str(err).splitlines()[0]}"
         raise ConfigError([*problems, *([line] if line not in problems else [])]) from None
-    from hpc.config.secrets import remember_secrets
+    from hpc.config.secrets import remember_secrets  # as above: the package stays free of omegaconf
 
     remember_secrets(typed)  # before any error line: a secret interpolated into another key is masked there
     base = validate(typed, check_tracking=check_tracking, runs_here=runs_here, shapes=shapes)

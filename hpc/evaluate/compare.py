@@ -309,7 +309,7 @@ def missing_store(uri: str) -> str | None:
 def _not_mlflow_sqlite(path: Path) -> str | None:
     """Why the file is no MLflow SQLite store, read read-only, or None. MLflow creates its tables
     in any database it opens: a reader on an empty or foreign file would write them there."""
-    import sqlite3
+    import sqlite3  # only for a SQLite store
 
     with path.open("rb") as fh:
         head = fh.read(16)
