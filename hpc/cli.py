@@ -122,7 +122,13 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
         for line in scrub(str(err)).splitlines() or [type(err).__name__]:
             print(f"error: {line}", file=sys.stderr)
         return err.exit_code
-    except OSError as err:
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `dspark ... | head`: the reader left, which is not an error
+        sys.stderr.close()
+        return 0
+    except OSError as err:  # after BrokenPipeError, which is one
         if err.filename is None:
             raise
         # A path the user named (a flag, a config's key) that the filesystem refuses: too long, not
@@ -133,12 +139,6 @@ def run(argv: list[str] | None, prog: str = "dspark", description: str = DESCRIP
         shown = name if len(name) <= 120 else f"{name[:60]}...({len(name)} characters)"
         print(f"error: {scrub(shown)}: {err.strerror or err}; check the path you gave", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `dspark ... | head`: the reader left, which is not an error
-        sys.stderr.close()
-        return 0
     except Exception:
         from hpc.config.secrets import scrubbed_traceback  # only for a bug: omegaconf stays out of startup
 

@@ -105,12 +105,14 @@ def watch(overrides: list[str]) -> str:
 
 
 def watch_overrides(cluster, toy_target, vllm_python, tmp: Path, uri: str, server, name: str, *extra: str):
-    return [*submit_overrides(cluster, toy_target, vllm_python, tmp, uri), f"name={name}",
+    # One word per key, the later one kept: the command line refuses a key given twice.
+    words = [*submit_overrides(cluster, toy_target, vllm_python, tmp, uri), f"name={name}",
             f"tracking.experiment={name}", f"tracking.registered_model={name}-draft",
             f"serve.endpoints=[{server.url}]", f"serve.token_env={TOKEN_ENV}", "serve.allow_http=true",
             f"serve.num_speculative_tokens={N}", "serve.drift_ratio=0.8", "serve.cooldown=1:00:00",
             f"serve.state_dir={tmp / 'watch'}", "schedule.trigger=drift", "sweep={}", "cluster.regenerate_nodes=1",
             *extra]
+    return list({w.split("=", 1)[0]: w for w in words}.values())
 
 
 def test_a_drop_on_live_traffic_fires_one_retrain_on_the_cluster(ngram_server, slurm_cluster, toy_target, vllm_python,
