@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpc.errors import UserError
@@ -225,7 +224,3 @@ class DevNetwork:
         for dev in ("lo", "eth0"):  # lo: a node's own servers on 127.0.0.1 (its vLLM) answer its own clients
             _ip("link", "set", dev, "up", netns=ns)
 
-
-def loopback_hosts(nodes: Sequence[str]) -> list[tuple[str, str]]:
-    """The fallback cluster's names: every node and the login on 127.0.0.1."""
-    return [("127.0.0.1", LOGIN_NAME), *(("127.0.0.1", n) for n in nodes)]
