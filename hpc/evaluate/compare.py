@@ -8,17 +8,13 @@ the eval runner logs (see `hpc.evaluate` for the contract).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import urlparse
 
 from hpc.config import load_config
 from hpc.config.schema import BENCHMARKS
-from hpc.config.secrets import redact_uri
 from hpc.errors import UserError
 from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.harness import NOISE_SLACK, implausible
@@ -38,6 +34,7 @@ from hpc.track.keys import (
     TEMPERATURE,
     metric,
 )
+from hpc.track.store import missing_store
 
 OUR_DRAFT = "dspark"
 MISSING = "-"
@@ -289,54 +286,12 @@ def _tracking(args: argparse.Namespace) -> tuple[str, str]:
     return uri, experiment or "dspark"
 
 
-def missing_store(uri: str) -> str | None:
-    """Why `uri` names no tracking store that exists, or None. A reader must not create one:
-    MLflow makes the directory and a fresh database for a mistyped sqlite path, and then says
-    only that the experiment does not exist. Servers (http) answer for themselves."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "sqlite":
-        path = Path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else parsed.path)
-        if not path.is_file():
-            return f"no tracking database at {path} ({redact_uri(uri)}); check --tracking-uri or tracking.uri"
-        return _not_mlflow_sqlite(path)
-    elif parsed.scheme in ("", "file"):
-        path = Path(parsed.path if parsed.scheme == "file" else uri)
-        if not path.is_dir():
-            return f"no tracking store at {path}; check --tracking-uri or tracking.uri"
-    return None
-
-
-def _not_mlflow_sqlite(path: Path) -> str | None:
-    """Why the file is no MLflow SQLite store, read read-only, or None. MLflow creates its tables
-    in any database it opens: a reader on an empty or foreign file would write them there."""
-    import sqlite3  # only for a SQLite store
-
-    with path.open("rb") as fh:
-        head = fh.read(16)
-    if not head:
-        return f"{path} is empty (0 bytes), not an MLflow tracking database; check --tracking-uri or tracking.uri"
-    if head != b"SQLite format 3\0":
-        return f"{path} is not an SQLite database; check --tracking-uri or tracking.uri"
-    try:
-        with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
-            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    except sqlite3.DatabaseError as err:
-        return f"{path} cannot be read as SQLite ({err}); check --tracking-uri or tracking.uri"
-    if not {"experiments", "runs"} <= tables:
-        return f"{path} holds no MLflow tracking tables; check --tracking-uri or tracking.uri"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
     from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
     uri, name = _tracking(args)
-    try:
-        why = missing_store(uri)
-    except OSError as err:  # a name too long for the filesystem, a directory we may not enter
-        why = f"the tracking store {redact_uri(uri)[:80]!r} cannot be opened ({err.strerror}); check --tracking-uri"
-    if why is not None:
+    if (why := missing_store(uri)) is not None:
         raise UserError(why)
     # A dead server should fail in seconds, not after MLflow's minutes of backoff.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")

@@ -26,6 +26,7 @@ from hpc.fsio import write_text
 from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
 from hpc.track.registry import CHAMPION
 from hpc.track.rest import not_found, tracking_client
+from hpc.track.store import missing_store
 from hpc.watch.drift import Verdict
 from hpc.watch.evaluated import NoChampion, champion_at
 from hpc.watch.tick import TickResult, load_state, save_state, served_n, state_path, watch_tick
@@ -226,10 +227,16 @@ def retrain_tick(config: str, overrides: list[str], now: float | None = None) ->
     then new data; one retrain at most, since a running one holds the next back."""
     cfg = resolve(config, overrides)
     fingerprint = data_fingerprint(cfg.data)
-    client = tracking_client(cfg.tracking.uri)
+    # A drift tick only reads the store: one that is missing, empty or corrupt is a line, never
+    # created. New data may start the first pipeline, which makes the store as `submit` would.
+    store = missing_store(cfg.tracking.uri)
+    client = None if store and cfg.schedule.trigger == Trigger.drift else tracking_client(cfg.tracking.uri)
     rc, said = 0, list[str]()
     try:
-        if cfg.schedule.trigger in (Trigger.drift, Trigger.both):
+        if cfg.schedule.trigger in (Trigger.drift, Trigger.both) and store:
+            say(said, f"watch: {store}")
+            rc = 1
+        elif cfg.schedule.trigger in (Trigger.drift, Trigger.both):
             try:
                 rc, _ = drift_tick(config, overrides, cfg, client, fingerprint, said, now)
             except UserError as err:  # no champion to compare with, a token missing: the data may still count
@@ -251,6 +258,8 @@ def watch(config: str, overrides: list[str]) -> int:
     if not cfg.serve.endpoints:
         raise UserError("serve.endpoints is empty: list the vLLM servers that serve the champion under serve: "
                         "(README, \"Retraining on drift\")")
+    if (why := missing_store(cfg.tracking.uri)) is not None:  # a reader: never creates the store
+        raise UserError(why)
     rc, _ = drift_tick(config, overrides, cfg, tracking_client(cfg.tracking.uri), data_fingerprint(cfg.data), [])
     return rc
 

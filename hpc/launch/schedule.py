@@ -25,6 +25,7 @@ from pathlib import Path
 from hpc.config import resolve
 from hpc.config.cron import HINT, local_zone, next_run, parse_cron
 from hpc.errors import UserError
+from hpc.fsio import read_trusted
 from hpc.launch.retrain import LAST_SUFFIX, retrain_tick, watch
 from hpc.launch.schedule_slurm import (
     Entry,
@@ -89,12 +90,20 @@ def install(config: str, overrides: list[str], cron: str | None = None, resubmit
 
 def last_tick(log_dir: str, name: str) -> str:
     """A schedule's trigger and its last tick's decision, from the record the tick left."""
-    try:
-        rec = json.loads((Path(log_dir) / f"{name}{LAST_SUFFIX}").read_text())
-    except (OSError, ValueError):
+    path = Path(log_dir) / f"{name}{LAST_SUFFIX}"
+    if not os.path.lexists(path):
         return "no tick yet"
-    when = datetime.datetime.fromtimestamp(float(rec.get("at", 0))).strftime("%Y-%m-%d %H:%M")
-    said = " / ".join(rec.get("lines") or ["nothing said"])
+    try:  # what a user reads as their schedule's decision: only a record of theirs
+        rec = json.loads(read_trusted(path))
+    except PermissionError as err:
+        return f"last tick record not trusted ({err})"
+    except (OSError, ValueError) as err:
+        return f"last tick record unreadable ({err})"
+    try:
+        when = datetime.datetime.fromtimestamp(float(rec.get("at", 0))).strftime("%Y-%m-%d %H:%M")
+        said = " / ".join(str(x) for x in rec.get("lines") or ["nothing said"])
+    except (AttributeError, TypeError, ValueError, OverflowError, OSError) as err:
+        return f"last tick record unreadable ({err})"
     return f"trigger {rec.get('trigger', '?')}; last tick {when}: {said}"
 
 

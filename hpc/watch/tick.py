@@ -9,13 +9,14 @@ written atomically: a tick killed halfway leaves the last tick's state, not half
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.config.slurm_time import parse_slurm_time
 from hpc.errors import UserError
-from hpc.fsio import write_text
+from hpc.fsio import read_trusted, write_text
 from hpc.watch.drift import Reading, Rule, Verdict, WatchState, judge, pool
 from hpc.watch.evaluated import Evaluated, champion_at
 from hpc.watch.scrape import check_transport, read_token, scrape
@@ -27,11 +28,20 @@ def state_path(cfg) -> Path:
 
 
 def load_state(path: Path) -> WatchState:
-    if not path.is_file():
+    """The last tick's state. It decides whether a drift fires a retrain (its streak and cooldown),
+    so only a file of ours that nobody else may write, and no link, is read."""
+    if not os.path.lexists(path):
         return WatchState()
     try:
-        return WatchState.from_json(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as err:
+        text = read_trusted(path)
+    except PermissionError as err:
+        raise UserError(f"{path}: not trusted ({err}); serve.state_dir must be a directory of yours "
+                        "(chmod 700); delete the file to start the watch over") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot be read ({err.strerror}); delete it to start the watch over") from None
+    try:
+        return WatchState.from_json(json.loads(text))
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise UserError(f"{path}: not a watch state ({err}); delete it to start the watch over") from None
 
 
