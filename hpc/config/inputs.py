@@ -87,9 +87,14 @@ def check_names(cfg: Any, fail: Callable[[str, Any, str], None]) -> None:
     if cl.mem and not SLURM_MEM.match(cl.mem):
         fail("cluster.mem", cl.mem, "use Slurm's --mem syntax: a number with an optional K/M/G/T suffix, e.g. 200G")
     for i, item in enumerate(cl.sbatch_extra):
+        option = item.partition("=")[0]
         if not SBATCH_OPTION.match(item):
             fail(f"cluster.sbatch_extra[{i}]", item, "give one long sbatch option per item, as --key=value or "
                  "--flag, without spaces or shell characters, e.g. --constraint=h200")
+        elif option in ("--exclusive", "--mem"):  # submit owns them: two values would reach sbatch
+            fail(f"cluster.sbatch_extra[{i}]", item, f"set cluster.{option[2:]} instead")
+        elif option in ("--mem-per-cpu", "--mem-per-gpu") and cl.mem:
+            fail(f"cluster.sbatch_extra[{i}]", item, f"Slurm refuses {option} beside --mem; set cluster.mem=null too")
 
 
 def check_repeats(cfg: Any, fail: Callable[[str, Any, str], None]) -> None:

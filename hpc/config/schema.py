@@ -87,7 +87,10 @@ class ClusterConfig:
     ray_object_store_mb: int = 512  # per node; regeneration moves only text through it
     gpus_per_node: int = 8
     cpus_per_task: int = 16
-    mem: str | None = None
+    # Whole nodes by default: vLLM, the pinned stream buffers and /dev/shm all count against the
+    # job's memory cgroup, and another job's kernels on a verifier GPU would stall its all-reduces.
+    exclusive: bool = True  # --exclusive; false lets other jobs share the node
+    mem: str | None = "0"  # --mem: "0" is the node's whole memory; null leaves the partition's default
     signal_delay_s: int = 90  # --signal=USR2@90 so ranks can checkpoint before preemption
     sbatch_extra: list[str] = field(default_factory=list)
     log_dir: str = "runs/slurm"  # must be on a filesystem every node sees

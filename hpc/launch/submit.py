@@ -71,8 +71,10 @@ def _base_params(c: ClusterConfig, name: str, nodes: int, gpus: bool) -> dict:
         params["slurm_account"] = c.account
     if c.qos:
         params["slurm_qos"] = c.qos
-    if c.mem:
+    if c.mem is not None and c.mem != "":
         params["slurm_mem"] = c.mem
+    if c.exclusive:
+        params["slurm_exclusive"] = True
     if gpus and c.gpus_per_node:
         params["slurm_gres"] = f"gpu:{c.gpus_per_node}"
     for item in c.sbatch_extra:  # "--key=value" or "--flag"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from hpc.errors import UserError
 from hpc.launch import stage_table
 from hpc.launch.stage_table import NAMES, jobs, stage, stage_of
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True, calibration=(),
@@ -96,7 +99,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
         name="t", sweep={}, data=SimpleNamespace(regenerate=False, sources=[], calibration_sources=[]),
         eval=SimpleNamespace(num_speculative_tokens=[3], compare=[], adaptive=False),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
-                                qos="", mem="", gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
+                                qos="", mem="", exclusive=False, gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
         train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
         verifier=SimpleNamespace(model=str(tmp_path), revision=None, trust_remote_code=False),
@@ -125,3 +128,19 @@ def test_a_stage_failing_inside_its_job_says_why_without_credentials(monkeypatch
                               "failed")
     printed = capsys.readouterr().err
     assert "Traceback (most recent call last)" in printed and "PW15" not in printed
+
+
+@pytest.mark.parametrize("overrides, exclusive, mem", [
+    ([], True, "0"),  # the recipe's default: whole nodes, and the node's whole memory in the cgroup
+    (["cluster.exclusive=false", "cluster.mem=null"], False, None),
+    (["cluster.mem=900G"], True, "900G"),
+])
+def test_jobs_ask_for_whole_nodes_unless_told_otherwise(tmp_path, overrides, exclusive, mem):
+    from hpc.launch.submit import _base_params, _executor, sbatch_script
+    from tests.fixtures.recipes import resolve_recipe
+
+    cfg = resolve_recipe(ROOT / "configs" / "kimi-k2.6-dspark.yaml", ["cluster.account=a", *overrides])
+    script = sbatch_script(_executor(tmp_path, _base_params(cfg.cluster, "k-train", 2, True), None, 1), 1)
+    lines = set(script.splitlines())
+    assert ("#SBATCH --exclusive" in lines) == exclusive
+    assert {ln for ln in lines if ln.startswith("#SBATCH --mem")} == ({f"#SBATCH --mem={mem}"} if mem else set())
