@@ -86,6 +86,9 @@ class ClusterConfig:
     regenerate_nodes: int = 1  # a Ray cluster over these nodes, one vLLM server on each
     ray_object_store_mb: int = 512  # per node; regeneration moves only text through it
     gpus_per_node: int = 8
+    # The GPU model (h100, h200, b200, ...) or its compute capability (9.0, sm100): validate asks
+    # the installed vLLM's source what it runs there (eval.adaptive's attention backend).
+    gpu: str | None = None
     cpus_per_task: int = 16
     # Whole nodes by default: vLLM, the pinned stream buffers and /dev/shm all count against the
     # job's memory cgroup, and another job's kernels on a verifier GPU would stall its all-reduces.

@@ -22,6 +22,7 @@ from hpc.config.validate_ops import check_tracking as tracking_checks
 from hpc.config.validate_serve import check_serve
 from hpc.config.validate_target import TargetShape, check_target, shape_once
 from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
+from hpc.config.vllm_adaptive import check_adaptive_backend, check_gpu
 from hpc.config.vllm_support import support_problems
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
@@ -41,6 +42,7 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.eval_nodes", cl.eval_nodes, "an evaluation runs on one node (each node of a larger job would "
                "run all of it again and upload it again); set 1: the eval jobs of a sweep run side by side")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
+    check_gpu(c, cfg)
     t = cfg.train
     if cl.gpus_per_node == 0 and (t.device.startswith("cuda") or t.dist_backend == "nccl"):
         # Submitted without --gres, the trainers would fail inside their job, after the queue.
@@ -138,9 +140,12 @@ def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: 
                "point it at the venv vLLM is installed in (bin/python)")
     elif check_vllm and v.probe and v.backend.value == "vllm":
         values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
-        for key, msg in support_problems(found, v.model, list(shape.architectures), cfg.draft.sample_from_anchor,
-                                         cfg.eval.adaptive):
+        problems = support_problems(found, v.model, list(shape.architectures), cfg.draft.sample_from_anchor,
+                                    cfg.eval.adaptive)
+        for key, msg in problems:
             c.fail(key, values.get(key, v.model), msg)
+        if cfg.eval.adaptive and cfg.cluster.gpu and not problems:
+            check_adaptive_backend(c, cfg, found, shape.text_config)
 
 
 def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
