@@ -94,7 +94,7 @@ class ClusterConfig:
     # job's memory cgroup, and another job's kernels on a verifier GPU would stall its all-reduces.
     exclusive: bool = True  # --exclusive; false lets other jobs share the node
     mem: str | None = "0"  # --mem: "0" is the node's whole memory; null leaves the partition's default
-    signal_delay_s: int = 90  # --signal=USR2@90 so ranks can checkpoint before preemption
+    signal_delay_s: int = 90  # --signal=USR2@90: ranks checkpoint before preemption (dspark plan sizes it)
     sbatch_extra: list[str] = field(default_factory=list)
     log_dir: str = "runs/slurm"  # must be on a filesystem every node sees
 
@@ -366,17 +366,21 @@ class PlanConfig:
 
     target_params_b: float = 1000.0  # total target parameters, billions (Kimi-K2.6: ~1T, MoE)
     target_active_params_b: float = 32.0  # parameters active per token, billions: prefill FLOPs
-    # Bytes per stored target parameter: 2 for bf16; Kimi ships INT4 experts (~0.6 overall).
-    target_bytes_per_param: float = 2.0
-    # Verifier prefill tokens/s per node; None estimates it from active params and GPU FLOPs.
-    prefill_tok_s_per_node: float | None = None
+    target_bytes_per_param: float = 2.0  # bytes per stored parameter: 2 for bf16; Kimi's INT4 experts: ~0.6 overall
+    prefill_tok_s_per_node: float | None = None  # verifier prefill tok/s per node; None: from active params and FLOPs
     gpu_tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H200)
     mfu: float = 0.35  # model FLOPs utilisation assumed for prefill and for draft training
     link_gbps: float = 400.0  # verifier -> trainer network per node, gigabit/s (one NDR port)
-    # Measured trainer samples/s per GPU; None estimates it from the draft's training FLOPs.
-    trainer_step_samples_s_per_gpu: float | None = None
+    trainer_step_samples_s_per_gpu: float | None = None  # trainer samples/s per GPU; None: from the draft's FLOPs
     gpu_memory_gb: float = 141.0  # per GPU (H200)
     avg_seq_len: int | None = None  # tokens per sample; None: data.max_seq_len / 2
+    # The pipeline's time (hpc/launch/plan_time.py). None: a modelled figure, which plan labels so.
+    source_rows: int | None = None  # rows of each data.sources entry without max_rows; None: unknown
+    regen_tokens_per_row: float | None = None  # tokens regenerated per row; None: data.regen_max_tokens
+    regen_tok_s_per_server: float | None = None  # a regeneration server's decode tok/s, all its requests
+    decode_tok_s_per_stream: float | None = None  # one request's decode tok/s (eval); None: 110
+    target_load_s: float | None = None  # a vLLM start with the target; None: 120 s + weights / fs_gbytes_s
+    fs_gbytes_s: float | None = None  # filesystem GB/s (checkpoints, weights); None: 0.5
 
 
 # draft.* key -> the verifier.* key it follows: the target's dims, one value each (validate

@@ -37,7 +37,9 @@ def check_plan(c: Checker, cfg: DSparkConfig) -> None:
     p = cfg.plan
     for key, hint in _PLAN_POSITIVE.items():
         c.positive(f"plan.{key}", getattr(p, key), f"set the {hint}")
-    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len"):
+    for key in ("prefill_tok_s_per_node", "trainer_step_samples_s_per_gpu", "avg_seq_len", "source_rows",
+                "regen_tokens_per_row", "regen_tok_s_per_server", "decode_tok_s_per_stream", "target_load_s",
+                "fs_gbytes_s"):
         if getattr(p, key) is not None:
             c.positive(f"plan.{key}", getattr(p, key), "or null to estimate it")
     if not 0 < p.mfu <= 1:

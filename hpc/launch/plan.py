@@ -26,6 +26,7 @@ from hpc.config.verifier_gpu import (
 )
 from hpc.config.vllm_support import default_capture_concurrency
 from hpc.errors import UserError
+from hpc.launch.plan_time import PipelineTime, pipeline_sections, pipeline_time
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 from hpc.tables import text_table
 
@@ -106,6 +107,7 @@ class Plan:
     streamer_headroom_bytes: float
     in_flight: int = 2  # stream.in_flight: samples on the wire per streamer -> trainer pair
     in_flight_total: int = 2  # the streamer's cap over all its trainers (its GPU's headroom)
+    pipeline: PipelineTime | None = None  # every stage's time, and the preemption window (plan_time)
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -270,7 +272,7 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     weights = p.target_params_b * 1e9 * p.target_bytes_per_param
     node_bytes = verifier_gpus * p.gpu_memory_gb * GB
     usable = cfg.verifier.gpu_memory_utilization * node_bytes
-    return Plan(
+    pl = Plan(
         name=cfg.name, stream_dtype=dtype, n_aux=n_aux, hidden=cfg.verifier.hidden_size, bytes_per_token=tok_bytes,
         avg_seq_len=seq, bytes_per_sample=sample_bytes, prefill_tok_s=prefill,
         prefill_estimated=p.prefill_tok_s_per_node is None, prefill_samples_s=prefill / seq,
@@ -293,6 +295,14 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         in_flight=cfg.stream.in_flight, in_flight_total=samples_in_flight(cfg, world),
         streamer_headroom_bytes=headroom_bytes(cfg),
     )
+    pl.pipeline = pipeline_time(cfg, pl)
+    return pl
+
+
+def pipeline_problems(cfg: DSparkConfig) -> list[str]:
+    """validate's and submit's lines for stages past their Slurm time or a short preemption window."""
+    pipeline = capacity_plan(cfg).pipeline
+    return list(pipeline.problems) if pipeline is not None else []
 
 
 def _bytes(n: float) -> str:
@@ -381,6 +391,7 @@ def format_plan(pl: Plan) -> str:
              + f"what vLLM leaves, {_bytes(pl.streamer_headroom_bytes)} = (1 - verifier.gpu_memory_utilization) "
              "x plan.gpu_memory_gb"),
         ]))
+    sections += pipeline_sections(pl.pipeline) if pl.pipeline else []
     # One table for all sections, so their columns line up; each title then goes above its rows.
     table = iter(text_table(None, [r for _, rs in sections for r in rs], right={1}))
     lines = [f"{pl.name}: capacity plan (estimates; set plan.* to measured values to refine)"]
@@ -397,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="capacity plan: verifier supply vs trainer demand, trainer nodes per "
-                                    "verifier node, memory per GPU")
+                                    "verifier node, memory per GPU, each stage's time")
     p.add_argument("config", help="YAML config, e.g. configs/kimi-k2.6-dspark.yaml")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, e.g. plan.link_gbps=200")
     p.set_defaults(func=run)

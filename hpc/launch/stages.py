@@ -12,7 +12,7 @@ sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave
   job's address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them). A rank
   that dies takes its node's task down with it (non-zero exit), and `srun --kill-on-bad-exit`
   takes the allocation down: nothing hangs.
-- Preemption: Slurm sends USR2 (`--signal=USR2@90`); every node forwards it to its ranks,
+- Preemption: Slurm sends USR2 (`--signal=USR2@<cluster.signal_delay_s>`); every node forwards it to its ranks,
   which checkpoint at the next step boundary and exit with EXIT_REQUEUE; node 0 then asks
   Slurm to requeue the job, and the requeued job resumes from the checkpoint.
 """

@@ -30,8 +30,9 @@ from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
 from hpc.config.slurm_time import parse_slurm_time
 from hpc.config.validate_ops import warn_advisories
-from hpc.errors import UserError
+from hpc.errors import ConfigError, UserError
 from hpc.fsio import write_text
+from hpc.launch.plan import pipeline_problems
 from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
 from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage
 from hpc.launch.variants import private_dir, variant_path
@@ -130,6 +131,10 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
              for extra, out in zip(variants, outs)]
     try:
         check_sweep_shape(cfg, list(zip(variants, vcfgs)))
+        # Each variant's stages must fit their Slurm time and its preemption window (as validate says).
+        late = list(dict.fromkeys(line for vcfg in vcfgs for line in pipeline_problems(vcfg)))
+        if late:
+            raise ConfigError(late)
     except UserError:
         root.rmdir()  # nothing written into it yet
         raise

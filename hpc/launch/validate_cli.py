@@ -1,7 +1,9 @@
 """`dspark validate CONFIG [KEY=VALUE ...]`: every problem at once, exit 2 if any.
 
-It lives with the launcher because one check needs the registry: a drift trigger compares the
-served draft with the champion's evaluation at the served n, which must exist."""
+It lives with the launcher because two checks need what the config package cannot reach: a
+drift trigger compares the served draft with the champion's evaluation at the served n, which
+must exist (the registry); and each stage must finish in its Slurm time, which takes the
+capacity plan and the draft's size (hpc.launch.plan_time)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hpc.config import resolve
 from hpc.config.secrets import redacted
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError
+from hpc.launch.plan import pipeline_problems
 from hpc.launch.retrain import check_champion
 
 
@@ -27,6 +30,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     warn_advisories(cfg)
+    late = pipeline_problems(cfg)  # once the config is good: its arithmetic divides by its knobs
+    if late:
+        for line in late:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"{len(late)} problem(s) in {args.config}", file=sys.stderr)
+        return 2
     if not args.offline and (why := check_champion(cfg)):
         print(f"error: schedule.trigger = {cfg.schedule.trigger.value}: {why}", file=sys.stderr)
         return 2

@@ -267,7 +267,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def _install_signals(self) -> dict:
-        """Slurm sends USR2 (--signal=USR2@90) before preemption and TERM on cancel/timeout."""
+        """Slurm sends USR2 (--signal=USR2@cluster.signal_delay_s) before preemption and TERM on cancel/timeout."""
         def request_stop(signum, _frame):
             self.stop_requested = True
         return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGUSR2, signal.SIGTERM)}

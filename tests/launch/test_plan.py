@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,171 @@ def test_the_streamers_samples_on_the_wire_fill_vllms_headroom_and_no_more(monke
     assert pl.in_flight == 2 and pl.in_flight_total == samples_in_flight(cfg, pl.ranks_per_node * pl.trainer_nodes)
     gpu = next(m for m in pl.streamer_memory if m.what == "samples on the GPU")
     assert gpu.bytes == pl.in_flight_total * sample
+
+
+# -- the pipeline's time (hpc.launch.plan_time) ---------------------------------------------------
+
+def kimi(*overrides: str) -> DSparkConfig:
+    from tests.fixtures.recipes import resolve_recipe
+
+    return resolve_recipe(ROOT / KIMI, list(overrides))
+
+
+def validate_errors(capsys, *overrides: str) -> list[str]:
+    """`dspark validate` on the Kimi recipe: its error lines (none when it passes)."""
+    code = main(["validate", str(ROOT / KIMI), "--offline", *NO_VLLM, *overrides])
+    errors = [ln.removeprefix("error: ") for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert (code == 0) == (errors == []), errors
+    return errors
+
+
+def test_the_kimi_stages_follow_the_formulas():
+    import yaml
+
+    from hpc.launch.plan_time import REPORT_S
+
+    cfg = kimi()
+    pl = capacity_plan(cfg)
+    pt = pl.pipeline
+    assert pt is not None and pt.problems == []
+    fs, decode, rows = 0.5, 110.0, cfg.data.sources[0].max_rows  # the modelled filesystem and decode rate
+    load = 120 + 1000 * 0.6 / fs  # vLLM's start + Kimi's ~600 GB of weights read at the filesystem's rate
+    # A checkpoint: every draft tensor in fp32 and AdamW's two moments, as the memory table counts them.
+    mem = {m.what: m.bytes for m in pl.trainer_memory}
+    ckpt = mem["draft params (fp32 master)"] + mem["frozen embedding + lm_head"] + mem["AdamW states (2x fp32)"]
+    assert pt.checkpoint_bytes == pytest.approx(ckpt) and 25e9 < ckpt < 30e9
+    write = ckpt / 1e9 / fs
+    regen = load + rows * cfg.data.regen_max_tokens / (cfg.cluster.regenerate_nodes * cfg.data.regen_concurrency * decode)
+    train = pl.run_hours * 3600 + math.ceil(cfg.train.steps / cfg.train.checkpoint_interval) * write + load
+    held = rows // cfg.train.hold_out_every
+    calibrate = load + held * pl.avg_seq_len / pl.prefill_tok_s + held / (3 * pl.trainer_samples_s_per_gpu)
+    manifests = {b: yaml.safe_load((ROOT / "hpc/evaluate/manifests" / f"{b}.yaml").read_text()) for b in cfg.eval.benchmarks}
+    tokens = sum((m["rows"] or m["expected_rows"]) * (cfg.eval.code_max_tokens if m["code"] else cfg.eval.max_tokens)
+                 for m in manifests.values())
+    runs = 1 + len(cfg.eval.compare) + 1  # our draft, eagle3 and the baseline (eval.timing=cached), a server each
+    evaluation = runs * load + runs * tokens / decode
+    want = {"regenerate": regen, "train": train, "calibrate": calibrate, "eval-n3": evaluation, "eval-n7": evaluation,
+            "report": REPORT_S}
+    got = {s.name: s.seconds for s in pt.stages}
+    assert got == pytest.approx(want)
+    from hpc.launch.plan_time import critical_path
+
+    assert critical_path(pt) == pytest.approx(regen + train + calibrate + evaluation + REPORT_S)
+    gpus = {"regenerate": 4 * 8, "train": 2 * 8, "calibrate": 8, "eval-n3": 8, "eval-n7": 8, "report": 0}
+    assert {s.name: s.gpu_hours for s in pt.stages} == pytest.approx({k: gpus[k] * v / 3600 for k, v in want.items()})
+    assert regen <= train < 48 * 3600  # the recipe regenerates in no longer than it trains; one allocation each
+    step = cfg.train.global_batch_size / min(pl.cluster_supply_samples_s, pl.cluster_demand_samples_s)
+    assert pt.window_s == pytest.approx(1.5 * (step + write + 10 + 25 + 10))
+    assert 90 < pt.window_s <= cfg.cluster.signal_delay_s
+    out = format_plan(pl)
+    for line in ("pipeline time", "preemption window", "total", "eval-n7", "fits --time=", "modelled"):
+        assert line in out, line
+
+
+def test_the_stages_are_the_pipelines_jobs():
+    from hpc.launch.stage_table import jobs
+
+    for extra in ([], ["data.regenerate=false"], ["train.hold_out_every=0"], ["eval.adaptive=true"],
+                  ["train.hold_out_every=0", "data.calibration_sources=[{path: org/cal, max_rows: 10}]"],
+                  ["eval.num_speculative_tokens=[5]", "draft.enable_confidence_head=false"]):
+        cfg = kimi(*extra)
+        assert [s.name for s in capacity_plan(cfg).pipeline.stages] == [j.name for j in jobs(cfg)], extra
+
+
+@pytest.mark.parametrize("key, value, row", [
+    ("fs_gbytes_s", 0.78, "filesystem"), ("decode_tok_s_per_stream", 90, "decode per request"),
+    ("regen_tok_s_per_server", 3000, "regeneration per server"), ("target_load_s", 900, "target load"),
+    ("regen_tokens_per_row", 1500, "tokens per regenerated row"),
+])
+def test_a_set_key_is_measured_and_changes_the_estimate(key, value, row):
+    def figure(pl):
+        return next(how for what, _, how in pl.pipeline.inputs if what == row)
+
+    base, cfg = capacity_plan(kimi()), kimi(f"plan.{key}={value}")
+    measured = capacity_plan(cfg)
+    assert figure(base).startswith("modelled") and figure(measured).startswith("measured"), figure(measured)
+    assert f"plan.{key}" in figure(measured)
+    assert [s.seconds for s in measured.pipeline.stages] != [s.seconds for s in base.pipeline.stages]
+
+
+@pytest.mark.parametrize("key", ["fs_gbytes_s", "decode_tok_s_per_stream", "regen_tok_s_per_server",
+                                 "regen_tokens_per_row", "target_load_s", "source_rows"])
+def test_a_new_rate_at_or_below_zero_is_one_line(capsys, key):
+    for value in ("0", "-1"):
+        errors = validate_errors(capsys, f"plan.{key}={value}")
+        assert len(errors) == 1 and errors[0].startswith(f"plan.{key} = "), errors
+
+
+def test_too_few_rows_for_the_training_is_one_line(capsys):
+    # 20000 steps x 8 = 160,000 samples, and 1 row in 1000 held out: 160,161 rows.
+    errors = validate_errors(capsys, "data.sources.0.max_rows=160160")
+    assert len(errors) == 1 and errors[0].startswith("data.sources[0].max_rows = 160160: below the 160,161 rows"), errors
+    assert validate_errors(capsys, "data.sources.0.max_rows=160161") == []
+
+
+def test_regenerating_an_unknown_row_count_is_one_line(capsys):
+    errors = validate_errors(capsys, "data.sources.0.max_rows=null")
+    assert len(errors) == 1 and errors[0].startswith("data.sources[0].max_rows = None: data.regenerate=true"), errors
+    assert "plan.source_rows" in errors[0]
+    assert validate_errors(capsys, "data.sources.0.max_rows=null", "plan.source_rows=170000") == []
+    assert validate_errors(capsys, "data.sources.0.max_rows=null", "data.regenerate=false") == []
+    pl = capacity_plan(kimi("data.sources.0.max_rows=null", "data.regenerate=false"))
+    assert next(s for s in pl.pipeline.stages if s.name == "calibrate").seconds is None  # said, not refused
+
+
+def test_a_regeneration_longer_than_cluster_time_is_refused_naming_the_stage(capsys):
+    errors = validate_errors(capsys, "cluster.regenerate_nodes=1", "data.regen_concurrency=8")
+    assert len(errors) == 1 and errors[0].startswith("cluster.time = '48:00:00': stage regenerate needs "), errors
+    assert "cluster.regenerate_nodes" in errors[0] and "data.regen_concurrency" in errors[0]
+
+
+def test_training_resumes_across_its_time_limit_and_other_stages_do_not():
+    cfg = kimi("cluster.time=04:00:00")
+    pt = capacity_plan(cfg).pipeline
+    train = next(s for s in pt.stages if s.name == "train")
+    load, limit = 120 + 600 / 0.5, 4 * 3600
+    work = train.seconds - train.allocations * load - (train.allocations - 1) * pt.checkpoint_bytes / 1e9 / 0.5
+    assert train.allocations == math.ceil(work / (limit - load - cfg.cluster.signal_delay_s)) > 1
+    assert [re.search(r"stage (\S+) needs", p).group(1) for p in pt.problems] == ["regenerate"], pt.problems
+    never = capacity_plan(kimi("cluster.time=00:20:00")).pipeline.problems
+    assert any("stage train: an allocation ends before training starts" in p for p in never), never
+
+
+def test_the_preemption_window_refuses_kimi_at_90_s(capsys):
+    errors = validate_errors(capsys, "cluster.signal_delay_s=90")
+    assert len(errors) == 1 and errors[0].startswith("cluster.signal_delay_s = 90: shorter than the "), errors
+    for part in ("write the checkpoint", "streamer STOP", "vLLM shutdown", "requeue"):
+        assert part in errors[0]
+    need = capacity_plan(kimi()).pipeline.window_s
+    assert f"cluster.signal_delay_s={math.ceil(need)} or more" in errors[0]
+    assert validate_errors(capsys, f"cluster.signal_delay_s={math.ceil(need)}") == []
+    assert validate_errors(capsys) == []  # the recipe's own delay
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.steps=8", "train.checkpoint_interval=4", "eval.rows=1",
+                                            "eval.max_tokens=16", "cluster.regenerate_nodes=2", "eval.adaptive=true",
+                                            "eval.adaptive_concurrency=[1,4]"]])
+def test_the_toy_config_is_not_refused(overrides):
+    from hpc.config.load import load_config, to_object
+
+    cfg = to_object(load_config(ROOT / "configs" / "toy-cpu.yaml", overrides))  # the toy target need not exist
+    pt = capacity_plan(cfg).pipeline
+    assert pt.problems == [] and all(s.seconds is not None for s in pt.stages)
+
+
+def test_submit_refuses_what_validate_refuses_and_leaves_nothing(tmp_path):
+    from hpc.errors import ConfigError
+    from hpc.launch.submit import plan_pipeline
+    from tests.fixtures.recipes import KIMI, NO_VLLM
+
+    logs = tmp_path / "logs"
+    ov = [*NO_VLLM, "cluster.account=a", f"cluster.log_dir={logs}", f"train.output_dir={tmp_path / 'train'}",
+          f"data.output_dir={tmp_path / 'data'}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+          "tracking.allow_file_store=true", "sweep={train.lr: [3e-4, 1e-4]}"]
+    for bad, key in ((["cluster.signal_delay_s=90"], "cluster.signal_delay_s = 90"),
+                     (["data.sources[0].max_rows=1000"], "data.sources")):
+        with pytest.raises(ConfigError) as err:
+            plan_pipeline(str(KIMI), [*ov, *bad])
+        assert len(err.value.problems) == 1 and err.value.problems[0].startswith(key), err.value.problems
+        assert not any((logs / "pipelines").iterdir()) if (logs / "pipelines").exists() else True
+        assert not (tmp_path / "train").exists() or not any((tmp_path / "train").iterdir())

@@ -103,7 +103,7 @@ def test_train_with_the_wrong_node_count_fails_fast_with_one_line(
     slurm_cluster: SlurmCluster, toy_target: Path, tmp_path: Path
 ) -> None:
     overrides = common_overrides(slurm_cluster, toy_target, tmp_path)
-    job = sbatch("train.sbatch", ["--nodes=1", f"--partition={slurm_cluster.partition}", "--time=00:05:00"],
+    job = sbatch("train.sbatch", ["--nodes=1", f"--partition={slurm_cluster.partition}", "--time=00:10:00"],
                  [CONFIG, *overrides, *TRAIN_OVERRIDES], tmp_path / "train.log", timeout_s=120)
     assert (job.state, job.exit_code) == ("FAILED", "2:0"), f"{job}\n{job.log[-4000:]}"
     expected = ("error: allocation has 1 node(s) but configs/toy-cpu.yaml needs cluster.verifier_nodes + "

@@ -106,6 +106,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     )
     monkeypatch.setattr("hpc.launch.submit.resolve", lambda *a, **k: cfg)
     monkeypatch.setattr("hpc.launch.submit.sweep_overrides", lambda c: [[]])
+    monkeypatch.setattr("hpc.launch.submit.pipeline_problems", lambda c: [])
     monkeypatch.setattr("hpc.launch.submit.to_yaml", lambda c: "name: t\n")
     monkeypatch.setattr("omegaconf.OmegaConf.structured", lambda c: c)
     _, p = submit.plan_pipeline("cfg.yaml", [])
