@@ -203,6 +203,11 @@ class TrainConfig:
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = 300
     min_lr_ratio: float = 0.0
+    # On rows the target regenerated greedily, the share of a sample's positions where its argmax
+    # from the captured state is the next token must reach this, or the run stops
+    # (hpc/train/integrity.py). Not 1: a reply decoded and tokenized again need not give the ids
+    # the target generated (the DeepSeek toy agreed on 69%, Qwen3's on 99%); a broken capture on 0-5%.
+    min_teacher_agreement: float = 0.25
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     global_batch_size: int = 8

@@ -250,4 +250,5 @@ def stream_micro_batches(receiver: StreamReceiver, micro_batch_size: int) -> Ite
 
         consumed = [tuple(p) for g in gathered for p in g[:micro_batch_size].tolist()]
         skipped = [tuple(p) for g in gathered for p in g[micro_batch_size:].tolist() if p[0] >= 0]
-        yield MicroBatch(caps, consumed, release=release, skipped=skipped)
+        yield MicroBatch(caps, consumed, release=release, skipped=skipped,
+                         origins=[receiver._name(src) for src, _, _ in mine])

@@ -58,3 +58,4 @@ class MicroBatch:
     release: Callable[[], object] | None = None
     # every rank's (epoch, sample id) a streamer could not capture: done for the ledger, never trained
     skipped: list[tuple[int, int]] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)  # who sent each of `mine` (a streamer's name), for messages

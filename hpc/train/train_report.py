@@ -49,7 +49,9 @@ class Progress:
         extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed,
                  "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else float("nan")}
         self.bar.update(self.task, completed=step, info=f"loss {m.get('loss', float('nan')):.3f}  "
-                        f"acc_len {m.get('accept_len', 0):.2f}  {rate:.1f} samples/s  "
+                        f"acc_len {m.get('accept_len', 0):.2f}  "
+                        + (f"teacher {m['teacher_agreement']:.0%}  " if "teacher_agreement" in m else "")
+                        + f"{rate:.1f} samples/s  "
                         f"wait {extra['data_wait_fraction']:.0%}")
         return extra
 

@@ -35,6 +35,7 @@ from hpc.model.target_weights import load_target_tensors
 from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from hpc.train.integrity import TeacherAgreement
 from hpc.train.lr_schedule import lr_factor
 from hpc.train.warm_start import warm_start
 from hpc.verifier.target_files import architectures, text_config
@@ -103,7 +104,7 @@ def _dist(group) -> tuple[int, int]:
 class Trainer:
     def __init__(self, train_cfg: TrainConfig, model: DSparkDraft, head: VerifierHead, export_config: dict,
                  out_dir: str | Path, device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None,
-                 group=None, control_group=None, epoch_size: int | None = None):
+                 group=None, control_group=None, epoch_size: int | None = None, greedy_rows: bool = False):
         self.cfg = train_cfg
         self.epoch_size = epoch_size  # rows per epoch: lets the ledger forget finished epochs
         # Trainer ranks only, on two planes (hpc.dist.planes): `group` on the training backend
@@ -113,6 +114,8 @@ class Trainer:
         self.rank, self.world = _dist(group)
         self.model = model.to(device)
         self.head = head.to(device)
+        # Every sample's states are checked before they train (greedy rows: against the teacher too).
+        self.integrity = TeacherAgreement(self.head, train_cfg.min_teacher_agreement, enforce=greedy_rows)
         self.device = torch.device(device)
         # Buffers (d2t/t2d) are identical everywhere and never change: do not re-broadcast them.
         wrapped = DraftLoss(self.model)
@@ -158,7 +161,8 @@ class Trainer:
         trainer = cls(train_cfg, model, head, export, out_dir, device=device,
                       autocast_dtype=autocast_dtype(train_cfg, device),
                       group=planes.train_data if planes is not None else None,
-                      control_group=planes.train_control if planes is not None else None, epoch_size=epoch_size)
+                      control_group=planes.train_control if planes is not None else None, epoch_size=epoch_size,
+                      greedy_rows=bool(cfg.data.regenerate) and cfg.data.regen_temperature == 0)
         if resume:
             trainer.resume()
         return trainer
@@ -194,15 +198,22 @@ class Trainer:
 
     def _micro_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         a = self.model.args
-        for cap in mb.mine:  # a mismatched capture must stop the run, not train on garbage
+        agree = checked = 0
+        for i, cap in enumerate(mb.mine):  # a mismatched or broken capture must stop the run, not train on garbage
             cap.check(len(a.aux_layer_ids), a.target_hidden_size)
+            yes, n = self.integrity(cap, mb.origins[i] if i < len(mb.origins) else "")
+            agree, checked = agree + yes, checked + n
         row = pack(mb.mine)  # copies: the captures' buffers are free from here on
         if mb.release is not None:
             mb.release()
         row = row.to(self.device)
         enabled = self.autocast_dtype is not None and self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
-            return self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.attention)
+            loss, metrics = self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.attention)
+        # Counts, averaged like every metric: their ratio is the step's share over all ranks.
+        metrics["teacher_agree"] = torch.tensor(float(agree), device=loss.device)
+        metrics["teacher_checked"] = torch.tensor(float(checked), device=loss.device)
+        return loss, metrics
 
     def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         cfg = self.cfg
@@ -239,6 +250,9 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.state.step += 1
         totals = {**totals, **self._mean_over_ranks(dict(zip(keys, read[:len(keys)])), read[len(keys)])}
+        agree, checked = totals.pop("teacher_agree", 0.0), totals.pop("teacher_checked", 0.0)
+        if checked > 0:
+            totals["teacher_agreement"] = agree / checked
         totals["lr"] = lr
         self.state.losses.append(totals.get("loss", float("nan")))
         return totals
