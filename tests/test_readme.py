@@ -51,3 +51,18 @@ def test_the_pipeline_overrides_go_inside_q_and_nothing_else_changes():
     changed = [(old, new) for old, new in zip(lines, widened, strict=True) if old != new]
     assert len(changed) == 1 and changed[0][1].startswith('Q="') and ' a.b=1 c=[1,2]"' in changed[0][1]
     assert changed[0][0].split('"')[2] == changed[0][1].split('"')[2]  # the comment after it stays
+
+
+def test_the_readmes_command_outputs_are_what_the_code_prints_today():
+    from hpc_dev.readme_figures import BLOCK, README, regenerate
+
+    text = README.read_text(encoding="utf-8")
+    blocks = [m["cmd"] for m in BLOCK.finditer(text)]
+    assert "plan configs/kimi-k2.6-dspark.yaml" in blocks
+    new, stale = regenerate(text)
+    assert stale == [], f"stale README blocks {stale}: run `.venv/bin/python -m hpc_dev.readme_figures`"
+    # A figure edited by hand is caught, and the script puts the code's figure back.
+    edited = text.replace("fits cluster.signal_delay_s = 300 s", "fits cluster.signal_delay_s = 90 s", 1)
+    assert edited != text
+    again, stale = regenerate(edited)
+    assert stale == ["plan configs/kimi-k2.6-dspark.yaml"] and again == text
