@@ -386,6 +386,9 @@ class PlanConfig:
     decode_tok_s_per_stream: float | None = None  # one request's decode tok/s (eval); None: 110
     target_load_s: float | None = None  # a vLLM start with the target; None: 120 s + weights / fs_gbytes_s
     fs_gbytes_s: float | None = None  # filesystem GB/s (checkpoints, weights); None: 0.5
+    # Share of the verifier's prefill lost because the streamer shares vLLM's last GPU (time-sliced
+    # without MPS; gpu-check's time-slicing row measures it on a GPU). None: assumed 0.
+    timeslice_slowdown: float | None = None
 
 
 # draft.* key -> the verifier.* key it follows: the target's dims, one value each (validate

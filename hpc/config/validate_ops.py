@@ -42,6 +42,9 @@ def check_plan(c: Checker, cfg: DSparkConfig) -> None:
                 "fs_gbytes_s"):
         if getattr(p, key) is not None:
             c.positive(f"plan.{key}", getattr(p, key), "or null to estimate it")
+    if p.timeslice_slowdown is not None and not 0 <= p.timeslice_slowdown < 1:
+        c.fail("plan.timeslice_slowdown", p.timeslice_slowdown, "must be in [0, 1), the share of prefill lost, "
+               "e.g. 0.05; or null to assume none")
     if not 0 < p.mfu <= 1:
         c.fail("plan.mfu", p.mfu, "must be in (0, 1], the share of peak FLOPs achieved, e.g. 0.35")
     if p.target_active_params_b > p.target_params_b:

@@ -108,6 +108,8 @@ class Plan:
     in_flight: int = 2  # stream.in_flight: samples on the wire per streamer -> trainer pair
     in_flight_total: int = 2  # the streamer's cap over all its trainers (its GPU's headroom)
     pipeline: PipelineTime | None = None  # every stage's time, and the preemption window (plan_time)
+    timeslice_slowdown: float = 0.0  # prefill lost to the streamer on vLLM's last GPU
+    timeslice_measured: bool = False
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -248,6 +250,9 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
     verifier_gpus = min(cfg.verifier.tensor_parallel_size, c.gpus_per_node)
     prefill = p.prefill_tok_s_per_node or (
         verifier_gpus * p.gpu_tflops * 1e12 * p.mfu / (2 * p.target_active_params_b * 1e9))
+    # The streamer on vLLM's last GPU time-slices with its TP rank, which every all-reduce waits for.
+    slowdown = (p.timeslice_slowdown or 0.0) if shares_gpu_with_vllm(cfg) else 0.0
+    prefill *= 1 - slowdown
     link_bytes = p.link_gbps * 1e9 / 8
     link_samples = link_bytes / sample_bytes
     supply = min(prefill / seq, link_samples)
@@ -293,7 +298,8 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         verifier_over=weights > usable,
         streamer_memory=[MemoryItem(*item) for item in streamer_items(cfg, world)] if shares_gpu_with_vllm(cfg) else [],
         in_flight=cfg.stream.in_flight, in_flight_total=samples_in_flight(cfg, world),
-        streamer_headroom_bytes=headroom_bytes(cfg),
+        streamer_headroom_bytes=headroom_bytes(cfg), timeslice_slowdown=slowdown,
+        timeslice_measured=p.timeslice_slowdown is not None,
     )
     pl.pipeline = pipeline_time(cfg, pl)
     return pl
@@ -390,6 +396,10 @@ def format_plan(pl: Plan) -> str:
             ("total", _bytes(need), ("OVER: exceeds " if need > pl.streamer_headroom_bytes else "fits ")
              + f"what vLLM leaves, {_bytes(pl.streamer_headroom_bytes)} = (1 - verifier.gpu_memory_utilization) "
              "x plan.gpu_memory_gb"),
+            ("prefill lost to time-slicing", f"{pl.timeslice_slowdown:.0%}",
+             "measured (plan.timeslice_slowdown)" if pl.timeslice_measured else
+             "ASSUMED 0, not measured: without MPS the streamer's copies and NCCL kernels time-slice with vLLM's TP "
+             "rank here; gpu-check's time-slicing row measures it on a GPU (set plan.timeslice_slowdown)"),
         ]))
     sections += pipeline_sections(pl.pipeline) if pl.pipeline else []
     # One table for all sections, so their columns line up; each title then goes above its rows.

@@ -334,3 +334,17 @@ def test_submit_refuses_what_validate_refuses_and_leaves_nothing(tmp_path):
         assert len(err.value.problems) == 1 and err.value.problems[0].startswith(key), err.value.problems
         assert not any((logs / "pipelines").iterdir()) if (logs / "pipelines").exists() else True
         assert not (tmp_path / "train").exists() or not any((tmp_path / "train").iterdir())
+
+
+def test_the_streamers_time_slicing_is_assumed_until_measured_and_then_costs_prefill(capsys):
+    assumed, measured = capacity_plan(kimi()), capacity_plan(kimi("plan.timeslice_slowdown=0.1"))
+    assert assumed.timeslice_slowdown == 0 and not assumed.timeslice_measured
+    assert "ASSUMED 0, not measured" in format_plan(assumed)
+    assert measured.timeslice_measured and measured.prefill_tok_s == pytest.approx(0.9 * assumed.prefill_tok_s)
+    assert "measured (plan.timeslice_slowdown)" in format_plan(measured)
+    # A stream over gloo stages on the host: the GPU is vLLM's alone, and nothing is lost.
+    apart = capacity_plan(kimi("train.dist_backend=gloo", "plan.timeslice_slowdown=0.1"))
+    assert apart.timeslice_slowdown == 0 and not apart.streamer_memory
+    for bad in ("1.0", "-0.1"):
+        errors = validate_errors(capsys, f"plan.timeslice_slowdown={bad}")
+        assert len(errors) == 1 and errors[0].startswith(f"plan.timeslice_slowdown = {float(bad)}"), errors
