@@ -11,12 +11,12 @@ from __future__ import annotations
 import io
 from collections.abc import Collection, Sequence
 
-from rich.console import Console
-from rich.table import Table
-
 
 def text_table(header: Sequence[str] | None, rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> list[str]:
     """The lines of a table: the header's (if any), then one per row; columns in `right` are right-aligned."""
+    from rich.console import Console  # rich: loaded only on this path (validate imports the plan, never prints it)
+    from rich.table import Table  # rich: loaded only on this path
+
     ncols = len(header) if header is not None else max((len(r) for r in rows), default=0)
     table = Table(box=None, show_header=header is not None, pad_edge=False, header_style=None)
     for i in range(ncols):

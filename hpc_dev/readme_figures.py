@@ -34,7 +34,7 @@ COMMANDS = {"plan"}  # what may run: pure functions of the code and the config
 
 def output(cmd: str) -> str:
     """What `dspark CMD` prints, as the README shows it (indented, no trailing spaces)."""
-    from hpc.cli import main
+    from hpc.cli import main  # every command: loaded only when a block is regenerated
 
     words = shlex.split(cmd)
     if words[0] not in COMMANDS:

@@ -22,7 +22,6 @@ from hpc.config.validate_ops import check_tracking as tracking_checks
 from hpc.config.validate_serve import check_serve
 from hpc.config.validate_target import TargetShape, check_target, shape_once
 from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
-from hpc.config.vllm_adaptive import check_adaptive_backend, check_gpu
 from hpc.config.vllm_support import support_problems
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
@@ -42,7 +41,10 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.eval_nodes", cl.eval_nodes, "an evaluation runs on one node (each node of a larger job would "
                "run all of it again and upload it again); set 1: the eval jobs of a sweep run side by side")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
-    check_gpu(c, cfg)
+    if cl.gpu is not None:
+        from hpc.config.vllm_adaptive import check_gpu  # ast, subprocess: loaded only when a GPU is named
+
+        check_gpu(c, cfg)
     t = cfg.train
     if cl.gpus_per_node == 0 and (t.device.startswith("cuda") or t.dist_backend == "nccl"):
         # Submitted without --gres, the trainers would fail inside their job, after the queue.
@@ -145,6 +147,8 @@ def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: 
         for key, msg in problems:
             c.fail(key, values.get(key, v.model), msg)
         if cfg.eval.adaptive and cfg.cluster.gpu and not problems:
+            from hpc.config.vllm_adaptive import check_adaptive_backend  # ast: loaded only for eval.adaptive
+
             check_adaptive_backend(c, cfg, found, shape.text_config)
 
 

@@ -21,7 +21,6 @@ from hpc.config.schema import DataSource, DSparkConfig
 from hpc.config.slurm_time import parse_slurm_time
 from hpc.evaluate.benchmarks import load_manifest
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
-from hpc.proc import SubprocessServer
 
 GB = 1e9
 
@@ -32,8 +31,11 @@ VLLM_START_S = 120.0  # a vLLM start besides reading the weights: imports, KV-ca
 REPORT_S = 60.0  # the report stage reads MLflow and writes a table
 STREAMER_STOP_S = 10.0  # the trainers' STOP to each streamer and its answer: a few control messages
 REQUEUE_S = 10.0  # `scontrol requeue` and the job's exit behind it
+# hpc.proc.SubprocessServer.stop_grace, held equal by tests/launch/test_plan.py: importing hpc.proc
+# would cost every `validate` psutil's import.
+VLLM_STOP_GRACE_S = 15.0
 # SIGTERM, SIGKILL after the grace, then up to 10 s for the group to go (hpc.proc.stop_group)
-VLLM_SHUTDOWN_S = SubprocessServer.stop_grace + 10.0
+VLLM_SHUTDOWN_S = VLLM_STOP_GRACE_S + 10.0
 WINDOW_MARGIN = 1.5  # the window's parts are modelled: the signal delay must clear them with room
 FORWARD_SHARE = 1 / 3  # a forward pass costs 2 of training's 6 FLOPs per parameter and token
 
@@ -302,7 +304,7 @@ def pipeline_time(cfg: DSparkConfig, rates: Rates) -> PipelineTime:
         ("write the checkpoint", write_s, f"{_size(model_b + opt_b)} / {fs.value:g} GB/s ({fs.tag})"),
         ("streamer STOP", STREAMER_STOP_S, "modelled: the trainers' STOP to each streamer, and its answer"),
         ("vLLM shutdown", VLLM_SHUTDOWN_S,
-         f"SIGTERM, SIGKILL after {SubprocessServer.stop_grace:g} s, its processes gone (hpc.proc.stop_group)"),
+         f"SIGTERM, SIGKILL after {VLLM_STOP_GRACE_S:g} s, its processes gone (hpc.proc.stop_group)"),
         ("requeue", REQUEUE_S, "modelled: scontrol requeue, and the job's exit"),
     ]
     window_s = WINDOW_MARGIN * sum(s for _, s, _ in window)

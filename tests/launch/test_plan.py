@@ -348,3 +348,10 @@ def test_the_streamers_time_slicing_is_assumed_until_measured_and_then_costs_pre
     for bad in ("1.0", "-0.1"):
         errors = validate_errors(capsys, f"plan.timeslice_slowdown={bad}")
         assert len(errors) == 1 and errors[0].startswith(f"plan.timeslice_slowdown = {float(bad)}"), errors
+
+
+def test_the_plans_vllm_grace_is_the_one_the_servers_use():
+    from hpc.launch.plan_time import VLLM_STOP_GRACE_S
+    from hpc.proc import SubprocessServer
+
+    assert VLLM_STOP_GRACE_S == SubprocessServer.stop_grace
