@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc.config.schema import DSparkConfig, TrainConfig
+from hpc.data.prepare import regeneration_pending
 from hpc.dist.planes import Planes, broadcast_text
 from hpc.model.args import DraftArgs, LossArgs
 from hpc.model.blocks import check_attention
@@ -101,6 +102,12 @@ def _dist(group) -> tuple[int, int]:
     return 0, 1
 
 
+def greedy_rows(cfg: DSparkConfig) -> bool:
+    """Whether the rows trained on are the target's greedy replies: regenerated at temperature 0,
+    and the regeneration finished (a hand-run `dspark train` before it reads the sources as they are)."""
+    return bool(cfg.data.regenerate) and cfg.data.regen_temperature == 0 and not regeneration_pending(cfg.data)
+
+
 class Trainer:
     def __init__(self, train_cfg: TrainConfig, model: DSparkDraft, head: VerifierHead, export_config: dict,
                  out_dir: str | Path, device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None,
@@ -162,7 +169,7 @@ class Trainer:
                       autocast_dtype=autocast_dtype(train_cfg, device),
                       group=planes.train_data if planes is not None else None,
                       control_group=planes.train_control if planes is not None else None, epoch_size=epoch_size,
-                      greedy_rows=bool(cfg.data.regenerate) and cfg.data.regen_temperature == 0)
+                      greedy_rows=greedy_rows(cfg))
         if resume:
             trainer.resume()
         return trainer

@@ -139,3 +139,21 @@ def test_the_default_share_passes_retokenised_rows_and_stops_broken_ones(clean):
     for how in ("later", "earlier"):  # the faults stay below the default share
         with pytest.raises(UserError, match="shifted by one slot"):
             TeacherAgreement(head, share, enforce=True)(corrupt(cap, how))
+
+
+def test_only_finished_greedy_regeneration_is_held_to_the_teacher(tmp_path):
+    import json
+
+    from hpc.config.schema import DSparkConfig
+    from hpc.train.trainer import greedy_rows
+
+    cfg = DSparkConfig()
+    cfg.data.output_dir = str(tmp_path)
+    assert not greedy_rows(cfg)  # regenerate asked, not run: the sources as written train (`dspark train` by hand)
+    (tmp_path / "regenerated").mkdir()
+    (tmp_path / "regenerated" / "manifest.json").write_text(json.dumps({"finished": True}))
+    assert greedy_rows(cfg)
+    cfg.data.regen_temperature = 0.7  # sampled replies are not the argmax
+    assert not greedy_rows(cfg)
+    cfg.data.regen_temperature, cfg.data.regenerate = 0.0, False
+    assert not greedy_rows(cfg)
