@@ -82,8 +82,11 @@ class TeacherAgreement:
         token off the draft vocab is out of the head's view and not judged."""
         at = pos + 1 + shift
         keep = (at >= 0) & (at < ids_T.numel())
+        token = torch.full_like(pred, -1)
+        token[keep] = ids_T[at[keep]]
+        keep &= (token >= 0) & (token < self.draft_index_V.numel())  # an id past the head's vocab: not in view
         label = torch.full_like(pred, -1)
-        label[keep] = self.draft_index_V[ids_T[at[keep]]]
+        label[keep] = self.draft_index_V[token[keep]]
         keep &= label >= 0
         return int((pred[keep] == label[keep]).sum()), int(keep.sum())
 

@@ -157,3 +157,14 @@ def test_only_finished_greedy_regeneration_is_held_to_the_teacher(tmp_path):
     assert not greedy_rows(cfg)
     cfg.data.regen_temperature, cfg.data.regenerate = 0.0, False
     assert not greedy_rows(cfg)
+
+
+def test_an_id_past_the_heads_vocab_is_not_judged_and_not_an_error(clean):
+    head, caps = clean
+    cap = caps[0]
+    ids = cap.input_ids_T.clone()
+    ids[PROMPT + 2::3] = V + 70  # a synthetic row whose ids outrun the head (gpu-check's small dims did)
+    agree, n = TeacherAgreement(head, 0.25, enforce=True)(Capture(cap.sample_id, ids, cap.loss_mask_T, cap.aux_TnH,
+                                                                  cap.last_hidden_TH))
+    _, whole = TeacherAgreement(head, 0.25, enforce=True)(cap)
+    assert 0 < n < whole and agree >= 0.95 * n
