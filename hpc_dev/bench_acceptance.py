@@ -147,9 +147,14 @@ def ratios(table: dict) -> dict[str, float | None]:
     return out
 
 
+def evaluated_ns(table: dict) -> list[int]:
+    """The n's the table holds: NS, or --quick's largest alone."""
+    return sorted({n for by_n in table.values() for n in by_n}) or list(NS)
+
+
 def format_table(table: dict, benches: list[str]) -> str:
     labels = [*VARIANTS, PEER]
-    cols = [(lab, n) for lab in labels for n in NS]
+    cols = [(lab, n) for lab in labels for n in evaluated_ns(table)]
     cell = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     rows = [[b, *(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols)] for b in benches]
     rows.append(["mean", *(cell(mean_tau(table, lab, n)) for lab, n in cols)])
@@ -307,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = bench_overrides(args, out)
     cfg = _resolve(args.config, overrides)  # bad input fails here, before anything trains
     print(f"dspark-dev bench acceptance: {len(VARIANTS)} drafts x {steps} steps (lr {cfg.train.lr:g}, seed "
-          f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={list(NS)} with {PEER} -> {out}",
+          f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={[max(NS)] if args.quick else list(NS)} "
+          f"with {PEER} -> {out}",
           flush=True)
     client, parent = _parent_run(cfg, steps, args.quick)
 
@@ -321,6 +327,8 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
            steps: int, t0: float) -> None:
     if cfg.data.regenerate:
         regenerate_stage(cfg, parent, local=True)  # one on-policy dataset for all three
+    # --quick checks the plumbing: the ratios' n alone (each n is a vLLM start per draft).
+    ns = [max(NS)] if args.quick else list(NS)
     trained = []
     for name in VARIANTS:
         print(f"[{time.monotonic() - t0:5.0f}s] training {name} ({steps} steps)", flush=True)
@@ -330,10 +338,10 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
     compare = ", ".join([f"{{name: {n}, method: {'dflash' if n == 'DFlash' else 'dspark'}, model: '{by[n].export}'}}"
                          for n in VARIANTS if n != "DSpark"] + [f"{{name: {PEER}, method: ngram}}"])
     eval_cfg = _resolve(args.config, [*overrides, f"eval.compare=[{compare}]", f"eval.output_dir={out / 'eval'}",
-                                      "eval.timing=cached", f"eval.num_speculative_tokens={list(NS)}",
+                                      "eval.timing=cached", f"eval.num_speculative_tokens={ns}",
                                       f"tracking.registered_model={cfg.tracking.registered_model}-ablation"])
     print(f"[{time.monotonic() - t0:5.0f}s] evaluating on {list(eval_cfg.eval.benchmarks)}", flush=True)
-    results = evaluate(eval_cfg, str(by["DSpark"].export), list(NS), parent_run_id=parent, quiet=True)
+    results = evaluate(eval_cfg, str(by["DSpark"].export), ns, parent_run_id=parent, quiet=True)
     table = tau_table(results)
     print(format_table(table, list(eval_cfg.eval.benchmarks)))
     cal_lines, cal_metrics = judged_lines(by["DSpark"].fitted)
@@ -352,7 +360,7 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
         print(f"\n[{time.monotonic() - t0:5.0f}s] adaptive verification at R={list(eval_cfg.eval.adaptive_concurrency)}, "
               "every benchmark prompt", flush=True)
         ada_cfg = _resolve(args.config, [*overrides, f"eval.output_dir={out / 'eval'}", "eval.rows=null",
-                                         f"eval.num_speculative_tokens={list(NS)}"])
+                                         f"eval.num_speculative_tokens={ns}"])
         evaluate_adaptive(ada_cfg, str(by["DSpark"].export), parent, quiet=True)
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():
@@ -385,7 +393,7 @@ def _log_variant(client, tracking: TrackingConfig, parent: str, t: Trained) -> N
 
 def _figures(out: Path, trained: list[Trained], results: dict) -> list[Path]:
     pngs = [loss_curves_png({t.name: t.losses for t in trained}, out / "loss_curves.png", "equal-budget")]
-    for n in NS:
+    for n in sorted({r.n for res in results.values() for r in res if r.n}):
         pngs.append(per_position_png(per_position(results, n), out / f"per_position_n{n}.png",
                                      f"n={n}, mean over benchmarks,"))
     return pngs
@@ -393,7 +401,7 @@ def _figures(out: Path, trained: list[Trained], results: dict) -> list[Path]:
 
 def _log_summary(client, parent: str, table: dict, pngs: list[Path]) -> None:
     for label in [*VARIANTS, PEER]:
-        for n in NS:
+        for n in evaluated_ns(table):
             v = mean_tau(table, label, n)
             if v is not None:
                 client.log_metric(parent, f"tau{n}_mean/{label}", v)
@@ -409,7 +417,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, help=f"training steps per draft (default {DEFAULT_STEPS}; "
                                              f"--quick: {MIN_STEPS}; at least {MIN_STEPS})")
-    p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs")
+    p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs, n=7 only")
     p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark-dev demo`")
     p.add_argument("--rows", type=int, default=640, help="--toy: conversations to train on (default 640)")
     p.add_argument("--traffic", type=int, default=TRAFFIC,

@@ -123,13 +123,15 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     text = res.stdout
     for label in ("DSpark n=7", "DFlash n=7", "Markov-only n=7", "ngram n=7"):
         assert label in text
+    assert "n=3" not in text.split("tau (mean acceptance length")[1].splitlines()[1]  # --quick: the ratios' n only
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
             if line.split() and line.split()[0] in ("gsm8k", "humaneval", "mean")}
     assert set(rows) == {"gsm8k", "humaneval", "mean"}
-    assert all(len(v) == 8 and all(float(x) >= 1.0 for x in v) for v in rows.values()), rows  # tau >= 1 always
+    assert all(len(v) == 4 and all(float(x) >= 1.0 for x in v) for v in rows.values()), rows  # tau >= 1 always
     assert "DSpark / DFlash at n=7:" in text and "DSpark / ngram at n=7:" in text
-    for png in ("loss_curves.png", "per_position_n3.png", "per_position_n7.png"):
+    for png in ("loss_curves.png", "per_position_n7.png"):
         assert (out / png).stat().st_size > 0
+    assert not (out / "per_position_n3.png").exists()
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
@@ -141,7 +143,8 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     assert {"train-DSpark", "train-DFlash", "train-Markov-only"} <= names
     evals = {(r.data.tags.get("dspark.draft"), r.data.tags.get("dspark.n")) for r in children
              if r.data.tags.get("dspark.n")}
-    assert evals >= {(d, n) for d in ("DSpark", "DFlash", "Markov-only", "ngram") for n in ("3", "7")}
+    assert evals >= {(d, "7") for d in ("DSpark", "DFlash", "Markov-only", "ngram")}
+    assert not any(n == "3" for _, n in evals)  # --quick: one vLLM start per draft, not two
     losses = client.get_metric_history(next(r for r in children if r.data.tags["mlflow.runName"] == "train-DFlash")
                                        .info.run_id, "loss")
     assert len(losses) == ba.MIN_STEPS
