@@ -417,7 +417,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, help=f"training steps per draft (default {DEFAULT_STEPS}; "
                                              f"--quick: {MIN_STEPS}; at least {MIN_STEPS})")
-    p.add_argument("--quick", action="store_true", help="check the plumbing: few steps, two benchmarks, short outputs, n=7 only")
+    p.add_argument("--quick", action="store_true",
+                   help="check the plumbing: few steps, two benchmarks, short outputs, n=7 only")
     p.add_argument("--toy", action="store_true", help="build the toy target and its conversations, as `dspark-dev demo`")
     p.add_argument("--rows", type=int, default=640, help="--toy: conversations to train on (default 640)")
     p.add_argument("--traffic", type=int, default=TRAFFIC,
