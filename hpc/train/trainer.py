@@ -36,7 +36,7 @@ from hpc.model.target_weights import load_target_tensors
 from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.sample import Capture, MicroBatch
 from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from hpc.train.integrity import TeacherAgreement
+from hpc.train.integrity import AGREE, JUDGED, TeacherAgreement
 from hpc.train.lr_schedule import lr_factor
 from hpc.train.warm_start import warm_start
 from hpc.verifier.target_files import architectures, text_config
@@ -123,6 +123,7 @@ class Trainer:
         self.head = head.to(device)
         # Every sample's states are checked before they train (greedy rows: against the teacher too).
         self.integrity = TeacherAgreement(self.head, train_cfg.min_teacher_agreement, enforce=greedy_rows)
+        self._checks: list[tuple[torch.Tensor, int, str, int]] = []  # this step's captures, judged at its read
         self.device = torch.device(device)
         # Buffers (d2t/t2d) are identical everywhere and never change: do not re-broadcast them.
         wrapped = DraftLoss(self.model)
@@ -205,11 +206,12 @@ class Trainer:
 
     def _micro_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
         a = self.model.args
-        agree = checked = 0
         for i, cap in enumerate(mb.mine):  # a mismatched or broken capture must stop the run, not train on garbage
             cap.check(len(a.aux_layer_ids), a.target_hidden_size)
-            yes, n = self.integrity(cap, mb.origins[i] if i < len(mb.origins) else "")
-            agree, checked = agree + yes, checked + n
+            # measured on the device now, judged at the step's one read, before the optimizer moves
+            self._checks.append((self.integrity.measure(cap), cap.sample_id,
+                                 mb.origins[i] if i < len(mb.origins) else "", cap.aux_TnH.shape[1]))
+        mine = torch.stack([c[0] for c in self._checks[len(self._checks) - len(mb.mine):]]) if mb.mine else None
         row = pack(mb.mine)  # copies: the captures' buffers are free from here on
         if mb.release is not None:
             mb.release()
@@ -218,8 +220,9 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=enabled):
             loss, metrics = self.ddp(row, self.head, self.weights, self.cfg.max_anchors, self.generator, self.attention)
         # Counts, averaged like every metric: their ratio is the step's share over all ranks.
-        metrics["teacher_agree"] = torch.tensor(float(agree), device=loss.device)
-        metrics["teacher_checked"] = torch.tensor(float(checked), device=loss.device)
+        zero = torch.zeros((), device=loss.device)
+        metrics["teacher_agree"] = mine[:, AGREE].sum().to(loss.device) if mine is not None else zero
+        metrics["teacher_checked"] = mine[:, JUDGED].sum().to(loss.device) if mine is not None else zero
         return loss, metrics
 
     def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
@@ -231,6 +234,7 @@ class Trainer:
         # micro-batch would make the host wait for the GPU each time, so the next micro-batch's
         # packing could never overlap the compute. (The same float64 sums, in the same order.)
         sums: dict[str, torch.Tensor] = {}
+        self._checks = []
         counted: torch.Tensor | float = 0.0  # micro-batches with a supervised slot: an empty one has no metric
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -251,7 +255,15 @@ class Trainer:
         keys = sorted(sums)
         dev = self.device
         read = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
-                           + [v.detach().double().to(dev) for v in extra.values()]).tolist()  # the one host sync
+                           + [v.detach().double().to(dev) for v in extra.values()])
+        n_read = read.numel()
+        checks = [c[0].to(dev) for c in self._checks]
+        read = torch.cat([read, *checks]).tolist()  # the one host sync
+        width = checks[0].numel() if checks else 0
+        for i, (_, sample_id, origin, n_aux) in enumerate(self._checks):
+            m = read[n_read + i * width:n_read + (i + 1) * width]
+            self.integrity.judge(m, sample_id, origin, n_aux)  # raises before the optimizer steps on it
+        self._checks = []
         totals: dict[str, float] = dict(zip(extra, read[len(keys) + 1:]))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

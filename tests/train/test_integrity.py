@@ -168,3 +168,24 @@ def test_an_id_past_the_heads_vocab_is_not_judged_and_not_an_error(clean):
                                                                   cap.last_hidden_TH))
     _, whole = TeacherAgreement(head, 0.25, enforce=True)(cap)
     assert 0 < n < whole and agree >= 0.95 * n
+
+
+def test_measuring_a_capture_reads_nothing_back_from_the_device(clean):
+    """The trainer measures every sample before its forward pass; one host read there per sample
+    would make the host wait for the GPU each time. On the meta device any read of a value (a
+    bool, an item, a boolean index's size) raises, so `measure` running there reads nothing;
+    the step's one read carries its numbers (test above: they still stop the run)."""
+    import copy
+
+    head, caps = clean
+    meta = copy.deepcopy(head).to("meta")
+    check = TeacherAgreement(meta, 0.9, enforce=True)
+    cap = caps[0]
+    on_meta = Capture(cap.sample_id, *(t.to("meta") for t in (cap.input_ids_T, cap.loss_mask_T, cap.aux_TnH,
+                                                              cap.last_hidden_TH)))
+    m = check.measure(on_meta)
+    assert m.device.type == "meta" and m.shape == (7,)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # and a read there does raise
+        on_meta.loss_mask_T.bool().any().item()
+    real = TeacherAgreement(head, 0.9, enforce=True).measure(cap).tolist()  # the same code, on values
+    assert real[0] == 0 and real[2] >= MIN_POSITIONS and real[1] >= 0.95 * real[2]
