@@ -254,11 +254,11 @@ class Trainer:
             extra["grad_norm"] = self._clip(cfg.grad_clip)
         keys = sorted(sums)
         dev = self.device
-        scalars = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
+        flat = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
                               + [v.detach().double().to(dev) for v in extra.values()])
-        n_read = scalars.numel()
+        n_read = flat.numel()
         checks = [c[0].to(dev) for c in self._checks]
-        read = torch.cat([scalars, *checks]).tolist()  # the one host sync
+        read = torch.cat([flat, *checks]).tolist()  # the one host sync
         width = checks[0].numel() if checks else 0
         for i, (_, sample_id, origin, n_aux) in enumerate(self._checks):
             m = read[n_read + i * width:n_read + (i + 1) * width]
