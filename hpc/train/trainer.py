@@ -255,7 +255,7 @@ class Trainer:
         keys = sorted(sums)
         dev = self.device
         flat = torch.stack([sums[k].to(dev) for k in keys] + [torch.as_tensor(counted, dtype=torch.float64).to(dev)]
-                              + [v.detach().double().to(dev) for v in extra.values()])
+                         + [v.detach().double().to(dev) for v in extra.values()])
         n_read = flat.numel()
         checks = [c[0].to(dev) for c in self._checks]
         read = torch.cat([flat, *checks]).tolist()  # the one host sync
