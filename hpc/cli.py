@@ -38,7 +38,7 @@ COMMANDS: list[tuple[str, str, str]] = [
      "one tick of the serving watch: live acceptance on serve.endpoints against the champion's"),
     ("stage", "hpc.launch.stage_cli", "run one pipeline stage inside a Slurm job (what sbatch/ scripts call)"),
     ("bench", "hpc.bench", "benchmarks that print figures (ratios against a peer run)"),
-    ("plan", "hpc.launch.plan",
+    ("plan", "hpc.launch.plan_cli",
      "capacity plan: verifier supply vs trainer demand, trainer nodes per verifier node, memory per GPU"),
 ]
 

@@ -11,7 +11,7 @@ KIMI = str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.6-dspark.y
 
 
 def test_an_unexpected_error_prints_its_traceback_scrubbed(monkeypatch, capsys):
-    import hpc.launch.plan as plan
+    import hpc.launch.plan_cli as plan
 
     def broken(cfg):
         raise RuntimeError("API request to http://alice:PW14@mlflow:5000/api failed")

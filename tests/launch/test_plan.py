@@ -12,7 +12,8 @@ from hpc.cli import main
 from hpc.config.schema import DSparkConfig
 from hpc.config.verifier_gpu import streamer_items
 from hpc.errors import UserError
-from hpc.launch.plan import capacity_plan, format_plan
+from hpc.launch.plan import capacity_plan
+from hpc.launch.plan_cli import format_plan
 from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
