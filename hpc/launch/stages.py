@@ -45,6 +45,7 @@ from hpc.evaluate.runner import evaluate
 from hpc.launch.gpu_mode import check_shared_gpu
 from hpc.launch.job_files import job_file, publish, wait_published
 from hpc.launch.node_setup import prepare_once
+from hpc.launch.preemption import requeue_timed
 from hpc.launch.ray_cluster import RayNode, done_marker
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
@@ -121,7 +122,7 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
             job_file(cfg.cluster.log_dir, "rendezvous", env.job_id).unlink(missing_ok=True)
     if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg.train):
         if env.node_index == 0:
-            requeue(env)
+            requeue_timed(cfg, lambda: requeue(env), EXIT_REQUEUE)  # and the preemption window's record
         return EXIT_REQUEUE
     if code != 0:  # one line naming the cause, as `dspark train` ends: not "see the lines above"
         codes: list[int | None] = [None] * (T + V)

@@ -7,6 +7,7 @@ order, minus what the trainers' ledger says is done.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from hpc.config.verifier_gpu import samples_in_flight, stream_dtype_name
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.stream.streamer import run_streamer
+from hpc.train import preempt_clock
 from hpc.train.epochs import epoch_sequence
 from hpc.verifier.backend import capture_concurrency, make_capture
 
@@ -50,9 +52,13 @@ def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: tor
                              start_capture=start_capture, in_flight=cfg.stream.in_flight,
                              total_in_flight=samples_in_flight(cfg, len(planes.trainers)))
     finally:
+        t_stop = time.time()
         for closer in closers:
             if closer is not None:
                 closer.close()
+        # every attempt's end; node 0 reads it when the end is a requeue (hpc.train.preempt_clock)
+        preempt_clock.mark(out, preempt_clock.VERIFIER_STOP, time.time() - t_stop, rank=w.rank,
+                           backend=str(getattr(cfg.verifier.backend, "value", cfg.verifier.backend)))
     print(f"streamer {w.rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
           f"skipped {stats.failed} bad captures", flush=True)
     if stats.fatal:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -138,6 +139,8 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self.attention = check_attention(train_cfg.attention, self.device)  # fails here, not at step 1
         self.stop_requested = False
+        self.signal_at: float | None = None  # wall clock of the first USR2/TERM (the preemption drill's start)
+        self.stop_clock: dict[str, float] = {}  # the stop's step boundary and checkpoint, in seconds
 
     @classmethod
     def from_config(cls, cfg: DSparkConfig, out_dir: str | Path, *, vocab_file: str | Path | None = None,
@@ -303,6 +306,7 @@ class Trainer:
         """Slurm sends USR2 (--signal=USR2@cluster.signal_delay_s) before preemption and TERM on cancel/timeout."""
         def request_stop(signum, _frame):
             self.stop_requested = True
+            self.signal_at = self.signal_at or time.time()
         return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGUSR2, signal.SIGTERM)}
 
     def _agreed_stop(self) -> bool:
@@ -345,8 +349,13 @@ class Trainer:
             if on_step is not None:
                 on_step(self.state.step, metrics)
             stop = self._agreed_stop()
+            boundary = time.time()
             if stop or self.state.step % self.cfg.checkpoint_interval == 0 or self.state.step == end:
                 self.checkpoint()
             if stop:
+                # what the preemption window spent here (hpc.train.preempt_clock)
+                self.stop_clock = {"checkpoint_s": time.time() - boundary}
+                if self.signal_at is not None:
+                    self.stop_clock["boundary_s"] = max(0.0, boundary - self.signal_at)
                 raise RequeueRequested(f"checkpointed at step {self.state.step}; requeue to continue")
         return self.state

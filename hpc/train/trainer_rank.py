@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from hpc.dist.world import World
 from hpc.errors import EXIT_REQUEUE
 from hpc.fsio import write_text
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
+from hpc.train import preempt_clock
 from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.train_report import TrainReport
 from hpc.train.trainer import RequeueRequested, Trainer
@@ -81,7 +83,9 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
     try:
         trainer.run(stream_micro_batches(receiver, trainer.micro_batch_size), on_step=step_hook)
     except RequeueRequested as why:
+        t_stop = time.time()
         receiver.close()
+        _clock_stop(out_dir, trainer, w.rank, time.time() - t_stop)
         print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
         if w.rank == 0:
             _record_stop(stopped, trainer, train_cfg.steps, str(why))
@@ -100,6 +104,19 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
             _record_stop(stopped, trainer, train_cfg.steps, msg)
         return EXIT_PEER_DIED
     return 0
+
+
+def _clock_stop(out_dir: str | Path, trainer: Trainer, rank: int, stop_s: float) -> None:
+    """This rank's parts of the preemption window (the drill's measurement beside the plan's model)."""
+    c = trainer.stop_clock
+    if trainer.signal_at is not None:
+        preempt_clock.mark(out_dir, preempt_clock.SIGNAL, 0.0, at=trainer.signal_at, rank=rank)
+    if "boundary_s" in c:
+        preempt_clock.mark(out_dir, preempt_clock.BOUNDARY, c["boundary_s"], rank=rank)
+    ckpt = latest_checkpoint(trainer.ckpt_dir) if rank == 0 else None
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt is not None else None
+    preempt_clock.mark(out_dir, preempt_clock.CHECKPOINT, c.get("checkpoint_s", 0.0), rank=rank, bytes=size)
+    preempt_clock.mark(out_dir, preempt_clock.STREAM_STOP, stop_s, rank=rank)
 
 
 def _record_stop(path: Path, trainer: Trainer, steps: int, cause: str) -> None:

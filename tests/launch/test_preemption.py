@@ -82,3 +82,28 @@ def test_usr2_checkpoints_requeues_and_the_loss_curve_continues_exactly(slurm_cl
     steps = sorted(int(p.name.split("_")[1]) for p in (job_dir / "checkpoints").glob("step_*"))
     assert steps[-1] == STEPS and 3 <= steps[0] < STEPS  # the preemption checkpoint, then the end
     assert losses(job_dir) == expected  # bit-identical across the requeue
+    check_drill_record(job_dir, text, base + [f"train.output_dir={job_dir}"])
+
+
+def check_drill_record(job_dir: Path, log_text: str, overrides: list[str]) -> None:
+    """The drill: node 0 measured each part of the window on this cluster, its ranks on the other
+    node included, and put the plan's model for the same config beside each (issue 45, item 3)."""
+    from hpc.config import resolve
+    from hpc.launch.preemption import PARTS, RECORD, modelled_window
+
+    rec = json.loads((job_dir / RECORD).read_text())
+    assert (job_dir / RECORD).stat().st_mode & 0o077 == 0
+    assert rec["attempt"] == 0 and rec["signal_delay_s"] == 90
+    by = {p["part"]: p for p in rec["parts"]}
+    assert list(by) == list(PARTS)
+    for part in PARTS:  # every part measured on this run, none made up
+        assert by[part]["measured_s"] is not None and 0 <= by[part]["measured_s"] < 600, by[part]
+    ckpt = by["write the checkpoint"]
+    assert ckpt["bytes"] > 0 and abs(ckpt["gbytes_s"] - ckpt["bytes"] / 1e9 / ckpt["measured_s"]) < 1e-9
+    assert by["vLLM shutdown"]["backend"] == "hf"  # this drill's verifier: in-process, nothing to stop
+    # the whole window, signal to requeue, holds every part that runs in turn after the step boundary
+    assert rec["signal_to_requeue_s"] >= by["write the checkpoint"]["measured_s"] + by["requeue"]["measured_s"]
+    model = modelled_window(resolve(str(ROOT / "configs/toy-cpu.yaml"), overrides, check_tracking=False))
+    assert model and all(by[part]["modelled_s"] == model[part][0] for part in PARTS)
+    assert f"preemption window (attempt 0): reach a step boundary {by['reach a step boundary']['measured_s']:.2f} s" \
+        in log_text
