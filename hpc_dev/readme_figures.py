@@ -1,6 +1,7 @@
-"""The README's command outputs, regenerated from the code, so its figures cannot go stale.
+"""The command outputs in README.md and docs/*.md, regenerated from the code, so their figures
+cannot go stale.
 
-A block in README.md between
+A block in README.md or a docs page (docs/capacity-plan.md holds one today) between
 
     <!-- dspark: plan configs/kimi-k2.6-dspark.yaml -->
     ...the command's output, indented four spaces...
@@ -12,7 +13,7 @@ verifier.python set to this interpreter and the vLLM probe off (as tests/fixture
 Only commands whose output is a function of the code and the config belong here: a measured
 figure (a bench, a GPU run) is quoted with its date instead.
 
-    .venv/bin/python -m hpc_dev.readme_figures          # rewrite the blocks
+    .venv/bin/python -m hpc_dev.readme_figures          # rewrite the blocks, in every file that has one
     .venv/bin/python -m hpc_dev.readme_figures --check  # exit 1 naming each stale block
 """
 
@@ -27,13 +28,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 BLOCK = re.compile(r"^<!-- dspark: (?P<cmd>.+?) -->\n(?P<body>.*?)^<!-- /dspark -->$", re.M | re.S)
 NO_VLLM = [f"verifier.python={sys.executable}", "verifier.probe=false"]
 COMMANDS = {"plan"}  # what may run: pure functions of the code and the config
 
 
 def output(cmd: str) -> str:
-    """What `dspark CMD` prints, as the README shows it (indented, no trailing spaces)."""
+    """What `dspark CMD` prints, as the pages show it (indented, no trailing spaces)."""
     from hpc.cli import main  # every command: loaded only when a block is regenerated
 
     words = shlex.split(cmd)
@@ -48,7 +50,7 @@ def output(cmd: str) -> str:
 
 
 def regenerate(text: str) -> tuple[str, list[str]]:
-    """(the README with every block regenerated, the commands whose block changed)."""
+    """(the text with every block regenerated, the commands whose block changed)."""
     stale: list[str] = []
 
     def fill(m: re.Match) -> str:
@@ -60,19 +62,31 @@ def regenerate(text: str) -> tuple[str, list[str]]:
     return BLOCK.sub(fill, text), stale
 
 
+def pages() -> list[Path]:
+    """README.md and every docs page: where a block may be."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    text = README.read_text(encoding="utf-8")
-    new, stale = regenerate(text)
-    if "--check" in argv:
-        for cmd in stale:
-            print(f"README.md: the output of `dspark {cmd}` has changed; run "
-                  "`.venv/bin/python -m hpc_dev.readme_figures` and commit README.md", file=sys.stderr)
-        return 1 if stale else 0
-    if new != text:
-        README.write_text(new, encoding="utf-8")
-    print(f"README.md: {len(BLOCK.findall(text))} block(s), {len(stale)} regenerated")
-    return 0
+    any_stale = False
+    for path in pages():
+        text = path.read_text(encoding="utf-8")
+        count = len(BLOCK.findall(text))
+        if not count:
+            continue
+        name = path.relative_to(ROOT)
+        new, stale = regenerate(text)
+        any_stale = any_stale or bool(stale)
+        if "--check" in argv:
+            for cmd in stale:
+                print(f"{name}: the output of `dspark {cmd}` has changed; run "
+                      f"`.venv/bin/python -m hpc_dev.readme_figures` and commit {name}", file=sys.stderr)
+            continue
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+        print(f"{name}: {count} block(s), {len(stale)} regenerated")
+    return 1 if "--check" in argv and any_stale else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-VERSIONS = ("0.33.0", "0.34.0")  # the GPU pin and the newest release (README, "The vLLM pin")
+VERSIONS = ("0.33.0", "0.34.0")  # the GPU pin and the newest release (docs/vllm-serving.md, "The vLLM pin")
 MARKER = ".dspark-ready"
 
 

@@ -39,7 +39,7 @@ if [ ! -x .venv/bin/pip ]; then
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter" \
+if ! .venv/bin/python -c "import hpc, hpc_dev, torch, mlflow, flask_wtf, submitit, ray, transformers, omegaconf, croniter, material" \
     2>/dev/null || [ ! -x .venv/bin/dspark-dev ]; then
   log "installing the project into .venv (pinned by requirements/lock-cpu.txt)"
   .venv/bin/pip install -q --upgrade pip

@@ -1,4 +1,4 @@
-"""Imports go one way: down the dependency graph the README's Layout section draws.
+"""Imports go one way: down the dependency graph that docs/layout.md draws.
 
 Every dependency of a module in hpc/ must be allowed by DEPENDS: an `import` (module level or
 inside a function: a lazy import is still a dependency) and a module named in a string (the
@@ -104,7 +104,7 @@ def _allowed(module: str) -> set[str]:
     pkg = _package(module)
     if pkg not in DEPENDS:
         raise AssertionError(f"{module}: its package has no entry in tests/test_layers.py DEPENDS; add it there "
-                             f"and to the README's Layout section")
+                             f"and to docs/layout.md")
     return reachable(DEPENDS)[pkg]
 
 

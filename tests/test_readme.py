@@ -1,6 +1,7 @@
 """The README's walk-through of the Slurm path on this machine, run as written: a newcomer
 copies those lines, so they are the test's script, not a paraphrase of it (the run itself is the
-`readme_pipeline` fixture, tests/fixtures/walkthrough.py)."""
+`readme_pipeline` fixture, tests/fixtures/walkthrough.py). And the command outputs quoted in
+README.md and docs/*.md are what the code prints today (hpc_dev/readme_figures.py)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,20 @@ def test_the_pipeline_overrides_go_inside_q_and_nothing_else_changes():
 
 
 def test_the_readmes_command_outputs_are_what_the_code_prints_today():
-    from hpc_dev.readme_figures import BLOCK, README, regenerate
+    """Every `<!-- dspark: CMD -->` block, in README.md and the docs pages alike (the capacity plan
+    moved to docs/capacity-plan.md), is what the code prints today."""
+    from hpc_dev.readme_figures import BLOCK, ROOT, pages, regenerate
 
-    text = README.read_text(encoding="utf-8")
-    blocks = [m["cmd"] for m in BLOCK.finditer(text)]
-    assert "plan configs/kimi-k2.6-dspark.yaml" in blocks
-    new, stale = regenerate(text)
-    assert stale == [], f"stale README blocks {stale}: run `.venv/bin/python -m hpc_dev.readme_figures`"
+    texts = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in pages()}
+    assert "README.md" in texts and "docs/capacity-plan.md" in texts, sorted(texts)
+    blocks = {name: [m["cmd"] for m in BLOCK.finditer(text)] for name, text in texts.items()}
+    assert "plan configs/kimi-k2.6-dspark.yaml" in blocks["docs/capacity-plan.md"], blocks
+    for name, text in texts.items():
+        if blocks[name]:
+            _, stale = regenerate(text)
+            assert stale == [], f"stale blocks in {name} {stale}: run `.venv/bin/python -m hpc_dev.readme_figures`"
     # A figure edited by hand is caught, and the script puts the code's figure back.
+    text = texts["docs/capacity-plan.md"]
     edited = text.replace("fits cluster.signal_delay_s = 300 s", "fits cluster.signal_delay_s = 90 s", 1)
     assert edited != text
     again, stale = regenerate(edited)

@@ -257,7 +257,7 @@ def watch(config: str, overrides: list[str]) -> int:
     cfg = resolve(config, overrides)
     if not cfg.serve.endpoints:
         raise UserError("serve.endpoints is empty: list the vLLM servers that serve the champion under serve: "
-                        "(README, \"Retraining on drift\")")
+                        "(docs/retraining.md, \"On drift\")")
     if (why := missing_store(cfg.tracking.uri)) is not None:  # a reader: never creates the store
         raise UserError(why)
     rc, _ = drift_tick(config, overrides, cfg, tracking_client(cfg.tracking.uri), data_fingerprint(cfg.data), [])
