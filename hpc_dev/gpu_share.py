@@ -35,9 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _used(dev: int):
-    """A function reading the GPU's used bytes from NVML."""
-    import pynvml  # nvidia-ml-py, which torch's CUDA wheels bring
-
+    """A function reading the GPU's used bytes as the driver counts them (every context included):
+    NVML through pynvml where installed, else the driver's nvidia-smi."""
+    try:
+        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py
+    except ImportError:
+        def smi() -> int:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                  "-i", str(dev)], capture_output=True, text=True, check=True).stdout
+            return int(out.split()[0]) * 2**20  # MiB
+        return smi
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(dev)
     return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
