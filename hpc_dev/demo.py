@@ -19,10 +19,11 @@ from hpc.config import resolve, to_yaml
 from hpc.errors import UserError
 from hpc.launch.stage_table import jobs, stage
 from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
-from hpc_dev.toy import build_toy_target
+from hpc_dev.toy import build_toy_target, toy_target_built
 from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
 
 DEMO_LR = 3e-3
+TOY_BUILD_MIN = 10  # the toy target's build on a fresh 2-core machine (its tokenizer, then its training)
 
 
 def demo_stage(stage_name: str, config_file: str, parent_run_id: str, n: int | None = None) -> int:
@@ -42,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     out = Path(args.out).resolve()
     print(f"dspark-dev demo -> {out}", flush=True)
-    target = build_toy_target(arch="qwen3", seed=0)
+    building = not toy_target_built(arch="qwen3", seed=0)
+    if building:  # the first run on a machine: the only long quiet step, said before it starts
+        print(f"building the toy target: once per machine, about {TOY_BUILD_MIN} minutes on 2 cores (cached "
+              "after; a progress bar follows)", flush=True)
+    target = build_toy_target(arch="qwen3", seed=0, progress=building)
     print(f"[{time.monotonic() - t0:5.0f}s] toy target ready: {target}", flush=True)
     data = write_toy_conversations(out / "data" / "train.jsonl", n=args.rows, seed=1)
     overrides = [f"verifier.model={target}", f"data.sources=[{{path: {data}}}]", f"data.output_dir={out / 'data'}",

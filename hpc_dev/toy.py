@@ -163,6 +163,14 @@ def _build_into(cfg: ToyConfig, pairs: list, out: Path, progress: bool) -> dict:
     return info
 
 
+def toy_target_built(arch: str = "qwen3", seed: int = 0, *, config: ToyConfig | None = None,
+                     cache_dir: str | Path | None = None) -> bool:
+    """Whether `build_toy_target` with these arguments finds its target in the cache (no build)."""
+    cfg = config or ToyConfig.preset(arch, seed, None)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return (root / "toy" / f"{cfg.arch}-{build_key(cfg)}" / READY).is_file()
+
+
 def build_toy_target(
     out_dir: str | Path | None = None,
     arch: str = "qwen3",

@@ -1,4 +1,17 @@
-"""`dspark evaluate CONFIG [KEY=VALUE ...] --draft PATH --n 3,7`."""
+"""`dspark evaluate CONFIG [KEY=VALUE ...] --draft PATH --n 3,7`: a draft's speculative decoding
+on the configured benchmarks, at each n, against the target decoding alone.
+
+What it prints, in order:
+  - a progress bar per (draft, n) and benchmark (a requeued job says which it does not re-run);
+  - for a draft with a confidence head, its calibration per draft position: ECE beside the floor
+    a calibrated head would read, Brier, mean confidence against accuracy;
+  - a line per MLflow run logged, and the registry's verdict (`registry: NAME vN ...`), or where
+    the results are kept when the tracking server does not answer;
+  - the card, as `dspark compare` prints it: a row per benchmark and a mean row, a column per
+    draft and n: the speedup over the baseline, the mean acceptance length, tokens/s.
+Files: eval.output_dir/<run>/ holds each benchmark's JSON and the plots (per-position acceptance,
+calibration); each (draft, n) is an MLflow child run of the pipeline's.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("evaluate", help="benchmark a draft at n=3/n=7 against the no-speculation baseline",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides")
     p.add_argument("--draft", help="our export (DSpark or DFlash); third-party drafts come from eval.compare")

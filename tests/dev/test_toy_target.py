@@ -37,7 +37,9 @@ def test_same_seed_gives_identical_build(tmp_path):
 @pytest.mark.slow
 def test_cache_hit_returns_without_rebuilding(tmp_path, monkeypatch):
     cfg = ToyConfig.tiny(seed=1)
+    assert not toy.toy_target_built(config=cfg, cache_dir=tmp_path)  # what the demo announces a build by
     first = build_toy_target(config=cfg, cache_dir=tmp_path)
+    assert toy.toy_target_built(config=cfg, cache_dir=tmp_path)
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("cache hit rebuilt the toy target")
