@@ -55,6 +55,7 @@ def _calibrate_child(export: str, device: str, d: dict, seq: int, ns: list[int])
     dev = torch.device(device)
     used = _used(dev.index or 0) if dev.type == "cuda" else None
     base = used() if used else 0  # before this process holds a CUDA context
+    # after the base reading: nothing of the stage may be on the GPU before it
     from hpc.calibration.fit import fit_calibration, held_out_slots
     from hpc.calibration.stage import decodable
     from hpc.model.export import load_draft
@@ -83,14 +84,14 @@ def _calibrate_child(export: str, device: str, d: dict, seq: int, ns: list[int])
 def export_for_calibrate(trainer, tmp: Path) -> Path:
     """The draft as the calibrate stage finds it: an export on disk (written while the trainer is
     alive; the probe runs once it is gone, so the GPU holds only the probe)."""
-    from hpc.model.export import export_draft
+    from hpc.model.export import export_draft  # safetensors: as gpu-check's other rows, on this path only
 
     return export_draft(trainer.model, tmp / "calibrate-export")
 
 
 def check_calibrate_fresh(export: Path, cfg, d: dict, dev: torch.device) -> Row:
     """The calibrate stage's memory on the verifier's last GPU, read as NVML sees the process."""
-    from hpc.config.verifier_gpu import headroom_bytes
+    from hpc.config.verifier_gpu import headroom_bytes  # the plan's figure, for this row only
 
     seq = max(t for t, _ in d["steps"])
     arg = json.dumps({"export": str(export), "device": str(dev), "d": d, "seq": seq,
@@ -122,6 +123,7 @@ def check_calibrate_fresh(export: Path, cfg, d: dict, dev: torch.device) -> Row:
 def _streamer_child(device: str, d: dict, seconds: float) -> None:
     """The streamer's work on the GPU, over and over, until `seconds` pass: stage a sample, copy it
     on the device. Prints one line when the first sample is through (the timing may start)."""
+    # the child's own: the stream's sender, in the process that plays the streamer
     from hpc.dist.planes import Planes
     from hpc.stream.sample import Capture
     from hpc.stream.sender import SampleSender

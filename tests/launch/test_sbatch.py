@@ -135,7 +135,7 @@ def test_calibrate_fits_the_held_out_rows_into_the_export(slurm_cluster: SlurmCl
     job = sbatch("calibrate.sbatch", [f"--partition={slurm_cluster.partition}", "--time=00:10:00"],
                  [CONFIG, *trained.overrides], tmp / "calibrate.log", timeout_s=300)
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), f"{job}\n{job.log[-4000:]}"
-    assert "dspark calibrate: job" in job.log
+    assert "dspark stage all: calibrate\n" in job.log  # the table's stage, alone (--only calibrate)
     # configs/toy-cpu.yaml holds every 10th row out: ids 9, 19 and 29 of the 32.
     assert "fitted on 3 held-out rows" in job.log, job.log[-4000:]
     assert (tmp / "train" / "export" / "confidence_calibration.json").is_file()
@@ -151,7 +151,7 @@ def test_eval_of_the_trained_export_at_n3(slurm_cluster: SlurmCluster, trained: 
     job = sbatch("eval.sbatch", [f"--partition={slurm_cluster.partition}", "--time=00:10:00"],
                  [CONFIG, *trained.overrides, *evals], tmp / "eval.log", timeout_s=420, export=",N=3")
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), f"{job}\n{job.log[-4000:]}"
-    assert "dspark eval n=3:" in job.log
+    assert "dspark stage all: eval-n3\n" in job.log and "dspark stage all: eval-n3 exited 0" in job.log
     runs = list((tmp / "eval").glob("eval-n3-DSpark-*"))  # suffixed with the draft's content hash
     assert len(runs) == 1, sorted(map(str, (tmp / "eval").rglob("*")))
     assert (runs[0] / "gsm8k.json").is_file() and (runs[0] / "humaneval.json").is_file()
