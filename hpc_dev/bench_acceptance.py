@@ -43,10 +43,23 @@ from hpc.evaluate.engines import ReferenceEngine
 from hpc.evaluate.harness import chat_ids
 from hpc.evaluate.runner import evaluate
 from hpc.launch.stages import regenerate_stage
-from hpc.tables import text_table
 from hpc.track.keys import DRAFT
 from hpc.track.pipeline import create_child_run, create_pipeline_run, ends
 from hpc.track.plots import loss_curves_png, per_position_png
+from hpc_dev.bench_ratios import (  # noqa: F401 - the table's names, read as ba.* by the tests too
+    NS,
+    PEER,
+    VARIANTS,
+    evaluated_ns,
+    format_table,
+    interval_lines,
+    mean_tau,
+    parse_seeds,
+    prompt_table,
+    ratio_interval,
+    ratios,
+    tau_table,
+)
 from hpc_dev.demo import DEMO_LR
 from hpc_dev.toy import build_toy_target
 from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
@@ -54,13 +67,6 @@ from hpc_dev.toy_data import calibration_overrides, write_toy_conversations
 if TYPE_CHECKING:
     from hpc.calibration.stage import Fitted
 
-DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
-          "draft.confidence_head_with_markov=false"]
-MARKOV_ONLY = ["draft.enable_confidence_head=false", "draft.confidence_head_with_markov=false"]
-VARIANTS: dict[str, list[str]] = {"DSpark": [], "DFlash": DFLASH, "Markov-only": MARKOV_ONLY}
-PEER = "ngram"
-NS = (3, 7)
-GOALS = {"DFlash": 1.15, PEER: 1.3}  # DSpark tau@7 over each, from the DSpark report
 # Below this the drafts barely leave their initialisation (warm-up is a tenth of the run) and
 # the ratios compare noise.
 MIN_STEPS = 20
@@ -120,52 +126,6 @@ def train_variant(config: str, overrides: list[str], name: str, out: Path, steps
     export_draft(draft, t.export, verifier=cfg.verifier.name or model, verifier_arch=architectures(model),
                  n=max(NS))
     return t
-
-
-def tau_table(results: dict) -> dict[str, dict[int, dict[str, float]]]:
-    """{draft label: {n: {benchmark: tau}}} from the evaluation's {job name: [BenchResult]}."""
-    table: dict[str, dict[int, dict[str, float]]] = {}
-    for res in results.values():
-        for r in res:
-            if r.n and r.accept_len is not None:
-                table.setdefault(r.label, {}).setdefault(r.n, {})[r.benchmark] = r.accept_len
-    return table
-
-
-def mean_tau(table: dict, label: str, n: int) -> float | None:
-    vals = list(table.get(label, {}).get(n, {}).values())
-    return statistics.mean(vals) if vals else None
-
-
-def ratios(table: dict) -> dict[str, float | None]:
-    """DSpark tau@7 over each rival's (the mean over benchmarks of each, then the ratio)."""
-    ours = mean_tau(table, "DSpark", max(NS))
-    out: dict[str, float | None] = {}
-    for rival in (*[v for v in VARIANTS if v != "DSpark"], PEER):
-        theirs = mean_tau(table, rival, max(NS))
-        out[rival] = ours / theirs if ours is not None and theirs else None
-    return out
-
-
-def evaluated_ns(table: dict) -> list[int]:
-    """The n's the table holds: NS, or --quick's largest alone."""
-    return sorted({n for by_n in table.values() for n in by_n}) or list(NS)
-
-
-def format_table(table: dict, benches: list[str]) -> str:
-    labels = [*VARIANTS, PEER]
-    cols = [(lab, n) for lab in labels for n in evaluated_ns(table)]
-    cell = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    rows = [[b, *(cell(table.get(lab, {}).get(n, {}).get(b)) for lab, n in cols)] for b in benches]
-    rows.append(["mean", *(cell(mean_tau(table, lab, n)) for lab, n in cols)])
-    lines = ["tau (mean acceptance length: tokens per verify step)",
-             *text_table(["benchmark", *(f"{lab} n={n}" for lab, n in cols)], rows, right=range(1, len(cols) + 1)), ""]
-    for rival, r in ratios(table).items():
-        goal = GOALS.get(rival)
-        verdict = "" if goal is None or r is None else (f"  meets the goal (>= {goal})" if r >= goal
-                                                        else f"  misses the goal (>= {goal})")
-        lines.append(f"DSpark / {rival} at n={max(NS)}: " + (f"{r:.3f}x{verdict}" if r is not None else "-"))
-    return "\n".join(lines)
 
 
 def steps_on_every_fixture(cfg: DSparkConfig, export: Path, n: int = max(NS),
@@ -315,16 +275,32 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.train.seed}) on {cfg.verifier.name or cfg.verifier.model}, then n={[max(NS)] if args.quick else list(NS)} "
           f"with {PEER} -> {out}",
           flush=True)
+    seeds = parse_seeds(args.seeds) if args.seeds else None
     client, parent = _parent_run(cfg, steps, args.quick)
 
     with ends(client, parent, "bench acceptance"):  # a failure must not leave it RUNNING
-        _bench(args, cfg, overrides, client, parent, out, steps, t0)
+        if seeds is None:
+            _bench(args, cfg, overrides, client, parent, out, steps, t0)
+        else:  # one data set, one draft per variant and seed: out/seed-S/
+            tables = []
+            for i, seed in enumerate(seeds):
+                print(f"[{time.monotonic() - t0:5.0f}s] seed {seed} ({i + 1}/{len(seeds)})", flush=True)
+                over = [*overrides, f"train.seed={seed}"]
+                tables.append(_bench(args, _resolve(args.config, over), over, client, parent, out / f"seed-{seed}",
+                                     steps, t0, step=i))
+            lines, intervals = interval_lines(tables, seeds)
+            print("\n" + "\n".join(lines))
+            for rival, iv in intervals.items():
+                if iv is not None:
+                    for key, v in (("mean", iv.ratio), ("lo", iv.lo), ("hi", iv.hi)):
+                        client.log_metric(parent, f"ratio_n{max(NS)}_seeds_{key}/DSpark_over_{rival}", v)
     print(f"bench acceptance finished in {time.monotonic() - t0:.0f}s (MLflow parent run {parent})")
     return 0
 
 
 def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], client, parent: str, out: Path,
-           steps: int, t0: float) -> None:
+           steps: int, t0: float, step: int = 0) -> dict:
+    """Train, evaluate and report one seed; returns its per-prompt table (hpc_dev.bench_ratios)."""
     if cfg.data.regenerate:
         regenerate_stage(cfg, parent, local=True)  # one on-policy dataset for all three
     # --quick checks the plumbing: the ratios' n alone (each n is a vLLM start per draft).
@@ -342,8 +318,9 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
                                       f"tracking.registered_model={cfg.tracking.registered_model}-ablation"])
     print(f"[{time.monotonic() - t0:5.0f}s] evaluating on {list(eval_cfg.eval.benchmarks)}", flush=True)
     results = evaluate(eval_cfg, str(by["DSpark"].export), ns, parent_run_id=parent, quiet=True)
-    table = tau_table(results)
-    print(format_table(table, list(eval_cfg.eval.benchmarks)))
+    table, per_prompt = tau_table(results), prompt_table(results)
+    intervals = {rival: ratio_interval([per_prompt], "DSpark", rival, max(NS)) for rival in ratios(table)}
+    print(format_table(table, list(eval_cfg.eval.benchmarks), intervals))
     cal_lines, cal_metrics = judged_lines(by["DSpark"].fitted)
     if by["DSpark"].export.joinpath("confidence_calibration.json").is_file():
         print(f"[{time.monotonic() - t0:5.0f}s] scoring DSpark's confidence on every benchmark prompt", flush=True)
@@ -365,8 +342,9 @@ def _bench(args: argparse.Namespace, cfg: DSparkConfig, overrides: list[str], cl
     pngs = _figures(out, trained, results)
     for key, value in cal_metrics.items():
         client.log_metric(parent, key, value)
-    _log_summary(client, parent, table, pngs)
+    _log_summary(client, parent, table, pngs, intervals, step)
     print(f"\nfigures: {', '.join(str(p) for p in pngs)}")
+    return per_prompt
 
 
 def _parent_run(cfg: DSparkConfig, steps: int, quick: bool):
@@ -399,17 +377,21 @@ def _figures(out: Path, trained: list[Trained], results: dict) -> list[Path]:
     return pngs
 
 
-def _log_summary(client, parent: str, table: dict, pngs: list[Path]) -> None:
+def _log_summary(client, parent: str, table: dict, pngs: list[Path], intervals: dict, step: int) -> None:
+    """The seed's figures at MLflow step `step` (its index in --seeds); plots under bench/ (seed-S/)."""
     for label in [*VARIANTS, PEER]:
         for n in evaluated_ns(table):
             v = mean_tau(table, label, n)
             if v is not None:
-                client.log_metric(parent, f"tau{n}_mean/{label}", v)
+                client.log_metric(parent, f"tau{n}_mean/{label}", v, step=step)
     for rival, r in ratios(table).items():
         if r is not None:
-            client.log_metric(parent, f"ratio_n{max(NS)}/DSpark_over_{rival}", r)
+            client.log_metric(parent, f"ratio_n{max(NS)}/DSpark_over_{rival}", r, step=step)
+        if (iv := intervals.get(rival)) is not None:
+            client.log_metric(parent, f"ratio_n{max(NS)}_lo/DSpark_over_{rival}", iv.lo, step=step)
+            client.log_metric(parent, f"ratio_n{max(NS)}_hi/DSpark_over_{rival}", iv.hi, step=step)
     for p in pngs:
-        client.log_artifact(parent, str(p), "bench")
+        client.log_artifact(parent, str(p), f"bench/{p.parent.name}" if p.parent.name.startswith("seed-") else "bench")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -424,3 +406,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traffic", type=int, default=TRAFFIC,
                    help=f"--toy: conversations no training row asks that join the calibration set (default {TRAFFIC})")
     p.add_argument("--out", default="runs/bench-acceptance")
+    p.add_argument("--seeds", help="comma-separated train.seed values (e.g. 0,1,2): each trains and evaluates "
+                                   "all drafts; the mean ratio gets its bootstrap interval over prompts")

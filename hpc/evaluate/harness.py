@@ -56,6 +56,9 @@ class BenchResult:
     calibration_steps: list = field(default_factory=list)
     # How those confidences were read (eval.confidence: served | side_file); "" without a head.
     confidence: str = ""
+    # [verify steps, accepted tokens] of each prompt's first decode, in the manifest's order: what
+    # a bootstrap over prompts resamples (`dspark-dev bench acceptance`). Empty for the baseline.
+    per_prompt: list = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: dict) -> BenchResult:
@@ -148,6 +151,7 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
             steps_before = len(getattr(engine, "steps", []))
             first_pass: list = []
             before = engine.counters()
+            last, per_prompt = before, []
             rates, base_rates, ratios, tokens, wall = [], [], [], 0, 0.0
             for p in range(passes):
                 for text in b.prompts:
@@ -159,6 +163,11 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                     if baseline is not None and base_rates[-1] > 0:
                         ratios.append(rates[-1] / base_rates[-1])
                     tokens, wall = tokens + k, wall + seconds
+                    if n and p == 0:  # single-stream: the counters' change is this prompt's alone
+                        now = engine.counters()
+                        per_prompt.append([now.verify_steps - last.verify_steps,
+                                           now.accepted_tokens - last.accepted_tokens])
+                        last = now
                     bar.update(task, advance=1, rate=f"{statistics.mean(rates):.1f} tok/s")
                 if p == 0:  # the calibration report reads one decode per prompt: more passes repeat it
                     first_pass = list(getattr(engine, "steps", [])[steps_before:])
@@ -168,7 +177,8 @@ def run_benchmarks(engine, benches: list, tokenizer, out_dir: str | Path, label:
                               verify_steps=delta.verify_steps, drafted_tokens=delta.drafted_tokens,
                               accepted_tokens=delta.accepted_tokens, accept_len=delta.accept_len if n else None,
                               per_position=delta.per_position(n) if n else [], temperature=temperature,
-                              calibration_steps=first_pass, confidence=getattr(engine, "confidence", ""))
+                              calibration_steps=first_pass, confidence=getattr(engine, "confidence", ""),
+                              per_prompt=per_prompt)
             if ratios:
                 res.speedup, res.speedup_lo, res.speedup_hi = ratio_spread(ratios)
                 res.baseline_tok_s, res.pairs, res.timing = statistics.mean(base_rates), len(ratios), timing_of(True)

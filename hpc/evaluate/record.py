@@ -137,7 +137,7 @@ def results_digest(results: list[BenchResult]) -> str:
 
 def _digest_view(r: BenchResult) -> dict:
     """The result under the key names its file had before the counts were renamed, without the
-    drafted tokens such a file did not keep: a directory measured then keeps its MLflow run on a
+    drafted tokens (or per-prompt counts) such a file did not keep: a directory measured then keeps its MLflow run on a
     requeue, instead of being logged again as re-measured."""
     d = asdict(r)
     for old, new in LEGACY_NAMES.items():
@@ -146,6 +146,8 @@ def _digest_view(r: BenchResult) -> dict:
         del d["drafted_tokens"]
     if not d["confidence"]:  # nor the confidence reading, which files without a head never had
         del d["confidence"]
+    if not d["per_prompt"]:  # nor per-prompt counts, which files before them never had
+        del d["per_prompt"]
     return d
 
 

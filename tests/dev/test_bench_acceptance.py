@@ -129,6 +129,8 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
     assert set(rows) == {"gsm8k", "humaneval", "mean"}
     assert all(len(v) == 4 and all(float(x) >= 1.0 for x in v) for v in rows.values()), rows  # tau >= 1 always
     assert "DSpark / DFlash at n=7:" in text and "DSpark / ngram at n=7:" in text
+    for line in (ln for ln in text.splitlines() if ln.startswith("DSpark / ")):  # each ratio with its spread
+        assert "x (95% CI " in line and "bootstrap over 2 prompts" in line, line
     for png in ("loss_curves.png", "per_position_n7.png"):
         assert (out / png).stat().st_size > 0
     assert not (out / "per_position_n3.png").exists()
