@@ -87,8 +87,30 @@ def record_window(cfg: DSparkConfig, requeue_s: float, model: dict[str, tuple[fl
     rec = {"attempt": attempt, "signal_delay_s": cfg.cluster.signal_delay_s, "signal_to_requeue_s": total,
            "modelled_window_s": sum(p["modelled_s"] or 0.0 for p in parts) or None, "parts": parts}
     write_text(out / RECORD, json.dumps(rec, indent=2) + "\n", mode=0o600)
+    return window_line(rec, cfg.cluster.signal_delay_s, out / RECORD)
+
+
+def window_line(rec: dict, signal_delay_s: float, where: Path) -> str:
+    """A record's one line for the job log."""
     said = ", ".join(f"{p['part']} {p['measured_s']:.2f} s" if p["measured_s"] is not None else f"{p['part']} -"
-                     for p in parts)
+                     for p in rec["parts"])
+    total = rec.get("signal_to_requeue_s")
     whole = f"; signal to requeue {total:.1f} s" if total is not None else ""
-    return (f"preemption window (attempt {attempt}): {said}{whole}, of cluster.signal_delay_s = "
-            f"{cfg.cluster.signal_delay_s} s; beside the plan's model in {out / RECORD}")
+    return (f"preemption window (attempt {rec['attempt']}): {said}{whole}, of cluster.signal_delay_s = "
+            f"{signal_delay_s} s; beside the plan's model in {where}")
+
+
+def last_window(cfg: DSparkConfig, restart: int) -> str | None:
+    """The previous attempt's line, for the requeued job's log. Node 0 prints it at the requeue
+    too, but from inside a step that Slurm is ending: that copy can be lost with the step's output
+    (the record on disk is not)."""
+    path = Path(cfg.train.output_dir) / RECORD
+    if not restart or not path.is_file() or path.stat().st_uid != os.getuid():
+        return None  # no requeue, no record, or a record this user did not write
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("attempt") != restart - 1 or not isinstance(rec.get("parts"), list):
+        return None  # an older job's record, or not ours to read
+    return window_line(rec, cfg.cluster.signal_delay_s, path)

@@ -89,7 +89,7 @@ def check_drill_record(job_dir: Path, log_text: str, overrides: list[str]) -> No
     """The drill: node 0 measured each part of the window on this cluster, its ranks on the other
     node included, and put the plan's model for the same config beside each (issue 45, item 3)."""
     from hpc.config import resolve
-    from hpc.launch.preemption import PARTS, RECORD, modelled_window
+    from hpc.launch.preemption import PARTS, RECORD, modelled_window, window_line
 
     rec = json.loads((job_dir / RECORD).read_text())
     assert (job_dir / RECORD).stat().st_mode & 0o077 == 0
@@ -105,5 +105,27 @@ def check_drill_record(job_dir: Path, log_text: str, overrides: list[str]) -> No
     assert rec["signal_to_requeue_s"] >= by["write the checkpoint"]["measured_s"] + by["requeue"]["measured_s"]
     model = modelled_window(resolve(str(ROOT / "configs/toy-cpu.yaml"), overrides, check_tracking=False))
     assert model and all(by[part]["modelled_s"] == model[part][0] for part in PARTS)
-    assert f"preemption window (attempt 0): reach a step boundary {by['reach a step boundary']['measured_s']:.2f} s" \
-        in log_text
+    # node 0's line at the requeue can go with the step Slurm ends; the next attempt prints it from the record
+    line = window_line(rec, 90, job_dir / RECORD)
+    assert line.startswith("preemption window (attempt 0): reach a step boundary "
+                           f"{by['reach a step boundary']['measured_s']:.2f} s")
+    assert f"dspark stage all: the last attempt's {line}" in log_text, log_text[-3000:]
+
+
+def test_the_next_attempt_prints_only_its_predecessors_record(toy_target, tmp_path):
+    """The requeued job's log gets the window from disk: the record of the attempt just before,
+    never an older job's, nor a broken file."""
+    from hpc.config import resolve
+    from hpc.launch.preemption import RECORD, last_window
+
+    cfg = resolve(str(ROOT / "configs/toy-cpu.yaml"), [*recipe(toy_target, tmp_path, "debug"),
+                                                          f"train.output_dir={tmp_path}"], check_tracking=False)
+    assert last_window(cfg, 1) is None  # no record
+    part = {"part": "reach a step boundary", "measured_s": 0.25}
+    (tmp_path / RECORD).write_text(json.dumps({"attempt": 0, "signal_to_requeue_s": 1.5, "parts": [part]}))
+    line = last_window(cfg, 1)
+    assert line and line.startswith("preemption window (attempt 0): reach a step boundary 0.25 s; "
+                                    "signal to requeue 1.5 s")
+    assert last_window(cfg, 0) is None and last_window(cfg, 2) is None  # first attempt; an older attempt's
+    (tmp_path / RECORD).write_text("{not json")
+    assert last_window(cfg, 1) is None
