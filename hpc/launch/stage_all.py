@@ -118,7 +118,7 @@ def run_all(config: str, overrides: list[str], only: list[str] | None = None, n:
         run_dir = attempt_dir(Path(base.train.output_dir), f"{fresh_dir}-{job_id}", restart)
         # appended last, so they win over the same keys in the user's overrides
         overrides = [*overrides, f"train.output_dir={run_dir / 'train'}", f"eval.output_dir={run_dir / 'eval'}"]
-    cfg = resolve(config, overrides, check_tracking=False)
+    cfg = resolve(config, overrides, check_tracking=False) if run_dir else base
     # a parent of its own only for a whole pipeline: a lone report must name the pipeline it ends
     whole = {"train", "report"} <= {j.stage.name for j in todo}
     parent = _parent(cfg, parent_run_id, run_dir, needed=whole)
