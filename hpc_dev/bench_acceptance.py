@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.calibration.report import perfect_head_eces, position_report, reached, survival
 from hpc.config import load_config, resolve, to_object
 from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.config.target import localize
 from hpc.errors import UserError
-from hpc.evaluate.benchmarks import load_benchmark
+from hpc.evaluate.confidence_report import perfect_head_eces, position_report, reached, survival
 from hpc.evaluate.engines import ReferenceEngine
 from hpc.evaluate.harness import chat_ids
 from hpc.evaluate.runner import evaluate
+from hpc.formats.benchmarks import load_benchmark
 from hpc.launch.stages import regenerate_stage
 from hpc.track.keys import DRAFT
 from hpc.track.pipeline import create_child_run, create_pipeline_run, ends

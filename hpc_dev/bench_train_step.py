@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hpc.model.args import ConfidenceTarget, DraftArgs, LossArgs
+from hpc.formats.draft_args import ConfidenceTarget, DraftArgs, LossArgs
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.loss import PackedRow, dspark_loss

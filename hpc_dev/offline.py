@@ -13,8 +13,8 @@ from hpc.calibration.stage import fit_held_out, format_fitted
 from hpc.config.schema import DSparkConfig
 from hpc.data.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
 from hpc.errors import UserError
+from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.model.export import as_served
-from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.epochs import local_micro_batches
 from hpc.train.trainer import Trainer
 from hpc.verifier.hf_backend import HFVerifier

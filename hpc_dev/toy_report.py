@@ -17,8 +17,8 @@ import statistics
 from pathlib import Path
 
 from hpc.config.schema import BENCHMARKS, EvalConfig
-from hpc.evaluate.benchmarks import load_benchmark
 from hpc.evaluate.harness import chat_ids
+from hpc.formats.benchmarks import load_benchmark
 
 GOALS = {"distinct": 0.4, "lookup": 0.4, "run": 8}
 

@@ -30,23 +30,20 @@ DEPENDS: dict[str, set[str]] = {
     # the serving watch: live spec-decode counters against the champion's evaluation
     "hpc.watch": {"hpc.evaluate", "hpc.track"},
     # the calibrate stage and the fits it runs: the draft over captured rows, as training runs it
-    "hpc.calibration": {"hpc.train", "hpc.calibration.maps"},
-    "hpc.train": {"hpc.data", "hpc.stream", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)
+    "hpc.calibration": {"hpc.train"},
+    "hpc.train": {"hpc.data", "hpc.stream", "hpc.track", "hpc.own_env"},  # the trainer (online: verifier + stream + DDP)
     # the training data: sources, tokenising, vocab, regeneration by the target, calibration rows
-    "hpc.data": {"hpc.evaluate", "hpc.verifier", "hpc.train.checkpoint", "hpc.data.vocab"},
-    "hpc.train.checkpoint": {"hpc.fsio"},  # below the data: a resume keeps the data its checkpoint names
-    "hpc.evaluate": {"hpc.verifier", "hpc.track", "hpc.calibration.report"},  # spec-decode evaluation, compare
-    "hpc.calibration.report": {"hpc.errors", "hpc.tables", "hpc.track"},  # the served confidences' report
+    "hpc.data": {"hpc.verifier"},
+    # spec-decode evaluation, compare, the served confidences' report
+    "hpc.evaluate": {"hpc.verifier", "hpc.track"},
     "hpc.verifier": {"hpc.stream", "hpc.model", "hpc.proc", "hpc.own_env"},  # vLLM / HF capture
     "hpc.stream": {"hpc.dist", "hpc.net", "hpc.tables"},  # streamer -> trainer transport; Capture, MicroBatch
     "hpc.track": {"hpc.config", "hpc.proc", "hpc.net"},  # MLflow
-    # the draft, its loss, export; it reads the vocab map and the calibration maps it is served with
-    "hpc.model": {"hpc.config", "hpc.tables", "hpc.model.args", "hpc.data.vocab", "hpc.calibration.maps"},
-    "hpc.data.vocab": {"hpc.errors"},
-    "hpc.calibration.maps": {"hpc.errors", "hpc.fsio"},
-    # the draft's and the loss's settings: the model owns them, the config's sections are them
-    "hpc.model.args": {"hpc.errors"},
-    "hpc.config": {"hpc.errors", "hpc.fsio", "hpc.model.args"},  # schema, loading, login-node validation
+    "hpc.model": {"hpc.config", "hpc.tables"},  # the draft, its loss, export
+    "hpc.config": {"hpc.formats"},  # schema, loading, login-node validation
+    # what one stage writes and another reads: the draft's config.json args, the vocab map, the
+    # calibration maps, the checkpoint layout, the benchmark manifests. No torch at import.
+    "hpc.formats": {"hpc.errors", "hpc.fsio"},
     "hpc.dist": {"hpc.errors", "hpc.own_env"},  # the NCCL-rules checker and the two planes
     "hpc.proc": {"hpc.errors", "hpc.proc_guard"},  # a server in a subprocess (VLLMServer, MlflowServer)
     **{leaf: set() for leaf in ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard",
@@ -327,8 +324,9 @@ def test_the_lazy_import_check_wants_a_reason(tmp_path):
 # What the draft's own modules may import: they also run in venvs we do not build (speculators'
 # for the parity tests, vLLM's where a draft is loaded beside the engine), which have torch and
 # safetensors but none of our command-line stack.
-FOREIGN_VENV_MODULES = ("hpc.model.args", "hpc.model.blocks", "hpc.model.dspark", "hpc.model.export",
-                        "hpc.model.loss", "hpc.model.teacher", "hpc.calibration.maps")
+FOREIGN_VENV_MODULES = ("hpc.formats.draft_args", "hpc.model.blocks", "hpc.model.dspark", "hpc.model.export",
+                        "hpc.model.loss", "hpc.model.teacher", "hpc.formats.calibration",
+                        "hpc.formats.vocab_map")
 NOT_IN_FOREIGN_VENVS = ("omegaconf", "yaml", "mlflow", "rich", "croniter", "submitit", "ray", "transformers")
 
 

@@ -4,7 +4,7 @@ The head is trained on one event (`train.loss.confidence_target`), while serving
 two modes: greedy decoding accepts a draft when it equals the target's argmax, speculative
 sampling with probability 1 - TV. Whatever the head was trained on, a map per position, fitted
 on held-out captures against each mode's event, makes its output the chance that mode accepts:
-Platt's sigmoid(a_k * z + b_k), or an isotonic map (`hpc.calibration.maps`) where that predicts
+Platt's sigmoid(a_k * z + b_k), or an isotonic map (`hpc.formats.calibration`) where that predicts
 held-out rows better. It is stored beside the export (`confidence_calibration.json`, which vLLM
 does not read) and applied by whoever reads the confidences.
 
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hpc.calibration.maps import MODES, Calibration, fit_isotonic, isotonic_chance
+from hpc.calibration.isotonic import fit_isotonic
+from hpc.formats.calibration import MODES, Calibration, isotonic_chance
 from hpc.model import metrics as M
 from hpc.model.blocks import select_anchors
 from hpc.model.dspark import DSparkDraft
@@ -204,7 +205,7 @@ def fit_calibration(slots: HeldOutSlots, halves: tuple[HeldOutSlots, HeldOutSlot
     cross-fitted ECE of 0.22 where the pooled map read 0.06 on the benchmarks). `share` names
     positions, per mode, that share the pooled map whatever their counts.
 
-    A position with a map of its own also gets an isotonic map (`hpc.calibration.maps`), which
+    A position with a map of its own also gets an isotonic map (`hpc.formats.calibration`), which
     replaces its Platt map where, fitted on one half, it predicts the other half better (both
     ways, summed); `isotonic_at` names positions, per mode, that get one without that test."""
     maps: dict[str, list[tuple[float, float]]] = {}

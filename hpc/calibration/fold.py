@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hpc.calibration.fit import MIN_WEIGHT, HeldOutSlots, concat_slots, weighted_ece, weighted_ece_floor
-from hpc.calibration.maps import Fold
+from hpc.formats.calibration import Fold
 
 # The ECE search judges a k only with this many (effective) blocks: fewer read noise, which a
 # two-number map must not chase.

@@ -39,12 +39,12 @@ from hpc.calibration.fit import (
     weighted_ece_floor,
 )
 from hpc.calibration.fold import FoldFit, fit_fold, survival_ece
-from hpc.calibration.maps import FILE as CALIBRATION
-from hpc.calibration.maps import MODES, Calibration
 from hpc.config.schema import DSparkConfig
 from hpc.data.prepare import PREPARED, calibration_rows, load_prepared, split_held_out
 from hpc.dist.planes import rank_device
 from hpc.errors import UserError, VerifierDown
+from hpc.formats.calibration import FILE as CALIBRATION
+from hpc.formats.calibration import MODES, Calibration
 from hpc.model.export import is_export, load_draft, refold_export
 from hpc.model.loss import PackedRow
 from hpc.model.teacher import target_head

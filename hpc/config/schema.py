@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hpc.model.args import DraftArgs, LossArgs
+from hpc.formats.draft_args import DraftArgs, LossArgs
 
 
 class FinalHidden(str, Enum):
@@ -214,7 +214,7 @@ class TrainConfig:
     grad_accumulation: int = 2
     steps: int = 20000
     max_anchors: int = 3072
-    loss: LossArgs = field(default_factory=LossArgs)  # the model package owns it (hpc.model.args)
+    loss: LossArgs = field(default_factory=LossArgs)  # the loss's own class (hpc.formats.draft_args)
     apply_verifier_norm: bool = False
     # The draft lm_head starts as the verifier's lm_head rows of the draft vocab; speculators
     # keeps it frozen there, which is the default here too.
@@ -276,7 +276,7 @@ class CostCurves:
 
 
 # The published card's benchmarks, in its row order: the one list that validation, the eval
-# harness (one manifest each, hpc/evaluate/manifests), compare and the reports read.
+# harness (one manifest each, hpc/formats/manifests), compare and the reports read.
 BENCHMARKS = ("gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding")
 
 
@@ -402,7 +402,7 @@ class DSparkConfig:
     name: str = "kimi-k2.6-dspark"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
-    # The model package's own class (hpc.model.args); here its target dims follow verifier.*.
+    # The draft's own class (hpc.formats.draft_args, the format of its config.json); here its target dims follow verifier.*.
     draft: DraftArgs = field(default_factory=lambda: DraftArgs(
         **{key: f"${{verifier.{source}}}" for key, source in DRAFT_FROM_VERIFIER.items()}))  # type: ignore[arg-type]
     data: DataConfig = field(default_factory=DataConfig)

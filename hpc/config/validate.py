@@ -182,7 +182,7 @@ def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
                "needs a Markov head; set draft.markov_rank > 0 or confidence_head_with_markov=false")
     if cfg.eval.num_speculative_tokens:
         largest = max(cfg.eval.num_speculative_tokens)
-        # Without sample_from_anchor slot 0 is the bonus token (hpc.model.args.DraftArgs.max_n),
+        # Without sample_from_anchor slot 0 is the bonus token (hpc.formats.draft_args.DraftArgs.max_n),
         # as in every DFlash-layout draft: the block drafts one token fewer.
         bonus = not d.sample_from_anchor
         room = d.block_size - (1 if bonus else 0)

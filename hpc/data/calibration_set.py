@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hpc.config import resolve
 from hpc.errors import UserError
-from hpc.evaluate.benchmarks import known_benchmarks, load_manifest, spare_prompts
+from hpc.formats.benchmarks import known_benchmarks, load_manifest, spare_prompts
 from hpc.fsio import write_text
 
 DEFAULT_ROWS = 64  # per benchmark

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from hpc.config.schema import DataConfig, DataSource, DSparkConfig
 from hpc.data.calibration_set import decoded_tokens
@@ -28,10 +27,12 @@ from hpc.data.reader import read_source
 from hpc.data.regen_shards import verify_shards
 from hpc.data.regenerate import calibration_data, regeneration_complete
 from hpc.data.sources import RowStats, TokenRow, tokenize_rows
-from hpc.data.vocab import count_assistant_tokens, mapping_from_selected, select_draft_vocab
+from hpc.data.vocab import count_assistant_tokens, select_draft_vocab
 from hpc.errors import UserError
+from hpc.formats.checkpoint_layout import latest_checkpoint
+from hpc.formats.vocab_map import FILE as VOCAB_FILE
+from hpc.formats.vocab_map import mapping_from_selected, save_vocab
 from hpc.fsio import atomic_path, write_text
-from hpc.train.checkpoint import latest_checkpoint
 
 
 @dataclass
@@ -58,14 +59,6 @@ def read_token_rows(path: str | Path) -> dict[int, tuple[list[int], list[int]]]:
         r = json.loads(line)
         rows[int(r["id"])] = (r["input_ids"], r["loss_mask"])
     return rows
-
-
-def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
-    return path
 
 
 def training_sources(data: DataConfig) -> list[DataSource]:
@@ -164,7 +157,7 @@ def data_settings(cfg: DSparkConfig) -> dict:
 def data_hash(data_dir: Path) -> str:
     """sha256 over rows.jsonl and vocab.safetensors: the identity of the prepared data."""
     h = hashlib.sha256()
-    for name in ("rows.jsonl", "vocab.safetensors"):
+    for name in ("rows.jsonl", VOCAB_FILE):
         with open(data_dir / name, "rb") as f:
             h.update(hashlib.file_digest(f, "sha256").digest())
     return h.hexdigest()
@@ -175,7 +168,7 @@ def prepared_hash(out_dir: str | Path) -> str:
     data = Path(out_dir) / "data"
     if (data / PREPARED).is_file():
         return json.loads((data / PREPARED).read_text())["hash"]
-    return data_hash(data) if (data / "rows.jsonl").is_file() and (data / "vocab.safetensors").is_file() else ""
+    return data_hash(data) if (data / "rows.jsonl").is_file() and (data / VOCAB_FILE).is_file() else ""
 
 
 def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
@@ -204,7 +197,7 @@ def _reuse_for_resume(cfg: DSparkConfig, out: Path) -> Prepared | None:
     stats = RowStats()
     stats.kept = sum(1 for _ in open(out / "rows.jsonl"))
     print(f"data: resuming {ckpt.name}, so the prepared data in {out} is reused as it is", flush=True)
-    return Prepared(out / "rows.jsonl", out / "vocab.safetensors", stats, 0)
+    return Prepared(out / "rows.jsonl", out / VOCAB_FILE, stats, 0)
 
 
 def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepared:
@@ -228,7 +221,7 @@ def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepar
     n = cfg.draft.draft_vocab_size
     seen = int((counts > 0).sum())
     d2t, t2d = mapping_from_selected(select_draft_vocab(counts, n, fill=True), vocab_size)
-    vocab_file = save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
+    vocab_file = save_vocab(out / VOCAB_FILE, d2t, t2d, counts)
     filled = max(0, n - seen)
     summary = {"rows_kept": stats.kept, **{f"rows_skipped_{k}": v for k, v in stats.skipped.items()},
                "draft_vocab_filled": filled}
@@ -239,7 +232,7 @@ def prepare_data(cfg: DSparkConfig, out_dir: str | Path | None = None) -> Prepar
 
 def load_prepared(out_dir: str | Path) -> tuple[dict, Path]:
     data = Path(out_dir) / "data"
-    return read_token_rows(data / "rows.jsonl"), data / "vocab.safetensors"
+    return read_token_rows(data / "rows.jsonl"), data / VOCAB_FILE
 
 
 def split_held_out(rows: dict, every: int) -> tuple[dict, dict]:

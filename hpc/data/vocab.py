@@ -1,8 +1,8 @@
 """Draft-vocabulary pruning: the draft predicts over the N most frequent target ids.
 
 Frequencies come from assistant (loss-masked) tokens only, because those are the tokens the
-draft must propose; prompt tokens are never drafted. The mapping follows the speculators /
-vLLM convention: `d2t[i] = selected[i] - i` (target_id = i + d2t[i]) and `t2d` a bool mask.
+draft must propose; prompt tokens are never drafted. The map these ids become, and its file, is
+a format on the lowest floor (`hpc.formats.vocab_map`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from hpc.errors import UserError
+from hpc.formats.vocab_map import mapping_from_selected
 
 
 def count_assistant_tokens(
@@ -50,39 +51,6 @@ def select_draft_vocab(counts_V: torch.Tensor, draft_vocab_size: int, fill: bool
     order = torch.argsort(counts_V, descending=True, stable=True)
     chosen = order[:draft_vocab_size]
     return torch.sort(ids_V[chosen]).values
-
-
-def mapping_from_selected(selected_D: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [D] int64 offsets, t2d [V] bool) for ascending kept ids."""
-    selected_D = selected_D.long()
-    check_selected(selected_D, vocab_size)
-    d2t_D = selected_D - torch.arange(selected_D.numel(), dtype=torch.int64)
-    t2d_V = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d_V[selected_D] = True
-    return d2t_D, t2d_V
-
-
-def selected_from_d2t(d2t_D: torch.Tensor) -> torch.Tensor:
-    return torch.arange(d2t_D.numel(), dtype=torch.int64) + d2t_D.long()
-
-
-def check_selected(selected_D: torch.Tensor, vocab_size: int) -> None:
-    if selected_D.numel() == 0:
-        raise UserError("empty draft vocabulary")
-    if int(selected_D.min()) < 0 or int(selected_D.max()) >= vocab_size:
-        raise UserError(
-            f"d2t maps draft ids to target ids {int(selected_D.min())}..{int(selected_D.max())}, "
-            f"outside the target vocab 0..{vocab_size - 1}; rebuild the vocab for this target"
-        )
-    if selected_D.numel() > 1 and not bool((selected_D[1:] > selected_D[:-1]).all()):
-        raise UserError("d2t does not map to strictly increasing target ids; rebuild the vocab")
-
-
-def check_d2t(d2t_D: torch.Tensor, vocab_size: int) -> None:
-    """A d2t loaded from disk must map into the target vocab, one-to-one."""
-    if d2t_D.dtype != torch.int64:
-        raise UserError(f"d2t must be int64, got {d2t_D.dtype}")
-    check_selected(selected_from_d2t(d2t_D), vocab_size)
 
 
 def build_vocab_mapping(

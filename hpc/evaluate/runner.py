@@ -22,18 +22,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.calibration.report import calibration_png, calibration_report, format_report
 from hpc.config.schema import DSparkConfig, EvalConfig, TrackingConfig
 from hpc.config.secrets import redact_uri, scrub
 from hpc.config.target import localize
 from hpc.config.validate_target import target_shape
 from hpc.errors import UserError
-from hpc.evaluate.benchmarks import load_benchmark
+from hpc.evaluate.confidence_report import calibration_png, calibration_report, format_report
 from hpc.evaluate.drafts import DraftSpec, check_ns, choose_engine, is_our_export, our_draft, vllm_build
 from hpc.evaluate.engines import ReferenceEngine, VLLMEngine
 from hpc.evaluate.hardware import hardware_id
 from hpc.evaluate.harness import BenchResult, attach_baseline, finished, run_benchmarks, timing_of, write_json_atomic
 from hpc.evaluate.record import card_text, find_baseline, load_results, results_digest, upload_all
+from hpc.formats.benchmarks import load_benchmark
+from hpc.formats.calibration import FILE as CALIBRATION_FILE
 from hpc.track.keys import (
     BASELINE_KEY,
     CONFIDENCE,
@@ -187,15 +188,14 @@ def check_side_file(path: Path, cfg: DSparkConfig) -> None:
     """A side file that belongs to another head is one line here, before any engine starts; and
     eval.confidence=side_file reads the per-position maps beside a DSpark export: without them
     the reference engine would read the served head and call it the side file's."""
-    from hpc.calibration.maps import FILE  # torch: loaded only on this path
     from hpc.model.export import side_file_problem  # safetensors, torch: loaded only on this path
 
     if (problem := side_file_problem(path)) is not None:
         raise UserError(problem)
     d = json.loads((path / "config.json").read_text())
     if (_value(cfg.eval.confidence) == "side_file" and d.get("enable_confidence_head")
-            and not (path / FILE).is_file()):
-        raise UserError(f"eval.confidence=side_file, but {path} has no {FILE} (the calibrate stage writes it); "
+            and not (path / CALIBRATION_FILE).is_file()):
+        raise UserError(f"eval.confidence=side_file, but {path} has no {CALIBRATION_FILE} (the calibrate stage writes it); "
                         "run `dspark stage calibrate CONFIG`, or set eval.confidence=served")
 
 

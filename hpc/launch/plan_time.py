@@ -19,7 +19,7 @@ from typing import Protocol
 from hpc.config.checker import Checker
 from hpc.config.schema import DataSource, DSparkConfig
 from hpc.config.slurm_time import parse_slurm_time
-from hpc.evaluate.benchmarks import load_manifest
+from hpc.formats.benchmarks import load_manifest
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 
 GB = 1e9

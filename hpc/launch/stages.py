@@ -42,6 +42,7 @@ from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
 from hpc.evaluate.runner import evaluate
+from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.launch.gpu_mode import check_shared_gpu
 from hpc.launch.job_files import job_file, publish, wait_published
 from hpc.launch.node_setup import prepare_once
@@ -135,9 +136,6 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
 
 def _training_done(train: TrainConfig) -> bool:
     """A signal that came after the last step needs no requeue: the checkpoints say so."""
-
-    from hpc.train.checkpoint import latest_checkpoint  # safetensors, torch: loaded only on this path
-
     ckpt = latest_checkpoint(Path(train.output_dir) / "checkpoints")
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] >= train.steps
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc.errors import UserError
-from hpc.model.args import DraftArgs
+from hpc.formats.draft_args import DraftArgs
 from hpc.model.layers import AttentionFn, DecoderLayer, RMSNorm, rope_cos_sin
 
 
@@ -82,10 +82,10 @@ class DSparkDraft(nn.Module):
         )
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(a.target_vocab_size, dtype=torch.bool))
-        # hpc.calibration.maps.Calibration, fitted after training: the confidences decoding reads
+        # hpc.formats.calibration.Calibration, fitted after training: the confidences decoding reads
         # become the chance its mode accepts. Not a weight: it travels beside the export.
         self.confidence_calibration: PositionMaps | None = None
-        # hpc.calibration.maps.Fold: the affine map the export folds into the head's weights, which
+        # hpc.formats.calibration.Fold: the affine map the export folds into the head's weights, which
         # is what vLLM serves. The weights here stay the raw head's (training, calibration and warm
         # starts read those); `hpc.model.export` folds on the way out and unfolds on the way in.
         self.confidence_fold: AffineMap | None = None

@@ -22,12 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hpc.calibration.maps import FILE as CALIBRATION
-from hpc.calibration.maps import Calibration, Fold
-from hpc.data.vocab import check_d2t
 from hpc.errors import UserError
+from hpc.formats.calibration import FILE as CALIBRATION
+from hpc.formats.calibration import Calibration, Fold
+from hpc.formats.draft_args import DraftArgs
+from hpc.formats.vocab_map import check_d2t
 from hpc.fsio import replace_dir
-from hpc.model.args import DraftArgs
 from hpc.model.dspark import DSparkDraft
 
 WEIGHTS = "model.safetensors"

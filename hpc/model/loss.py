@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hpc.formats.draft_args import ConfidenceTarget, LossArgs
 from hpc.model import metrics as M
-from hpc.model.args import ConfidenceTarget, LossArgs
 from hpc.model.blocks import check_attention, flex_attention_fn, make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
 from hpc.model.teacher import VerifierHead

@@ -1,67 +1,26 @@
 """Training checkpoints: everything needed to resume bit-exactly, with no pickle anywhere.
 
-Layout of `step_00001234/` (written as a hidden temp dir, renamed when complete):
-- `model.safetensors` + `config.json`: the draft in the export layout (fp32), so
-  `dspark export` reads a checkpoint directly;
-- `optimizer.safetensors` + `optimizer.json`: optimizer tensors and hyper-parameters;
-- `state.json`: step, epoch, data ledger, python RNG state;
-- `rank{r}.safetensors`: each rank's torch RNG states (CPU, CUDA, the anchor generator);
-- `manifest.json`: every file's size, written last.
-
-The directory is fsynced before the rename, and a resume checks the newest checkpoint
-(manifest sizes, JSON, safetensors headers) and falls back to the previous good one, saying
-so: a node that died mid-write must not cost the run. The next save sets the damaged ones
-aside (`.step_X.damaged`), so the prune to `keep_checkpoints` counts only this run's own.
+The layout of `step_00001234/`, what a whole checkpoint is and which one a resume takes are a
+format (`hpc.formats.checkpoint_layout`); this writes and reads one. The directory is written as a hidden
+temp dir, fsynced and renamed when complete. The next save sets the damaged ones aside
+(`.step_X.damaged`), so the prune to `keep_checkpoints` counts only this run's own.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from hpc.formats.checkpoint_layout import MANIFEST, TrainState, checkpoint_problem, list_checkpoints, step_dir
 from hpc.fsio import replace_dir
-
-MANIFEST = "manifest.json"
-REQUIRED = ("model.safetensors", "config.json", "optimizer.safetensors", "optimizer.json", "state.json")
-
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    epoch: int = 0
-    samples_seen: int = 0
-    samples_skipped: int = 0  # reported by the streamers: their capture failed
-    # [epoch, sample id] of every sample trained from `epoch` on: a restart skips them, so no
-    # sample is seen twice. Pairs, not ids: near an epoch's end the samples in flight (and
-    # those of one micro-step across ranks) mix two epochs, and the same id is due in both.
-    ledger: list[list[int]] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    data_hash: str = ""  # the prepared rows + vocabulary this state counts samples of
-
-    def record(self, consumed: list[tuple[int, int]], epoch_size: int | None = None,
-               skipped: Sequence[tuple[int, int]] = ()) -> None:
-        """Add one micro-step's (epoch, id) pairs; drop each epoch once all of its samples are in.
-        `skipped` samples failed to capture: they close their epoch like trained ones (or it would
-        never close, and the ledger would grow all run), and a restart does not retry them."""
-        self.ledger.extend([int(e), int(i)] for e, i in [*consumed, *skipped])
-        self.samples_seen += len(consumed)
-        self.samples_skipped += len(skipped)
-        while epoch_size and sum(1 for e, _ in self.ledger if e == self.epoch) >= epoch_size:
-            self.ledger = [p for p in self.ledger if p[0] != self.epoch]
-            self.epoch += 1
 
 
 def _rank(group=None) -> int:
@@ -118,47 +77,6 @@ def restore_rng(tensors: dict[str, torch.Tensor], generator: torch.Generator | N
         generator.set_state(tensors["anchor_generator"])
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=lambda p: p.name)
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` cannot be resumed from, or None when it is whole."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
-        for name in REQUIRED:
-            if not (path / name).is_file():
-                return f"{name} is missing"
-        for name, size in manifest.items():
-            if not (path / name).is_file() or (path / name).stat().st_size != size:
-                return f"{name} is not the size the manifest records"
-        for child in path.iterdir():
-            if child.suffix == ".json":
-                json.loads(child.read_text())
-            elif child.suffix == ".safetensors":
-                with safe_open(str(child), framework="pt") as f:
-                    f.keys()
-    except Exception as err:  # a damaged file raises whatever its parser raises
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return None
-
-
-def latest_checkpoint(root: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
-    """The newest checkpoint that is whole; damaged newer ones are skipped, and `say` is told."""
-    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    found = list_checkpoints(Path(root))
-    for i, path in enumerate(reversed(found)):
-        why = checkpoint_problem(path)
-        if why is None:
-            return path
-        earlier = found[-2 - i].name if i + 1 < len(found) else None
-        say(f"checkpoint {path} is damaged ({why}); "
-            + (f"falling back to {earlier}" if earlier else "no earlier checkpoint, starting from scratch"))
-    return None
-
-
 def _set_aside_newer(root: Path, final: Path) -> None:
     """Checkpoints newer than the one just written belong to a timeline this run left: its resume
     fell back past them because they were damaged. Left in place they would count against
@@ -178,9 +96,9 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, export_config: dic
                     state: TrainState, generator: torch.Generator | None, keep: int, group=None) -> Path:
     """Collective: every rank writes its RNG file; rank 0 writes the rest and renames."""
     root = Path(root)
-    final = root / f"step_{state.step:08d}"
+    final = root / step_dir(state.step)
     # Every rank writes into it, so its name is one they all know; one job owns output_dir.
-    tmp = root / f".step_{state.step:08d}.tmp"
+    tmp = root / f".{step_dir(state.step)}.tmp"
     rank = _rank(group)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a job that died mid-save

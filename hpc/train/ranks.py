@@ -27,8 +27,8 @@ from hpc.data.prepare import load_prepared, split_held_out
 from hpc.dist.planes import flight_recorder_env, rank_device
 from hpc.dist.world import World, init_world
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.own_env import set_own
-from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.streamer_rank import streamer_rank
 from hpc.train.trainer_rank import stop_summary, trainer_rank
 

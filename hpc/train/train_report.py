@@ -15,13 +15,13 @@ from rich.progress import Progress as RichProgress
 from hpc.config import flatten
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redacted
+from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.fsio import write_text
 from hpc.model.export import export_draft, load_draft
 from hpc.track.keys import STAGE, STAGE_TRAIN
 from hpc.track.logger import RunLogger
 from hpc.track.pipeline import common_tags
 from hpc.track.plots import loss_curve_png
-from hpc.train.checkpoint import latest_checkpoint
 
 
 class Progress:

@@ -29,14 +29,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpc.config.schema import DSparkConfig, TrainConfig
 from hpc.data.prepare import regeneration_pending
 from hpc.dist.planes import Planes, broadcast_text
-from hpc.model.args import DraftArgs, LossArgs
+from hpc.formats.checkpoint_layout import TrainState, latest_checkpoint
+from hpc.formats.draft_args import DraftArgs, LossArgs
 from hpc.model.blocks import check_attention
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import PackedRow, dspark_loss
 from hpc.model.target_weights import load_target_tensors
 from hpc.model.teacher import TEACHER_ROLES, VerifierHead, target_head
 from hpc.stream.sample import Capture, MicroBatch
-from hpc.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from hpc.train.checkpoint import load_checkpoint, save_checkpoint
 from hpc.train.integrity import AGREE, JUDGED, TeacherAgreement
 from hpc.train.lr_schedule import lr_factor
 from hpc.train.warm_start import warm_start

@@ -22,10 +22,10 @@ from hpc.data.prepare import prepared_hash
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.errors import EXIT_REQUEUE
+from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.fsio import write_text
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.train import preempt_clock
-from hpc.train.checkpoint import latest_checkpoint
 from hpc.train.train_report import TrainReport
 from hpc.train.trainer import RequeueRequested, Trainer
 

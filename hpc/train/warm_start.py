@@ -15,8 +15,8 @@ import torch
 
 from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.config.secrets import redact_uri, scrub
-from hpc.data.vocab import selected_from_d2t
 from hpc.errors import UserError
+from hpc.formats.vocab_map import selected_from_d2t
 from hpc.model.dspark import DSparkDraft
 
 CHAMPION = "champion"

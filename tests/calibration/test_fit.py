@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hpc.calibration.fit import HeldOutSlots, ece_by_position, fit_calibration, held_out_slots, weighted_ece
-from hpc.calibration.maps import FILE, Calibration
+from hpc.formats.calibration import FILE, Calibration
 from hpc.model.export import export_draft, load_draft
 from hpc.model.loss import VerifierHead
 from tests.model import test_dspark as T
@@ -163,7 +163,7 @@ def test_cross_fitting_scores_each_half_with_the_other_halfs_map():
 
 def test_the_weighted_floor_is_a_perfect_heads_ece_whatever_the_weights_scale():
     from hpc.calibration.fit import weighted_ece_floor
-    from hpc.calibration.report import ece_floor
+    from hpc.evaluate.confidence_report import ece_floor
 
     conf = torch.rand(200, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1
     ones = torch.ones(200)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpc.calibration.fit import decode_visits, held_out_slots, response_segments
-from hpc.calibration.report import reached
+from hpc.evaluate.confidence_report import reached
 from hpc.evaluate.reference import speculative_generate
 from hpc.model.loss import PackedRow, VerifierHead
 from tests.evaluate.test_reference import random_draft, random_target
@@ -59,7 +59,7 @@ def fitted():
     """A draft fitted to the target's greedy answer for a few steps, so that blocks accept runs of
     drafts (a random draft accepts almost none, and every anchor is then visited)."""
     from hpc.evaluate.reference import greedy_generate
-    from hpc.model.args import LossArgs
+    from hpc.formats.draft_args import LossArgs
     from hpc.model.loss import dspark_loss
 
     target, aux, prompt = random_target(), [1, 2, 3], [5, 17, 33, 2]

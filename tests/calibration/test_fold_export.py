@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from hpc.calibration.fit import HeldOutSlots, concat_slots
 from hpc.calibration.fold import fit_fold, folded, mean_survival_ece, survival_ece
-from hpc.calibration.maps import FILE, Calibration, Fold
 from hpc.errors import UserError
+from hpc.formats.calibration import FILE, Calibration, Fold
 from hpc.model.export import export_draft, head_sha256, is_export, load_draft, refold_export
 from tests.model.test_dspark import tiny_model
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hpc.calibration.fit import HeldOutSlots, concat_slots, cross_fitted_ece, ece_by_position, fit_calibration
-from hpc.calibration.maps import EPS, FILE, Calibration, fit_isotonic, isotonic_chance, isotonic_logit
+from hpc.calibration.isotonic import fit_isotonic
 from hpc.errors import UserError
+from hpc.formats.calibration import EPS, FILE, Calibration, isotonic_chance, isotonic_logit
 
 
 def test_pool_adjacent_violators_by_hand():

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from hpc.calibration.maps import FILE, Calibration
 from hpc.calibration.stage import calibrate_export
 from hpc.config.schema import DSparkConfig, VerifierBackend
 from hpc.data.prepare import split_held_out
-from hpc.data.vocab import mapping_from_selected
 from hpc.errors import UserError
+from hpc.formats.calibration import FILE, Calibration
+from hpc.formats.vocab_map import mapping_from_selected
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.model.target_weights import load_target_tensors

@@ -11,7 +11,7 @@ from hpc.config.schema import EvalConfig
 from hpc.data.calibration_set import write_calibration_set
 from hpc.data.sources import read_rows, to_messages
 from hpc.errors import UserError
-from hpc.evaluate.benchmarks import load_benchmark, spare_prompts
+from hpc.formats.benchmarks import load_benchmark, spare_prompts
 from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_a_benchmark_evaluated_in_full_spares_only_rows_outside_its_window():
 def test_spare_outside_must_name_a_filter():
     import dataclasses
 
-    from hpc.evaluate.benchmarks import _check_manifest, load_manifest
+    from hpc.formats.benchmarks import _check_manifest, load_manifest
 
     bad = dataclasses.replace(load_manifest("livecodebench"), spare_outside=["contest_id"])
     with pytest.raises(ValueError, match=r"spare_outside names \['contest_id'\], which are not filters"):

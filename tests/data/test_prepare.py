@@ -41,7 +41,8 @@ def _cfg(tmp_path, toy_target, data, *extra):
 def _checkpoint(cfg, data_hash: str) -> None:
     import torch
 
-    from hpc.train.checkpoint import TrainState, save_checkpoint
+    from hpc.formats.checkpoint_layout import TrainState
+    from hpc.train.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

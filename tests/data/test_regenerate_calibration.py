@@ -56,11 +56,11 @@ def test_calibration_rows_that_were_never_regenerated_are_refused(tmp_path):
 def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(regen_server, toy_target, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from hpc.calibration.maps import Calibration
     from hpc.calibration.stage import calibrate_export
     from hpc.data.calibration_set import write_calibration_set
     from hpc.data.prepare import calibration_rows, prepare_data
     from hpc.data.regenerate import regenerate_all
+    from hpc.formats.calibration import Calibration
     from hpc.model.export import export_draft
     from hpc.train.trainer import build_draft
 
@@ -85,7 +85,7 @@ def test_a_calibration_set_is_answered_by_the_target_and_calibrates_the_export(r
         assert sum(mask) == min(3, sum(rows[i][1]))
     # The prompt is the benchmark's, rendered as the evaluation renders it; the target's reply follows.
     tok = AutoTokenizer.from_pretrained(toy_target)
-    from hpc.evaluate.benchmarks import spare_prompts
+    from hpc.formats.benchmarks import spare_prompts
 
     first = tok.apply_chat_template([{"role": "user", "content": spare_prompts("gsm8k", bench, 1)[0]}],
                                     add_generation_prompt=True, tokenize=True, return_dict=False)

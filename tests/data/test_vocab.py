@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.data.vocab import (
-    build_vocab_mapping,
-    check_d2t,
-    count_assistant_tokens,
-    mapping_from_selected,
-    select_draft_vocab,
-    selected_from_d2t,
-)
+from hpc.data.vocab import build_vocab_mapping, count_assistant_tokens, select_draft_vocab
 from hpc.errors import UserError
+from hpc.formats.vocab_map import check_d2t, mapping_from_selected, selected_from_d2t
 
 
 def test_counts_only_loss_masked_tokens():

@@ -163,8 +163,8 @@ def test_quick_run_trains_three_drafts_and_evaluates_them_beside_ngram(vllm_pyth
 
 def test_judged_lines_read_the_cross_fitted_ece_against_the_goal_and_its_floor():
     from hpc.calibration.fold import FoldFit
-    from hpc.calibration.maps import Calibration, Fold
     from hpc.calibration.stage import Fitted
+    from hpc.formats.calibration import Calibration, Fold
 
     ece = {"greedy": [(0.02, 5000.0), (0.08, 900.0), (0.03, 20.0), (0.0, 0.0)],
            "sampling": [(0.01, 4000.0), (0.02, 800.0), (0.1, 15.0), (0.0, 0.0)]}

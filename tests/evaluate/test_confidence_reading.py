@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from hpc.calibration.maps import Calibration, Fold
 from hpc.config.schema import DSparkConfig, ServedConfidence
 from hpc.errors import UserError
 from hpc.evaluate.compare import EvalRecord, card_markdown, card_table
 from hpc.evaluate.engines import ReferenceEngine
 from hpc.evaluate.harness import BenchResult, finished, run_benchmarks
 from hpc.evaluate.runner import check_side_file
+from hpc.formats.calibration import Calibration, Fold
 from hpc.model.export import export_draft, load_draft, refold_export
 from tests.evaluate.test_harness import CharTokenizer, bench
 from tests.evaluate.test_reference import random_draft, random_target

@@ -208,7 +208,7 @@ def test_plain_sampling_is_seeded_and_temperature_zero_is_greedy():
 def test_calibration_record_holds_every_drafted_slot_and_the_accepted_prefix():
     """The report replays policies on the record: it must count what was drafted, not only the
     slots up to the first rejection (which made n=7 look as cheap as n=1 to a poor draft)."""
-    from hpc.calibration.report import benchmark_report, reached
+    from hpc.evaluate.confidence_report import benchmark_report, reached
 
     target = random_target()
     draft = random_draft(target, [1, 2, 3])

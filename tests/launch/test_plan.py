@@ -205,7 +205,7 @@ def test_the_kimi_stages_follow_the_formulas():
     train = pl.run_hours * 3600 + math.ceil(cfg.train.steps / cfg.train.checkpoint_interval) * write + load
     held = rows // cfg.train.hold_out_every
     calibrate = load + held * pl.avg_seq_len / pl.prefill_tok_s + held / (3 * pl.trainer_samples_s_per_gpu)
-    manifests = {b: yaml.safe_load((ROOT / "hpc/evaluate/manifests" / f"{b}.yaml").read_text()) for b in cfg.eval.benchmarks}
+    manifests = {b: yaml.safe_load((ROOT / "hpc/formats/manifests" / f"{b}.yaml").read_text()) for b in cfg.eval.benchmarks}
     tokens = sum((m["rows"] or m["expected_rows"]) * (cfg.eval.code_max_tokens if m["code"] else cfg.eval.max_tokens)
                  for m in manifests.values())
     runs = 1 + len(cfg.eval.compare) + 1  # our draft, eagle3 and the baseline (eval.timing=cached), a server each

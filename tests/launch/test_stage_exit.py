@@ -83,7 +83,8 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(node):
 def test_a_rank_this_node_stopped_is_not_blamed_and_the_resume_is_said(node, tmp_path):
     import torch
 
-    from hpc.train.checkpoint import TrainState, save_checkpoint
+    from hpc.formats.checkpoint_layout import TrainState
+    from hpc.train.checkpoint import save_checkpoint
 
     cfg, ranks = node
     model = torch.nn.Linear(2, 2)

@@ -11,7 +11,7 @@ from enum import Enum
 import pytest
 import torch
 
-from hpc.model.args import ConfidenceTarget, DraftArgs, LossArgs
+from hpc.formats.draft_args import ConfidenceTarget, DraftArgs, LossArgs
 from hpc.model.blocks import flex_attention_fn, make_blocks, select_anchors, training_mask
 from hpc.model.dspark import DSparkDraft, sdpa_attention
 from hpc.model.loss import PackedRow, VerifierHead, dspark_loss, objective

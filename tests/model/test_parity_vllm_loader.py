@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hpc.data.vocab import mapping_from_selected
+from hpc.formats.vocab_map import mapping_from_selected
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft
 from tests.fixtures.draft import toy_draft_args

@@ -25,7 +25,7 @@ from speculators.losses import eager as spec_eager
 from speculators.losses import resolve_loss_config
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-from hpc.model.args import ConfidenceTarget, LossArgs
+from hpc.formats.draft_args import ConfidenceTarget, LossArgs
 from hpc.model.blocks import make_blocks, select_anchors, tiled_sdpa_attention_fn
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import load_draft

@@ -41,7 +41,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
         trainer = Trainer(cfg, model, head, export, out_dir, group=planes.train_data, control_group=planes.train_control)
         trainer.resume()
         code = run_trainer(w, planes, trainer, stream_cfg, out_dir, on_step=on_step)
-        from hpc.train.checkpoint import latest_checkpoint
+        from hpc.formats.checkpoint_layout import latest_checkpoint
         ckpt = latest_checkpoint(Path(out_dir) / "checkpoints")
         state = json.loads((ckpt / "state.json").read_text()) if ckpt else {}
         (out / f"trainer{rank}.json").write_text(json.dumps(

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from hpc.data.vocab import mapping_from_selected
+from hpc.formats.vocab_map import mapping_from_selected
 
 
 def test_the_draft_takes_the_targets_context_length_into_its_export(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.train.checkpoint import TrainState, checkpoint_problem, latest_checkpoint, list_checkpoints, save_checkpoint
+from hpc.formats.checkpoint_layout import TrainState, checkpoint_problem, latest_checkpoint, list_checkpoints
+from hpc.train.checkpoint import save_checkpoint
 
 
 def _save(root, step: int, keep: int = 5):

@@ -89,7 +89,7 @@ def test_rows_a_person_wrote_are_counted_not_judged(clean):
 
 
 def test_tokens_off_the_draft_vocab_are_not_judged(clean, target_dir):  # noqa: F811
-    from hpc.data.vocab import mapping_from_selected
+    from hpc.formats.vocab_map import mapping_from_selected
     from hpc.model.target_weights import load_target_tensors
     from hpc.model.teacher import VerifierHead
 

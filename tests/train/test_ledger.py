@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from hpc.train.checkpoint import TrainState
+from hpc.formats.checkpoint_layout import TrainState
 from hpc.train.epochs import epoch_sequence
 
 ROWS = list(range(10))

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hpc.config.schema import TrainConfig
-from hpc.data.vocab import mapping_from_selected
+from hpc.formats.checkpoint_layout import list_checkpoints
+from hpc.formats.vocab_map import mapping_from_selected
 from hpc.model.dspark import DSparkDraft
 from hpc.model.loss import VerifierHead
 from hpc.model.target_weights import load_target_tensors
-from hpc.train.checkpoint import list_checkpoints
 from hpc.train.epochs import local_micro_batches
 from hpc.train.trainer import RequeueRequested, Trainer
 from hpc.verifier.hf_backend import HFVerifier

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from hpc.calibration.maps import Calibration
+from hpc.formats.calibration import Calibration
 from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hpc.config.schema import DSparkConfig
-from hpc.data.vocab import mapping_from_selected
 from hpc.errors import UserError
-from hpc.model.args import DraftArgs
+from hpc.formats.draft_args import DraftArgs
+from hpc.formats.vocab_map import mapping_from_selected
 from hpc.model.dspark import DSparkDraft
 from hpc.model.export import export_draft, load_draft
 from hpc.train.warm_start import warm_start

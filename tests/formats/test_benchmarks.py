@@ -12,11 +12,11 @@ import pytest
 
 from hpc.config.schema import BENCHMARKS, EvalConfig
 from hpc.errors import UserError
-from hpc.evaluate.benchmarks import known_benchmarks, load_benchmark, load_manifest
+from hpc.formats.benchmarks import known_benchmarks, load_benchmark, load_manifest
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 SHA = re.compile(r"[0-9a-f]{40}")
-FIXTURES = Path(str(resources.files("hpc.evaluate") / "fixtures"))
+FIXTURES = Path(str(resources.files("hpc.formats") / "fixtures"))
 
 
 @pytest.fixture(autouse=True)
@@ -216,7 +216,7 @@ def test_hub_load_uses_the_pinned_revision_and_warns_on_row_count(monkeypatch, c
         return fixture_rows("livecodebench")
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    with caplog.at_level("WARNING", logger="hpc.evaluate.benchmarks"):
+    with caplog.at_level("WARNING", logger="hpc.formats.benchmarks"):
         b = load_benchmark("livecodebench", EvalConfig())
     m = load_manifest("livecodebench")
     assert calls == [(m.dataset, None, {"split": "test", "revision": m.revision, "data_files": m.data_files})]

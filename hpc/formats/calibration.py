@@ -1,7 +1,7 @@
 """The maps that turn the confidence head's raw logit into a chance of acceptance, as stored
 beside an export and read by whoever reads the confidences. No fitting lives here (that is
-`hpc.calibration.fit` and `hpc.calibration.fold`): the draft (`hpc.model`) loads and applies
-these, and sits below the fits, which run it.
+`hpc.calibration`: fit, fold, isotonic): the draft (`hpc.model`) loads and applies these, and
+sits below the fits, which run it. torch is imported where a map is applied, not at import.
 
 - `Calibration`: per decoding mode and drafted position, Platt's sigmoid(a z + b) or an
   isotonic map (`confidence_calibration.json`, which vLLM does not read).
@@ -21,55 +21,24 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
 from hpc.fsio import write_text
 
+if TYPE_CHECKING:
+    import torch
+
 FILE = "confidence_calibration.json"
 MODES = ("greedy", "sampling")
 
-# Slots are pooled into at most this many runs of neighbouring logits before the pool-adjacent-
-# violators pass, which then costs O(runs) in Python however many slots Kimi's rows give.
-MAX_RUNS = 512
 # The map's chances are kept inside [EPS, 1 - EPS] so that its logit stays finite.
 EPS = 1e-4
 
 
-def fit_isotonic(z: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Knots (logits, chances) of the weighted least-squares non-decreasing fit of y on z,
-    read between knots by linear interpolation and held flat beyond them (`isotonic_chance`)."""
-    z, y, w = z.double().cpu(), y.double().cpu(), w.double().cpu()
-    keep = w > 0
-    z, y, w = z[keep], y[keep], w[keep]
-    if z.numel() == 0:
-        raise ValueError("no slot with weight: nothing to fit")
-    order = torch.argsort(z)
-    z, y, w = z[order], y[order], w[order]
-    # Slots of one logit (bf16 logits take a few hundred values) are one point of the fit: pool
-    # them first, so that no logit reads two chances and runs are cut only between logits.
-    zu, at = torch.unique_consecutive(z, return_inverse=True)
-    sw = torch.zeros_like(zu).index_add_(0, at, w)
-    swy = torch.zeros_like(zu).index_add_(0, at, w * y)
-    # Runs of neighbouring logits: (sum w*y, sum w, sum w*z), the unit the violators pass merges.
-    runs = [(float(a.sum()), float(b.sum()), float((b * c).sum()))
-            for a, b, c in zip(swy.tensor_split(MAX_RUNS), sw.tensor_split(MAX_RUNS), zu.tensor_split(MAX_RUNS))
-            if b.numel()]
-    blocks: list[list[float]] = []
-    for wy, sum_w, wz in runs:
-        blocks.append([wy, sum_w, wz])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] >= blocks[-1][0] / blocks[-1][1]:
-            last = blocks.pop()
-            for i in range(3):
-                blocks[-1][i] += last[i]
-    # A block's mean logit lies between its first and last, so the knots rise; cummax keeps a
-    # rounding of two neighbouring means from putting them one ulp out of order.
-    xs = torch.tensor([b[2] / b[1] for b in blocks], dtype=torch.float64).cummax(0).values
-    return xs.tolist(), [b[0] / b[1] for b in blocks]
-
-
 def _chance64(z: torch.Tensor, knots: tuple[list[float], list[float]]) -> torch.Tensor:
+    import torch  # a map applied: the draft's process has torch already
+
     xs = torch.tensor(knots[0], dtype=torch.float64, device=z.device)
     ps = torch.tensor(knots[1], dtype=torch.float64, device=z.device)
     zd = z.double()
@@ -87,6 +56,8 @@ def isotonic_chance(z: torch.Tensor, knots: tuple[list[float], list[float]]) -> 
 
 
 def isotonic_logit(z: torch.Tensor, knots: tuple[list[float], list[float]]) -> torch.Tensor:
+    import torch  # a map applied: the draft's process has torch already
+
     # The logit is taken in float64 and cast once: in bf16, 1 - EPS rounds to 1 and its logit is inf.
     return torch.logit(_chance64(z, knots)).to(z.dtype)
 
@@ -100,7 +71,7 @@ class Calibration:
     # Per mode, the positions that share the pooled map (too few slots, or their own map
     # predicted the other half of the rows worse): a record of the fit, not read by `apply`.
     pooled_at: dict[str, list[int]] = field(default_factory=dict)
-    # Per mode and position, an isotonic map's knots (`hpc.calibration.maps`) that replace that
+    # Per mode and position, an isotonic map's knots (`isotonic_chance`) that replace that
     # position's Platt map: kept where it predicted the other half of the rows better.
     isotonic: dict[str, dict[int, tuple[list[float], list[float]]]] = field(default_factory=dict)
     # sha256 of the exported confidence head these maps sit beside (`hpc.model.export.head_sha256`):

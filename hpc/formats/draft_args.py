@@ -1,4 +1,4 @@
-"""The draft's settings and its loss's, owned by the model package and held in one place each.
+"""The draft's settings and its loss's, held in one place each.
 
 `DraftArgs` is the config's `draft:` section (hpc.config.schema), the argument of `DSparkDraft`,
 and, through `to_config_json` / `from_config_json`, the `config.json` vLLM loads. `LossArgs` is

