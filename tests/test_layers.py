@@ -43,11 +43,11 @@ DEPENDS: dict[str, set[str]] = {
     "hpc.config": {"hpc.formats"},  # schema, loading, login-node validation
     # what one stage writes and another reads: the draft's config.json args, the vocab map, the
     # calibration maps, the checkpoint layout, the benchmark manifests. No torch at import.
-    "hpc.formats": {"hpc.errors", "hpc.fsio"},
+    "hpc.formats": {"hpc.errors", "hpc.fsio", "hpc.hub"},
     "hpc.dist": {"hpc.errors", "hpc.own_env"},  # the NCCL-rules checker and the two planes
     "hpc.proc": {"hpc.errors", "hpc.proc_guard"},  # a server in a subprocess (VLLMServer, MlflowServer)
     **{leaf: set() for leaf in ("hpc", "hpc.errors", "hpc.fsio", "hpc.net", "hpc.tables", "hpc.proc_guard",
-                                "hpc.own_env")},
+                                "hpc.own_env", "hpc.hub")},
 }
 MODULE_NAME = re.compile(r"^(hpc(?:_dev)?(?:\.\w+)+)(?::\w+)?$")  # "hpc.x.y" or "hpc.x.y:function"
 

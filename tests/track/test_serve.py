@@ -93,6 +93,7 @@ def test_credentials_are_drawn_once_whole_and_a_broken_file_is_named(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.slow  # starts real MLflow servers
 def test_the_server_owns_its_root_and_trusts_nothing_planted_in_it(tmp_path):
     """With --root already there at 0777: a credentials.env of another uid let the planter's password
     in, auth.ini was written through a planted link, server.log appended through another, and the

@@ -65,6 +65,7 @@ def test_the_session_server_serves_the_nodes_on_the_login_address_only(mlflow_se
     assert answers == {urls[0]: "200", urls[1]: "200", urls[2]: "refused"}, res.stdout
 
 
+@pytest.mark.slow  # starts real MLflow servers
 def test_a_host_name_the_server_does_not_serve_is_one_tracking_uri_line(tmp_path):
     """MLflow's Host check answered 403 to every job of a server on a login node's address, and
     validate (which asked /health, exempt from the check) said the config was valid."""
@@ -81,6 +82,7 @@ def test_a_host_name_the_server_does_not_serve_is_one_tracking_uri_line(tmp_path
         assert _tracking_problem(f"http://127.2:{server.port}", "probe") is None
 
 
+@pytest.mark.slow  # starts real MLflow servers
 def test_every_interface_needs_asking_and_still_prints_a_real_address(tmp_path):
     for host in ("0.0.0.0", "::"):
         with pytest.raises(UserError, match=re.escape(f"--host {host} listens on every interface") + ".*--all-interfaces"):
