@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.calibration.stage import fit_held_out, format_fitted
+from hpc.calibration.stage import calibration_rows_for, fit_held_out, format_fitted
 from hpc.config.schema import DSparkConfig
-from hpc.data.prepare import calibration_rows, load_prepared, prepare_data, split_held_out
+from hpc.data.prepare import load_prepared, prepare_data, split_held_out
 from hpc.errors import UserError
 from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.model.export import as_served
@@ -29,9 +29,10 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     """Prepare data, train on one rank with an HF verifier, return the last checkpoint.
 
     With `train.hold_out_every` > 0 those rows train nobody. Afterwards the confidence head's
-    calibration is fitted on the calibration rows (`data.calibration_sources`, else the held-out
-    ones) as the calibrate stage fits it (`hpc.calibration.stage`), and saved beside the last
-    checkpoint so that its export carries it, and handed to `on_calibrated` with its figures."""
+    calibration is fitted on the rows the calibrate stage picks (`calibration_rows_for`:
+    `data.calibration_sources`, else the held-out ones) as that stage fits it, and saved beside
+    the last checkpoint so that its export carries it, and handed to `on_calibrated` with its
+    figures."""
     out_dir = Path(out_dir or cfg.train.output_dir)
     train_cfg = copy.deepcopy(cfg.train)
     if steps is not None:
@@ -40,7 +41,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
     train_cfg.ranks_per_node = 1
     prepare_data(cfg, out_dir)
     rows, vocab_file = load_prepared(out_dir)
-    rows, held_out = split_held_out(rows, cfg.train.hold_out_every)
+    rows = split_held_out(rows, cfg.train.hold_out_every)[0]
     trainer = Trainer.from_config(cfg, out_dir, vocab_file=vocab_file, train=train_cfg, epoch_size=len(rows))
     model, head = trainer.model, trainer.head
     verifier = HFVerifier(cfg.verifier.model, list(cfg.verifier.aux_layer_ids), cfg.verifier.final_hidden.value,
@@ -53,8 +54,7 @@ def train_in_process(cfg: DSparkConfig, out_dir: str | Path | None = None, steps
         raise UserError(f"training wrote no checkpoint under {trainer.ckpt_dir} (train.steps={train_cfg.steps})")
     if model.confidence_head is None:  # DFlash and Markov-only: nothing to calibrate
         return ckpt
-    cal_rows, where = (calibration_rows(cfg), "calibration rows") if cfg.data.calibration_sources \
-        else (held_out, "held-out rows")
+    cal_rows, where = calibration_rows_for(cfg, out_dir)  # the calibrate stage's choice of rows, and its lines
     if cal_rows:
         # Fitted on the weights the export serves, as the calibrate stage fits on the export.
         fitted = fit_held_out(as_served(model), head, verifier.capture, cal_rows, quiet=True, where=where,

@@ -338,3 +338,18 @@ def test_the_draft_imports_without_our_command_line_stack():
              + "".join(f"import {m}\n" for m in FOREIGN_VENV_MODULES))
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_every_module_a_script_imports_exists():
+    """scripts/ holds Python run by path (gpu-check on a bare GPU image): its imports are seen by no
+    import of the package, so a module that moved must be found here, not on the device."""
+    import importlib.util
+
+    missing = []
+    for path in sorted((ROOT / "scripts").iterdir()):
+        if not path.is_file() or not path.read_text(errors="replace").startswith("#!/usr/bin/env python"):
+            continue
+        for line, name in _imports(path, "scripts"):
+            if importlib.util.find_spec(name.split(":")[0]) is None:
+                missing.append(f"{path.relative_to(ROOT)}:{line} imports {name}, which does not exist")
+    assert missing == []

@@ -216,7 +216,7 @@ def metrics(f: Fitted) -> dict[str, float]:
     return out
 
 
-def _calibration_rows(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
+def calibration_rows_for(cfg: DSparkConfig, out: Path) -> tuple[dict, str]:
     """(rows, what they are): data.calibration_sources when set (the serving distribution), else
     the rows training held out; ({}, "") when there are none (said in one line)."""
     every = cfg.train.hold_out_every
@@ -251,7 +251,7 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     if not is_export(export):
         raise UserError(f"{export}: no exported draft to calibrate; the train stage must finish first "
                         f"(dspark stage train CONFIG)")
-    held, where = _calibration_rows(cfg, out)
+    held, where = calibration_rows_for(cfg, out)
     if not held:
         return {}
     if not (cfg.data.regenerate and cfg.data.regen_temperature == 0):
