@@ -65,7 +65,7 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
     filesystem is stale and shows only step 2. Both must resume step 4, rank 0's choice."""
     torch.set_num_threads(1)
     from hpc.dist.planes import init_planes
-    from hpc.train import checkpoint
+    from hpc.formats.checkpoint_layout import TrainState, list_checkpoints
     from hpc.train import trainer as loop
 
     planes = init_planes(rank, world, list(range(world)), "gloo", torch.device("cpu"), "127.0.0.1", port, SECRET,
@@ -76,9 +76,9 @@ def resume_choice_main(rank: int, world: int, port: int, out_dir: str) -> None:
             trainer.state.step = step
             trainer.checkpoint()
         if rank == 1:
-            stale = checkpoint.list_checkpoints(trainer.ckpt_dir)[0]
+            stale = list_checkpoints(trainer.ckpt_dir)[0]
             loop.latest_checkpoint = lambda root, say=None: stale  # type: ignore[assignment]
-        trainer.state = checkpoint.TrainState()
+        trainer.state = TrainState()
         assert trainer.resume()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"step": trainer.state.step}))
     finally:
