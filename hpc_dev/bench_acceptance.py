@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.config import load_config, resolve, to_object
+from hpc.config import load_config, to_object
 from hpc.config.schema import DSparkConfig, TrackingConfig
 from hpc.config.target import localize
 from hpc.errors import UserError
@@ -42,6 +42,7 @@ from hpc.evaluate.engines import ReferenceEngine
 from hpc.evaluate.harness import chat_ids
 from hpc.evaluate.runner import evaluate
 from hpc.formats.benchmarks import load_benchmark
+from hpc.launch.launch_checks import resolve
 from hpc.launch.stages import regenerate_stage
 from hpc.track.keys import DRAFT
 from hpc.track.pipeline import create_child_run, create_pipeline_run, ends

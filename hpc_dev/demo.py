@@ -15,8 +15,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpc.config import resolve, to_yaml
+from hpc.config import to_yaml
 from hpc.errors import UserError
+from hpc.launch.launch_checks import resolve
 from hpc.launch.stage_table import jobs, stage
 from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
 from hpc_dev.toy import build_toy_target, toy_target_built

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from hpc.config.verifier_gpu import CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, NCCL_PEER_BYTES
 from hpc.dist import rules
 from hpc.dist.planes import Planes, init_planes
 from hpc.dist.rendezvous import new_secret
@@ -35,6 +34,7 @@ from hpc.stream.protocol import BufferPool
 from hpc.stream.sample import Capture
 from hpc.stream.sender import SampleSender
 from hpc.verifier.capture_copy import HostCopier, gather_blocks
+from hpc.verifier.gpu_budget import CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, NCCL_PEER_BYTES
 
 GB = 1e9
 

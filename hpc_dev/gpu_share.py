@@ -91,7 +91,7 @@ def export_for_calibrate(trainer, tmp: Path) -> Path:
 
 def check_calibrate_fresh(export: Path, cfg, d: dict, dev: torch.device) -> Row:
     """The calibrate stage's memory on the verifier's last GPU, read as NVML sees the process."""
-    from hpc.config.verifier_gpu import headroom_bytes  # the plan's figure, for this row only
+    from hpc.verifier.gpu_budget import headroom_bytes  # the plan's figure, for this row only
 
     seq = max(t for t, _ in d["steps"])
     arg = json.dumps({"export": str(export), "device": str(dev), "d": d, "seq": seq,

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.verifier_gpu import DTYPE_BYTES, stream_dtype_name
 from hpc.launch.plan import IDS_BYTES_PER_TOKEN
 from hpc.model.dspark import DSparkDraft
 from hpc.stream.protocol import BufferPool
 from hpc.stream.sample import Capture, MicroBatch
+from hpc.verifier.gpu_budget import DTYPE_BYTES, stream_dtype_name
 
 
 def config_for(d: dict, seq: int):

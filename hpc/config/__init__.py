@@ -8,6 +8,7 @@ in omegaconf.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hpc.errors import ConfigError
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
     from hpc.config.load import config_hash, flatten, load_config, sweep_overrides, to_object, to_yaml
     from hpc.config.schema import DSparkConfig
-    from hpc.config.validate import validate
+    from hpc.config.validate import OwnerCheck, validate
 
 _LAZY = {
     "config_hash": "hpc.config.load", "flatten": "hpc.config.load", "load_config": "hpc.config.load",
@@ -32,14 +33,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hpc.config' has no attribute {name!r}")
 
 
-def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool | None = None) -> DSparkConfig:
+def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool | None = None,
+            owners: Sequence[OwnerCheck] = ()) -> DSparkConfig:
     """Load, type-check and validate; raise ConfigError with every problem found.
 
     `runs_here`: the work runs on this machine (`dspark train`, a stage inside its job), so its
-    devices are checked too; None means "when cluster.executor is local".
+    devices are checked too; None means "when cluster.executor is local". `owners`: the checks
+    the stages above make of their own keys; a stage resolves through its own `*_checks.resolve`
+    (`hpc.verifier.verifier_checks`, `hpc.launch.launch_checks`), which passes them.
     """
     # omegaconf and the loaders: every hpc.config module imports this package first, and the draft's
-    # model code reads hpc.config.families in venvs that have no omegaconf (speculators, vLLM's)
+    # model code reads hpc.config.target in venvs that have no omegaconf (speculators, vLLM's)
     from omegaconf.errors import OmegaConfBaseException
 
     from hpc.config.load import check_sweep, load_config_collecting, to_object
@@ -56,9 +60,9 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     from hpc.config.secrets import remember_secrets  # as above: the package stays free of omegaconf
 
     remember_secrets(typed)  # before any error line: a secret interpolated into another key is masked there
-    base = validate(typed, check_tracking=check_tracking, runs_here=runs_here, shapes=shapes)
+    base = validate(typed, check_tracking=check_tracking, runs_here=runs_here, shapes=shapes, owners=owners)
     if not problems:
-        base += _variant_problems(cfg, set(base), shapes)
+        base += _variant_problems(cfg, set(base), shapes, owners)
     problems += base
     if problems:
         raise ConfigError(problems)
@@ -68,7 +72,7 @@ def resolve(path, overrides=None, check_tracking: bool = True, runs_here: bool |
     return out
 
 
-def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict) -> list[str]:
+def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict, owners: Sequence[OwnerCheck]) -> list[str]:
     """A sweep value that breaks a range check is named with its variant; checks that hold for
     the base config are not repeated per variant. Each variant is the loaded config plus its
     dotlist, and the target's shape is read once per target: `validate` stays under a second."""
@@ -82,12 +86,21 @@ def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict) -> list[st
     out = []
     for i, variant in enumerate(variants):
         vcfg, problems = with_overrides(cfg, variant)
-        problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False, shapes=shapes)
+        problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False, shapes=shapes,
+                                        owners=owners)
         out += [f"sweep variant {i} ({' '.join(variant)}): {p}" for p in problems if p not in known]
     return out
 
 
+def resolver(owners: Sequence[OwnerCheck]) -> Callable[..., DSparkConfig]:
+    """`resolve` with a stage's checks: `hpc.verifier.verifier_checks.resolve`, `hpc.launch.launch_checks.resolve`."""
+    def resolve_with(path, overrides=None, check_tracking: bool = True, runs_here: bool | None = None) -> DSparkConfig:
+        return resolve(path, overrides, check_tracking=check_tracking, runs_here=runs_here, owners=owners)
+
+    return resolve_with
+
+
 __all__ = [
-    "DSparkConfig", "ConfigError", "config_hash", "flatten", "load_config", "resolve",
+    "DSparkConfig", "ConfigError", "config_hash", "flatten", "load_config", "resolve", "resolver",
     "sweep_overrides", "to_object", "to_yaml", "validate",
 ]

@@ -125,7 +125,7 @@ class VerifierConfig:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     python: str = "python3"  # interpreter of the venv vLLM lives in
-    # validate asks that vLLM what it serves (hpc/config/vllm_probe.py, cached); false where the
+    # validate asks that vLLM what it serves (hpc/verifier/vllm_probe.py, cached); false where the
     # login node cannot run the compute nodes' venv, at the price of learning it in the job
     probe: bool = True
     entrypoint: str = "vllm.entrypoints.openai.api_server"

@@ -9,25 +9,37 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config.checker import Checker, looks_like_path
 from hpc.config.inputs import check_leaves, check_names, check_repeats
 from hpc.config.schema import DRAFT_FROM_VERIFIER, DataSource, DSparkConfig, FinalHidden, SourceKind
-from hpc.config.slurm_time import TIME_FIX, parse_slurm_time, parse_time
 from hpc.config.target import is_local, looks_like_hub_id
 from hpc.config.validate_eval import check_eval
-from hpc.config.validate_ops import check_extra_args, check_paths, check_plan, check_schedule
+from hpc.config.validate_ops import check_extra_args, check_paths, check_plan
 from hpc.config.validate_ops import check_tracking as tracking_checks
 from hpc.config.validate_serve import check_serve
 from hpc.config.validate_target import TargetShape, check_target, shape_once
-from hpc.config.verifier_gpu import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
-from hpc.config.vllm_support import support_problems
+from hpc.formats.slurm_time import TIME_FIX, parse_slurm_time, parse_time
 
 # What vLLM's --dtype takes (vllm.config.model.ModelDType, 0.32).
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 MARKOV_HEADS = ("vanilla",)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a stage's own check is handed besides the config (see `validate`'s `owners`)."""
+    shape: TargetShape  # the target's config.json, read once per target
+    runs_here: bool  # the work runs on this machine, so its devices count
+    check_vllm: bool  # False for a sweep's variants: none may change the interpreter vLLM runs from
+
+
+# A stage's check of the keys only it understands: one line per problem, into the Checker.
+OwnerCheck = Callable[[Checker, DSparkConfig, CheckContext], None]
 
 
 def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
@@ -41,10 +53,6 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.eval_nodes", cl.eval_nodes, "an evaluation runs on one node (each node of a larger job would "
                "run all of it again and upload it again); set 1: the eval jobs of a sweep run side by side")
     c.nonneg("cluster.gpus_per_node", cl.gpus_per_node)
-    if cl.gpu is not None:
-        from hpc.config.vllm_adaptive import check_gpu  # ast, subprocess: loaded only when a GPU is named
-
-        check_gpu(c, cfg)
     t = cfg.train
     if cl.gpus_per_node == 0 and (t.device.startswith("cuda") or t.dist_backend == "nccl"):
         # Submitted without --gres, the trainers would fail inside their job, after the queue.
@@ -63,7 +71,7 @@ def _check_cluster(c: Checker, cfg: DSparkConfig) -> None:
         c.fail("cluster.partition", cl.partition, "set the Slurm partition to run in (see `sinfo`)")
 
 
-def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vllm: bool = True) -> None:
+def _check_verifier(c: Checker, cfg: DSparkConfig) -> None:
     v = cfg.verifier
     for key, value, what in (("verifier.model", v.model, "the target: a hub id (moonshotai/Kimi-K2.6) or a local "
                               "model directory"), ("verifier.entrypoint", v.entrypoint,
@@ -100,16 +108,9 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         c.fail("verifier.port", v.port, "must be a TCP port 1..65535, or 0 for any free port")
 
     check_extra_args(c, v.extra_args)
-    # vLLM also answers the regeneration and serves the evaluation's baseline and third-party
-    # drafts, whatever backend captures the training states.
-    engine = getattr(cfg.eval.engine, "value", cfg.eval.engine)
-    users = [why for why, on in (
-        ("verifier.backend=vllm", v.backend.value == "vllm"),
-        ("data.regenerate=true", cfg.data.regenerate),
-        (f"eval.engine={engine}", engine != "reference"),
-        ("eval.compare", any(d.method not in ("dspark", "dflash") for d in cfg.eval.compare))) if on]
+    users = vllm_users(cfg)
     if users:
-        _check_interpreter(c, cfg, shape, users[0], check_vllm)
+        _check_interpreter(c, cfg, users[0])
     c.positive("verifier.health_timeout_s", v.health_timeout_s)
     c.positive("verifier.capture_retry_s", v.capture_retry_s)
     if v.capture_concurrency is not None:
@@ -125,31 +126,37 @@ def _check_verifier(c: Checker, cfg: DSparkConfig, shape: TargetShape, check_vll
         c.fail("verifier.final_hidden", v.final_hidden.value, norm_msg)
 
 
-def _check_interpreter(c: Checker, cfg: DSparkConfig, shape: TargetShape, user: str, check_vllm: bool) -> None:
-    """verifier.python names the venv vLLM runs from; ask that very vLLM what it serves."""
+def _check_interpreter(c: Checker, cfg: DSparkConfig, user: str) -> None:
+    """verifier.python names the venv vLLM runs from (what that vLLM serves is the verifier's check)."""
     v = cfg.verifier
-    bare = "/" not in v.python
-    if bare and cfg.cluster.executor == "slurm":
+    if "/" not in v.python and cfg.cluster.executor == "slurm":
         # Each node would look the name up on its own PATH: the login node can vouch for none of them.
         c.fail("verifier.python", v.python, f"a bare name is looked up on each node's PATH, which this login node "
                f"cannot check, and vLLM runs from it ({user}); give the absolute path of its venv's interpreter "
                "(.../bin/python) on a filesystem every node mounts")
-        return
-    path = Path(v.python).expanduser()
-    found = shutil.which(v.python) if bare else (str(path) if path.is_file() else None)
-    if not found:
+    elif not vllm_interpreter(cfg):
         c.fail("verifier.python", v.python, f"interpreter not found, and vLLM runs from it ({user}); "
                "point it at the venv vLLM is installed in (bin/python)")
-    elif check_vllm and v.probe and v.backend.value == "vllm":
-        values = {"verifier.python": v.python, "verifier.backend": v.backend.value, "eval.adaptive": True}
-        problems = support_problems(found, v.model, list(shape.architectures), cfg.draft.sample_from_anchor,
-                                    cfg.eval.adaptive)
-        for key, msg in problems:
-            c.fail(key, values.get(key, v.model), msg)
-        if cfg.eval.adaptive and cfg.cluster.gpu and not problems:
-            from hpc.config.vllm_adaptive import check_adaptive_backend  # ast: loaded only for eval.adaptive
 
-            check_adaptive_backend(c, cfg, found, shape.text_config)
+
+def vllm_users(cfg: DSparkConfig) -> list[str]:
+    """Why this config runs vLLM at all, first reason first. vLLM also answers the regeneration and
+    serves the evaluation's baseline and third-party drafts, whatever backend captures the states."""
+    engine = getattr(cfg.eval.engine, "value", cfg.eval.engine)
+    return [why for why, on in (
+        ("verifier.backend=vllm", cfg.verifier.backend.value == "vllm"),
+        ("data.regenerate=true", cfg.data.regenerate),
+        (f"eval.engine={engine}", engine != "reference"),
+        ("eval.compare", any(d.method not in ("dspark", "dflash") for d in cfg.eval.compare))) if on]
+
+
+def vllm_interpreter(cfg: DSparkConfig) -> str | None:
+    """The interpreter at verifier.python as this machine finds it; None where it cannot vouch for one."""
+    python = cfg.verifier.python
+    if "/" not in python:
+        return None if cfg.cluster.executor == "slurm" else shutil.which(python)
+    path = Path(python).expanduser()
+    return str(path) if path.is_file() else None
 
 
 def _check_draft(c: Checker, cfg: DSparkConfig) -> None:
@@ -347,22 +354,6 @@ def _check_stream(c: Checker, cfg: DSparkConfig) -> None:
                    f"grad_accumulation), which the buffer must hold; use at least {micro}")
 
 
-def _check_verifier_gpu(c: Checker, cfg: DSparkConfig) -> None:
-    """The streamer fits in what vLLM leaves of a verifier node's last GPU."""
-    if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
-        return
-    if cfg.stream.dtype not in ("auto", *DTYPES):
-        return  # stream.dtype's own line says so; its size is unknown
-    need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg)))
-    left = headroom_bytes(cfg)
-    if need > left:
-        most = 1 - need / (cfg.plan.gpu_memory_gb * GB)
-        c.fail("verifier.gpu_memory_utilization", cfg.verifier.gpu_memory_utilization,
-               f"leaves {left / GB:.1f} GB of the verifier's last GPU (plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}), "
-               f"and the streamer beside vLLM there needs {need / GB:.1f} GB (CUDA context, NCCL, the largest "
-               f"sample; dspark plan lists them); use at most {max(most, 0):.2f}, or lower data.max_seq_len")
-
-
 def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
     """Only where the work runs on this machine: a login node without GPUs is normal for Slurm."""
     t = cfg.train
@@ -375,9 +366,11 @@ def _check_devices_here(c: Checker, cfg: DSparkConfig) -> None:
 
 
 def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | None = None,
-             check_vllm: bool = True, shapes: dict | None = None) -> list[str]:
+             check_vllm: bool = True, shapes: dict | None = None, owners: Sequence[OwnerCheck] = ()) -> list[str]:
     """All problems found, one line each; empty when the config is good to submit. `shapes`: a
-    dict shared by calls that validate variants of one config, so the target is read once."""
+    dict shared by calls that validate variants of one config, so the target is read once.
+    `owners`: the checks of the stages above the config (the verifier's vLLM, the model's
+    families, launch's schedule), which only they can make; see `resolver`."""
     c = Checker()
     check_leaves(cfg, c.fail)
     check_names(cfg, c.fail)
@@ -388,17 +381,18 @@ def validate(cfg: DSparkConfig, check_tracking: bool = True, runs_here: bool | N
         _check_devices_here(c, cfg)
     shape = shape_once(c, cfg, shapes)
     _check_cluster(c, cfg)
-    _check_verifier(c, cfg, shape, check_vllm)
+    _check_verifier(c, cfg)
     _check_draft(c, cfg)
     check_target(c, cfg, shape)
     _check_data(c, cfg)
     _check_train(c, cfg)
     _check_stream(c, cfg)
-    _check_verifier_gpu(c, cfg)
     check_eval(c, cfg)
     tracking_checks(c, cfg, check_tracking)
-    check_schedule(c, cfg)
     check_serve(c, cfg)
     check_plan(c, cfg)
     check_paths(c, cfg)
+    context = CheckContext(shape=shape, runs_here=runs_here, check_vllm=check_vllm)
+    for check in owners:
+        check(c, cfg, context)
     return c.problems

@@ -12,7 +12,6 @@ from pathlib import Path
 from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 
 from hpc.config.checker import Checker
-from hpc.config.cron import HINT, parse_cron
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import flag_name, names_flag, tracking_auth_header
 from hpc.config.target import is_local
@@ -145,16 +144,6 @@ def check_tracking(c: Checker, cfg: DSparkConfig, check_tracking: bool) -> None:
     if not REGISTERED_MODEL.fullmatch(tr.registered_model or ""):
         c.fail("tracking.registered_model", tr.registered_model,
                "use letters, digits, '.', '_', '-' or spaces (e.g. kimi-k2.6-dspark)")
-
-
-def check_schedule(c: Checker, cfg: DSparkConfig) -> None:
-    c.nonneg("schedule.retries", cfg.schedule.retries)
-    cron = cfg.schedule.cron
-    if cron is not None:
-        try:
-            parse_cron(cron)
-        except ValueError as err:
-            c.fail("schedule.cron", cron, f"{err}; use {HINT}")
 
 
 # Flags our servers set themselves (vLLM takes the last of a repeated flag, so these would undo

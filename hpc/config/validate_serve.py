@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig, Trigger
 from hpc.config.secrets import looks_secret
-from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
+from hpc.formats.slurm_time import TIME_FIX, parse_slurm_time
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

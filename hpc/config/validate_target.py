@@ -1,5 +1,5 @@
-"""Login-node checks of the config against the target itself: its depth, width and vocab, and
-whether the teacher can reproduce its logits (hpc/config/families.py).
+"""Login-node checks of the config against the target itself: its depth, width and vocab
+(whether the teacher can reproduce its logits is the model's check: hpc/model/model_checks.py).
 
 Adapting a recipe to another target used to take a `validate` per mismatch, each check
 waiting for the one before it. Here every check compares against the target's own numbers,
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpc.config.checker import Checker
-from hpc.config.families import rule_problems
 from hpc.config.schema import DSparkConfig
 from hpc.config.target import cached_config_dir, read_config_json
 from hpc.errors import UserError
@@ -103,8 +102,6 @@ def check_target(c: Checker, cfg: DSparkConfig, shape: TargetShape) -> None:
                 fixes[f"verifier.{key}"] = real
                 c.fail(f"verifier.{key}", mine, f"the target's config.json says {real}; set verifier.{key}={real}, "
                        "or leave the key out: it follows the target")
-        for line in rule_problems(shape.architectures, shape.text_config):
-            c.fail("verifier.model", v.model, line)
     # The draft's width is the target's (it embeds tokens with the target's embed_tokens).
     hidden = shape.hidden_size
     if d.hidden_size != hidden:

@@ -19,10 +19,10 @@ import functools
 import json
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.errors import UserError
 from hpc.formats.benchmarks import known_benchmarks, load_manifest, spare_prompts
 from hpc.fsio import write_text
+from hpc.verifier.verifier_checks import resolve
 
 DEFAULT_ROWS = 64  # per benchmark
 SOURCE = "calibration:"  # + the benchmark's name: each row's `source`, which regeneration keeps

@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.config.target import localize
 from hpc.data.regenerate import calibration_data, regenerate, regenerate_all, regenerated_dir, start_regen_server
 from hpc.errors import UserError
+from hpc.verifier.verifier_checks import resolve
 
 
 def run(args: argparse.Namespace) -> int:

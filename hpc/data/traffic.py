@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from hpc.config.slurm_time import parse_time
 from hpc.data.sources import _jsonl_rows, to_messages
 from hpc.errors import UserError
+from hpc.formats.slurm_time import parse_time
 
 DAY_S = 86400.0
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.errors import UserError
 from hpc.evaluate.record import upload_all
 from hpc.evaluate.runner import _tracking, evaluate
+from hpc.verifier.verifier_checks import resolve
 
 
 def parse_ns(text: str) -> list[int]:

@@ -14,7 +14,10 @@ from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
 from hpc.config.validate import ranks_per_node
 from hpc.config.validate_ops import check_plan as plan_checks
-from hpc.config.verifier_gpu import (
+from hpc.errors import UserError
+from hpc.launch.plan_time import PipelineTime, pipeline_time
+from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
+from hpc.verifier.gpu_budget import (
     DTYPE_BYTES,
     headroom_bytes,
     samples_in_flight,
@@ -22,10 +25,7 @@ from hpc.config.verifier_gpu import (
     stream_dtype_name,
     streamer_items,
 )
-from hpc.config.vllm_support import default_capture_concurrency
-from hpc.errors import UserError
-from hpc.launch.plan_time import PipelineTime, pipeline_time
-from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
+from hpc.verifier.vllm_support import default_capture_concurrency
 
 GB = 1e9
 IDS_BYTES_PER_TOKEN = 16  # token id + loss mask, int64 each (hpc.stream.protocol)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from hpc.config import resolve
-from hpc.config.verifier_gpu import DTYPE_BYTES
+from hpc.launch.launch_checks import resolve
 from hpc.launch.plan import IDS_BYTES_PER_TOKEN, Plan, capacity_plan
 from hpc.launch.plan_time import pipeline_sections
 from hpc.tables import text_table
+from hpc.verifier.gpu_budget import DTYPE_BYTES
 
 
 def _bytes(n: float) -> str:

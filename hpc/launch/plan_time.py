@@ -18,8 +18,8 @@ from typing import Protocol
 
 from hpc.config.checker import Checker
 from hpc.config.schema import DataSource, DSparkConfig
-from hpc.config.slurm_time import parse_slurm_time
 from hpc.formats.benchmarks import load_manifest
+from hpc.formats.slurm_time import parse_slurm_time
 from hpc.model.inventory import BUFFER_ITEMSIZE, draft_shapes
 
 GB = 1e9

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.config.schema import DataConfig, DSparkConfig, SourceKind, Trigger
 from hpc.errors import UserError
 from hpc.fsio import write_text
+from hpc.launch.launch_checks import resolve
 from hpc.track.keys import CONFIG_NAME, STAGE, STAGE_PIPELINE
 from hpc.track.registry import CHAMPION
 from hpc.track.rest import not_found, tracking_client

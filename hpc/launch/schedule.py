@@ -22,10 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-from hpc.config import resolve
-from hpc.config.cron import HINT, local_zone, next_run, parse_cron
 from hpc.errors import UserError
 from hpc.fsio import read_trusted
+from hpc.launch.cron import HINT, local_zone, next_run, parse_cron
+from hpc.launch.launch_checks import resolve
 from hpc.launch.retrain import LAST_SUFFIX, retrain_tick, watch
 from hpc.launch.schedule_slurm import (
     Entry,

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.slurm_time import TIME_FIX, parse_slurm_time
 from hpc.errors import UserError
+from hpc.formats.slurm_time import TIME_FIX, parse_slurm_time
 
 SINFO_MISSING = ("sinfo not found: run dspark submit on a Slurm login node "
                  "(or `dspark-dev devcluster up` for the local test cluster)")

@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.config.schema import DSparkConfig
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.launch_checks import resolve
 from hpc.launch.preemption import last_window
 from hpc.launch.slurm_env import attempt_dir
 from hpc.launch.stage_table import NAMES, Job, jobs

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpc.config import resolve
 from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.config.secrets import scrub, scrubbed_traceback
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.launch.launch_checks import resolve
 from hpc.launch.node_setup import localize_stage
 from hpc.launch.stages import adaptive_stage, calibrate_stage, eval_stage, regenerate_stage, report_stage, train_allocation
 from hpc.launch.variants import check_variant_file

@@ -25,13 +25,14 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpc.config import resolve, sweep_overrides, to_yaml
+from hpc.config import sweep_overrides, to_yaml
 from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
-from hpc.config.slurm_time import parse_slurm_time
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError, UserError
+from hpc.formats.slurm_time import parse_slurm_time
 from hpc.fsio import write_text
+from hpc.launch.launch_checks import resolve
 from hpc.launch.plan import pipeline_problems
 from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
 from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage

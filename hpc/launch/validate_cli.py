@@ -12,11 +12,11 @@ import sys
 
 from omegaconf import OmegaConf
 
-from hpc.config import resolve
 from hpc.config.schema import Trigger
 from hpc.config.secrets import redacted
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError
+from hpc.launch.launch_checks import resolve
 from hpc.launch.plan import pipeline_problems
 
 

@@ -6,8 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.errors import UserError
+from hpc.model.model_checks import resolve
 from hpc.tables import text_table
 
 

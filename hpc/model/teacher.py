@@ -3,7 +3,7 @@
 The draft learns, is calibrated and is judged against one distribution: the target's. That is
 not `lm_head(hidden)` for every family (Granite divides it by `logits_scaling`, Gemma 2 soft-caps
 it, Cohere scales it), so the rule for each accepted architecture lives in one table
-(`hpc.config.families`, which `validate` reads too) and is applied here, in one place:
+(`hpc.model.families`, which `validate` reads too) and is applied here, in one place:
 
     hidden (post-norm; or pre-norm -> the target's final norm) -> lm_head (+ bias) -> transform
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpc.config.families import rule_for, rule_problems
 from hpc.config.target import read_config_json, resolve_target
 from hpc.errors import UserError
+from hpc.model.families import rule_for, rule_problems
 from hpc.model.target_weights import load_target_tensors
 
 # What the teacher reads from the target's checkpoint (the bias only where there is one).

@@ -22,7 +22,6 @@ import torch.multiprocessing as mp
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import scrub, scrubbed_traceback
 from hpc.config.validate import control_timeout_s
-from hpc.config.verifier_gpu import largest_sample_bytes
 from hpc.data.prepare import load_prepared, split_held_out
 from hpc.dist.planes import flight_recorder_env, rank_device
 from hpc.dist.world import World, init_world
@@ -31,6 +30,7 @@ from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.own_env import set_own
 from hpc.train.streamer_rank import streamer_rank
 from hpc.train.trainer_rank import stop_summary, trainer_rank
+from hpc.verifier.gpu_budget import largest_sample_bytes
 
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,

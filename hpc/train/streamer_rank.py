@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.verifier_gpu import samples_in_flight, stream_dtype_name
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
 from hpc.stream.streamer import run_streamer
 from hpc.train import preempt_clock
 from hpc.train.epochs import epoch_sequence
 from hpc.verifier.backend import capture_concurrency, make_capture
+from hpc.verifier.gpu_budget import samples_in_flight, stream_dtype_name
 
 EXIT_VERIFIER_FAILED = 4  # a streamer whose verifier died, hung or never started
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc.config import resolve
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redact_uri
 from hpc.config.target import localize
@@ -20,6 +19,7 @@ from hpc.dist.rendezvous import new_secret
 from hpc.net import free_port
 from hpc.track.server import is_healthy
 from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
+from hpc.verifier.verifier_checks import resolve
 
 
 def run(args: argparse.Namespace) -> int:

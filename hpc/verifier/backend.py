@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from hpc.config.schema import DSparkConfig
-from hpc.config.vllm_support import default_capture_concurrency
 from hpc.verifier.hf_backend import HFVerifier
 from hpc.verifier.vllm_backend import VLLMVerifier
+from hpc.verifier.vllm_support import default_capture_concurrency
 
 
 def capture_concurrency(cfg: DSparkConfig) -> int:

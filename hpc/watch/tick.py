@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc.config.slurm_time import parse_slurm_time
 from hpc.errors import UserError
+from hpc.formats.slurm_time import parse_slurm_time
 from hpc.fsio import read_trusted, write_text
 from hpc.watch.drift import Reading, Rule, Verdict, WatchState, judge, pool
 from hpc.watch.evaluated import Evaluated, champion_at

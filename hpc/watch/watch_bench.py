@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpc.config import resolve
 from hpc.tables import text_table
 from hpc.track.keys import DRAFT_SHA256, MEAN_ACCEPT_LEN, SPEC_N, STAGE, STAGE_EVAL, TEMPERATURE
 from hpc.track.registry import promote_if_better, register_draft
 from hpc.track.server import MlflowServer
+from hpc.verifier.verifier_checks import resolve
 from hpc.watch.local_endpoints import MetricsServer
 
 FAMILIES = 24  # histogram families per local endpoint: a /metrics body of about 500 lines, as vLLM's

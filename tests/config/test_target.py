@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, resolve
+from hpc.config import ConfigError
 from hpc.config.target import localize, offline_mode, resolve_target
 from hpc.errors import UserError
+from hpc.launch.launch_checks import resolve
 from tests.fixtures.recipes import resolve_recipe
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -50,7 +50,7 @@ def test_dotlist_overrides_apply_with_types():
 
 def test_an_unquoted_slurm_time_is_a_time_not_a_base_60_number(tmp_path):
     """YAML 1.1 reads 1:00:00 as 3600, which Slurm reads as 3600 minutes (60 hours)."""
-    from hpc.config.slurm_time import parse_slurm_time
+    from hpc.formats.slurm_time import parse_slurm_time
 
     text = KIMI.read_text().replace('time: "48:00:00"', "time: 2:00:00")
     assert "time: 2:00:00" in text

@@ -68,7 +68,7 @@ def test_an_architecture_outside_the_table_is_one_line_naming_the_table(tmp_path
     target = _target(tmp_path, arch="PhiForCausalLM")
     line = [p for p in _problems([f"verifier.model={target}"]) if "PhiForCausalLM" in p]
     assert len(line) == 1 and line[0].startswith("verifier.model = ")
-    assert "hpc/config/families.py" in line[0] and "add a row" in line[0]
+    assert "hpc/model/families.py" in line[0] and "add a row" in line[0]
 
 
 def test_a_logit_transform_the_table_does_not_know_is_one_line(tmp_path):

@@ -22,7 +22,7 @@ def test_demo_runs_every_stage_and_prints_the_table(toy_target, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     # The stages the demo ran are the table's for the config it ran (hpc/launch/stage_table.py).
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
     from hpc.launch.stage_table import jobs
 
     ran = re.findall(r"stage \d+/\d+: (\S+)", out)

@@ -135,7 +135,7 @@ def test_paired_timing_on_a_gpu_vllm_fits_two_servers_or_is_refused(monkeypatch,
     """The baseline's server stays up beside the draft's: at 0.9 of every GPU the second vLLM
     refused to start, after the first had loaded the target."""
     import hpc.evaluate.runner as runner
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
 
     monkeypatch.setattr(runner, "vllm_build", lambda python: ("0.33.0", False))  # a GPU build
     cfg = resolve(ROOT / "configs" / "toy-cpu.yaml", [

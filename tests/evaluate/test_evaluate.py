@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hpc.config import resolve
+from hpc.launch.launch_checks import resolve
 from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.recipes import resolve_recipe
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import resolve
+from hpc.launch.launch_checks import resolve
 from hpc.launch.stage_table import jobs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ import pytest
 
 from hpc.cli import main
 from hpc.config.schema import DSparkConfig
-from hpc.config.verifier_gpu import streamer_items
 from hpc.errors import UserError
 from hpc.launch.plan import capacity_plan
 from hpc.launch.plan_cli import format_plan
+from hpc.verifier.gpu_budget import streamer_items
 from tests.fixtures.recipes import NO_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,9 +149,9 @@ def test_the_stream_buffer_is_the_pools_bound_at_the_longest_sample():
 
 def test_the_streamers_samples_on_the_wire_fill_vllms_headroom_and_no_more(monkeypatch):
     """stream.in_flight to each trainer, capped streamer-wide by what fits beside vLLM; the sender
-    gets the same cap (hpc.config.verifier_gpu.samples_in_flight), so plan and run agree."""
+    gets the same cap (hpc.verifier.gpu_budget.samples_in_flight), so plan and run agree."""
     from hpc.config.load import load_config
-    from hpc.config.verifier_gpu import headroom_bytes, largest_sample_bytes, samples_in_flight
+    from hpc.verifier.gpu_budget import headroom_bytes, largest_sample_bytes, samples_in_flight
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(KIMI)

@@ -88,7 +88,7 @@ def test_usr2_checkpoints_requeues_and_the_loss_curve_continues_exactly(slurm_cl
 def check_drill_record(job_dir: Path, log_text: str, overrides: list[str]) -> None:
     """The drill: node 0 measured each part of the window on this cluster, its ranks on the other
     node included, and put the plan's model for the same config beside each (issue 45, item 3)."""
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
     from hpc.launch.preemption import PARTS, RECORD, modelled_window, window_line
 
     rec = json.loads((job_dir / RECORD).read_text())
@@ -115,7 +115,7 @@ def check_drill_record(job_dir: Path, log_text: str, overrides: list[str]) -> No
 def test_the_next_attempt_prints_only_its_predecessors_record(toy_target, tmp_path):
     """The requeued job's log gets the window from disk: the record of the attempt just before,
     never an older job's, nor a broken file."""
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
     from hpc.launch.preemption import RECORD, last_window
 
     cfg = resolve(str(ROOT / "configs/toy-cpu.yaml"), [*recipe(toy_target, tmp_path, "debug"),

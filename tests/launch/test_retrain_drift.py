@@ -66,7 +66,7 @@ def test_drift_fires_one_warm_started_retrain_with_its_evidence_and_the_token_go
         mlflow_server, endpoints, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
 
     monkeypatch.setenv("DSPARK_TEST_SERVE_TOKEN", TOKEN)
     calls = fake_submit(monkeypatch)
@@ -130,7 +130,7 @@ def test_drift_fires_one_warm_started_retrain_with_its_evidence_and_the_token_go
 
 def test_silent_endpoints_never_fire_and_a_missing_evaluation_is_one_line(mlflow_server, endpoints, tmp_path,
                                                                           monkeypatch, capsys):
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
 
     monkeypatch.setenv("DSPARK_TEST_SERVE_TOKEN", TOKEN)
     calls = fake_submit(monkeypatch)

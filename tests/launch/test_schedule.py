@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config.cron import next_run
 from hpc.errors import UserError
 from hpc.launch import retrain, schedule
 from hpc.launch import submit as launch_submit
+from hpc.launch.cron import next_run
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ class FakeSlurm:
 
 @pytest.fixture
 def fake_slurm(monkeypatch):
-    import croniter  # noqa: F401  (imported lazily by hpc.config.cron; its import runs `file`, which the fake refuses)
+    import croniter  # noqa: F401  (imported lazily by hpc.launch.cron; its import runs `file`, which the fake refuses)
 
     def make(**kw) -> FakeSlurm:
         fake = FakeSlurm(**kw)
@@ -345,7 +345,7 @@ def fake_submit(monkeypatch) -> list[tuple[list[str], dict]]:
     """submit (which a tick loads when it submits) records its calls and creates the parent run (with its tags), no jobs."""
     from mlflow.tracking import MlflowClient
 
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
     from hpc.track import pipeline
 
     monkeypatch.setattr(pipeline, "git_sha", lambda: "test")
@@ -364,7 +364,7 @@ def fake_submit(monkeypatch) -> list[tuple[list[str], dict]]:
 def test_retrain_tick_submits_only_on_new_data(mlflow_server, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    from hpc.config import resolve
+    from hpc.launch.launch_checks import resolve
 
     calls = fake_submit(monkeypatch)
     name = f"tick-{uuid.uuid4().hex[:8]}"

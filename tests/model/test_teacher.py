@@ -14,8 +14,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from hpc.config.families import ARCHITECTURES, rule_problems
 from hpc.errors import UserError
+from hpc.model.families import ARCHITECTURES, rule_problems
 from hpc.model.teacher import LogitTransform, loaded_target_head, target_head, target_logits
 
 V, H, LAYERS = 96, 32, 2
@@ -125,7 +125,7 @@ def test_an_architecture_outside_the_table_is_one_line(tmp_path):
     with pytest.raises(UserError) as err:
         target_head(tmp_path / "LlamaForCausalLM")
     line = str(err.value)
-    assert "\n" not in line and "PhiForCausalLM" in line and "hpc/config/families.py" in line
+    assert "\n" not in line and "PhiForCausalLM" in line and "hpc/model/families.py" in line
     assert model is not None
 
 

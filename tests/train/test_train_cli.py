@@ -58,8 +58,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc.config import resolve
     from hpc.evaluate.reference import mean_acceptance_length
+    from hpc.launch.launch_checks import resolve
     from hpc.model.export import load_draft
     from hpc.train.trainer import build_draft
     from tests.dev.test_offline import chat_prompts

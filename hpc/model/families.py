@@ -79,14 +79,14 @@ def rule_problems(architectures: list[str] | tuple[str, ...], text_config: dict)
     rule = rule_for(architectures)
     if rule is None:
         arch = architectures[0] if architectures else "(none in config.json)"
-        return [f"architecture {arch} is not in the logit-rule table hpc/config/families.py ARCHITECTURES "
+        return [f"architecture {arch} is not in the logit-rule table hpc/model/families.py ARCHITECTURES "
                 f"({', '.join(sorted(ARCHITECTURES))}); add a row for it (its final norm and logit transform, "
                 "read from its transformers *ForCausalLM.forward) and a parity case in tests/model/test_teacher.py"]
     out = []
     for key in TRANSFORM_KEYS:
         if key not in applied_keys(rule) and text_config.get(key) not in _NEUTRAL:
             out.append(f"its config.json sets {key}={text_config[key]!r}, a logit transform the {architectures[0]} "
-                       "row of hpc/config/families.py does not apply; add it to that row, or the draft trains "
+                       "row of hpc/model/families.py does not apply; add it to that row, or the draft trains "
                        "toward logits the target never produces")
     for key in sorted(applied_keys(rule)):
         value = rule.value(text_config, key)

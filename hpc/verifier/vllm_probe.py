@@ -1,6 +1,6 @@
 """What a vLLM install can do for us, asked from inside its own interpreter (stdlib + vllm only).
 
-    <verifier.python> -I hpc/config/vllm_probe.py ARCH [ARCH ...]   ->  one JSON line
+    <verifier.python> -I hpc/verifier/vllm_probe.py ARCH [ARCH ...]   ->  one JSON line
 
 - `dspark`: the speculative method exists (`vllm.config.speculative.SpeculativeMethod`);
 - `sample_from_anchor`: the speculators loader for dspark passes the draft's flag through.

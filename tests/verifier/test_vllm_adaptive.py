@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config.vllm_adaptive import (
+from hpc.verifier.vllm_adaptive import (
     GPUS,
     adaptive_problem,
     adaptive_verdict,
@@ -107,8 +107,9 @@ def test_an_unknown_gpu_is_refused_naming_the_accepted_forms(text):
 
 
 def test_validate_names_cluster_gpu_and_wires_the_check(monkeypatch, vllm_src):
-    from hpc.config import ConfigError, vllm_adaptive
+    from hpc.config import ConfigError
     from hpc.config.checker import Checker
+    from hpc.verifier import vllm_adaptive
     from tests.fixtures.recipes import resolve_recipe
 
     kimi = Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.6-dspark.yaml"

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from hpc.config.cron import next_run, parse_cron
 from hpc.errors import UserError
 from hpc.launch import schedule
+from hpc.launch.cron import next_run, parse_cron
 
 D = datetime.datetime
 
@@ -116,7 +116,7 @@ def test_nothing_is_scheduled_in_the_repeated_hours_second_pass(berlin):
 
 
 def test_the_local_zone_follows_tz_and_falls_back_to_utc(monkeypatch):
-    from hpc.config.cron import local_zone
+    from hpc.launch.cron import local_zone
 
     monkeypatch.setenv("TZ", BERLIN)
     assert str(local_zone()) == BERLIN

@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
-from hpc.config import ConfigError, resolve, vllm_support
+from hpc.config import ConfigError
+from hpc.launch.launch_checks import resolve
+from hpc.verifier import vllm_support
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +107,7 @@ def test_the_gpu_venv_is_built_from_the_pinned_requirements(tmp_path):
 
 
 def test_capture_requests_in_flight_fill_a_prefill_batch():
-    from hpc.config.vllm_support import default_capture_concurrency
+    from hpc.verifier.vllm_support import default_capture_concurrency
 
     assert default_capture_concurrency(10000) == 3  # Kimi's average sample: two fill 16k batched tokens
     assert default_capture_concurrency(256) == 8 and default_capture_concurrency(40000) == 2  # clamped to 2..8
