@@ -8,6 +8,10 @@ trainer already has `in_flight` samples on the wire (it then waits for the oldes
 different trainers run side by side: each pair is its own NCCL communicator (its own gloo pair
 on CPU), all posted from this one thread, so the one-thread-per-pair rule still holds.
 
+A sample that goes to several trainers at once (one per variant of a sweep that shares the
+verifier, `send_many`) is staged once: one cast, one host-to-device copy, then one pair of
+sends per trainer from the same buffers, which stay alive until the last of them is done.
+
 States keep the capture's dtype up to the one cast to the stream dtype, in the staging copy.
 On CUDA the staging is pinned host memory copied to the device on a side stream with
 `non_blocking=True`; the sends are posted on that stream, so NCCL waits for the copy and the
@@ -32,7 +36,7 @@ from hpc.stream.protocol import DTYPE_CODES, Header, Kind, carve, sample_bytes, 
 from hpc.stream.sample import Capture
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one sample may sit in several trainers' windows
 class _InFlight:
     works: list
     keep: list[torch.Tensor]  # what the sends read from: alive until they are done
@@ -54,7 +58,7 @@ class SampleSender:
     in_flight: int = 2
     total: int | None = None  # all trainers together: what the GPU holds (default: no bound beyond in_flight)
     window: dict[int, deque] = field(default_factory=dict)
-    order: deque = field(default_factory=deque)  # (trainer, sample) oldest first, over every window
+    order: deque = field(default_factory=deque)  # samples staged, oldest first, over every window
     # Control sends to one trainer come from two threads (samples here, heartbeats from the
     # streamer's beat thread): each header goes out whole, under its trainer's lock.
     locks: dict[int, threading.Lock] = field(default_factory=dict)
@@ -89,22 +93,27 @@ class SampleSender:
 
     def send(self, cap: Capture, epoch: int, dst: int) -> int:
         """Post one sample to `dst`; returns its payload bytes. Blocks only for a full window."""
-        q = self.window[dst]
-        while len(q) >= self.in_flight:
-            self._finish_oldest(dst)
+        return self.send_many(cap, epoch, [dst])
+
+    def send_many(self, cap: Capture, epoch: int, dsts: list[int]) -> int:
+        """Post one sample to each of `dsts`, staged once; returns the payload bytes put on the
+        wire (the sample's times len(dsts)). Blocks only for a full window."""
+        for dst in dsts:
+            while len(self.window[dst]) >= self.in_flight:
+                self._finish_oldest(dst)
         while self.total is not None and len(self.order) >= max(self.total, 1):
             self._finish_oldest(None)
         T, n_aux, H = cap.aux_TnH.shape
         flight = self._stage(cap, T, n_aux, H)
-        self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
-        with stream, message(Message.SAMPLE):  # NCCL: the sends wait for the copy on this stream
-            flight.works = [dist.isend(t, dst=dst, group=self.planes.data) for t in flight.keep]
-        q.append(flight)
-        self.order.append((dst, flight))
-        held = sum(f.host_bytes for q_ in self.window.values() for f in q_)
-        self.peak_host_bytes = max(self.peak_host_bytes, held)
-        return sample_bytes(T, n_aux, H, self.dtype)
+        for dst in dsts:
+            self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
+            with stream, message(Message.SAMPLE):  # NCCL: the sends wait for the copy on this stream
+                flight.works += [dist.isend(t, dst=dst, group=self.planes.data) for t in flight.keep]
+            self.window[dst].append(flight)
+        self.order.append(flight)
+        self.peak_host_bytes = max(self.peak_host_bytes, sum(f.host_bytes for f in self.order))
+        return sample_bytes(T, n_aux, H, self.dtype) * len(dsts)
 
     def drain(self) -> None:
         """Wait for every posted send (the stream's end, or before reporting a failure)."""
@@ -112,12 +121,14 @@ class SampleSender:
             self._finish_oldest(None)
 
     def _finish_oldest(self, dst: int | None) -> None:
-        """Wait for the oldest sample to `dst` (any trainer: None). A pair's sends complete in
-        order, so waiting for the oldest never waits on a send posted after it on that pair."""
-        at = next(i for i, (d, _) in enumerate(self.order) if dst is None or d == dst)
-        d, f = self.order[at]
-        del self.order[at]
-        self.window[d].remove(f)
+        """Wait for the oldest sample to `dst` (any trainer: None), on every pair it went out on.
+        A pair's sends complete in order, so waiting for the oldest never waits on a send posted
+        after it on that pair."""
+        f = self.window[dst][0] if dst is not None else self.order[0]
+        self.order.remove(f)
+        for q in self.window.values():
+            if f in q:  # waiting for it on another pair also waits for what that pair sent before it
+                q.remove(f)
         self._finish(f)
 
     def _stage(self, cap: Capture, T: int, n_aux: int, H: int) -> _InFlight:

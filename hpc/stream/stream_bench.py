@@ -7,6 +7,10 @@ transport's ceiling; repeats alternate raw and stream, and medians are reported.
 `--preset sizes` runs the three sizes the goal names in one run: 8.4 MB, 33.6 MB and a
 Kimi-K2.6 sample (20k tokens x 7168 x 4 states in bf16, 1.15 GB), or the largest this
 machine's memory holds with every buffer the bench keeps.
+
+`--groups K`: one streamer feeds K trainers, each the group of one draft (a sweep sharing the
+verifier): every sample goes to all K, staged once. The peer is then K raw sends of the same
+bytes, one to each trainer in turn, and the data-wait is the worst trainer's.
 """
 
 from __future__ import annotations
@@ -45,26 +49,35 @@ def _capture(i: int, T: int, n_aux: int, H: int, dtype: torch.dtype):
 
 
 def _raw(planes, n: int, T: int, n_aux: int, H: int, dtype: torch.dtype) -> float:
-    """Seconds to move n samples' tensors with plain blocking send/recv on the data plane."""
+    """Seconds to move n samples' tensors to every trainer with plain blocking send/recv on the
+    data plane, one trainer after the other (the streamer is the last rank)."""
     # The same bytes as a sample, in one tensor each way: the best a transport can do.
     ids = planes.empty(2, T, dtype=torch.int64).zero_()
     states = planes.empty(T, n_aux + 1, H, dtype=dtype).zero_()
+    streamer = len(planes.trainers)
     dist.barrier(group=planes.control)
     t0 = time.perf_counter()
     with message(Message.SAMPLE):
         for _ in range(n):
-            if planes.rank == 1:
-                dist.send(ids, dst=0, group=planes.data)
-                dist.send(states, dst=0, group=planes.data)
+            if planes.rank == streamer:
+                for t in planes.trainers:
+                    dist.send(ids, dst=t, group=planes.data)
+                    dist.send(states, dst=t, group=planes.data)
             else:
                 with RecvStream(planes.device) as side:
-                    dist.recv(ids, src=1, group=planes.data)
-                    dist.recv(states, src=1, group=planes.data)
+                    dist.recv(ids, src=streamer, group=planes.data)
+                    dist.recv(states, src=streamer, group=planes.data)
                     side.synchronize()
     _sync(planes.device)
     dist.barrier(group=planes.control)
-    handover(planes.data, 1 - planes.rank)  # the stream's own threads take the pair next
+    _hand_over(planes)  # the stream's own threads take the pairs next
     return time.perf_counter() - t0
+
+
+def _hand_over(planes) -> None:
+    streamer = len(planes.trainers)
+    for peer in (planes.trainers if planes.rank == streamer else [streamer]):
+        handover(planes.data, peer)
 
 
 def _sync(device: torch.device) -> None:
@@ -78,20 +91,22 @@ def _stream(planes, n: int, case: dict, dtype: torch.dtype, step_s: float, buffe
     first sample, the streamer's peak host bytes in flight). `pool`: the trainer's receive
     buffers, kept warm across runs as a training run keeps them."""
     T, A, H = case["tokens"], case["n_aux"], case["hidden"]
+    streamer = len(planes.trainers)
     # Two distinct captures, sent in turn: a Kimi-size sample is 1.15 GB.
-    caps = [_capture(i, T, A, H, dtype) for i in range(2)] if planes.rank == 1 else []
+    caps = [_capture(i, T, A, H, dtype) for i in range(2)] if planes.rank == streamer else []
     dist.barrier(group=planes.control)
     t0 = time.perf_counter()
     wait, host = 0.0, 0
-    if planes.rank == 1:
+    if planes.rank == streamer:
         def rows(ledger: list[list[int]], epoch: int) -> Iterator[tuple[int, int, list[int], list[int]]]:
             return ((0, i, [], []) for i in range(n))
 
         stats = run_streamer(rows, lambda i, ids, mask: _renamed(caps[i % 2], i), planes, dtype, prefetch=2,
-                             heartbeat_s=5.0, in_flight=in_flight)
+                             heartbeat_s=5.0, in_flight=in_flight, groups=[[t] for t in planes.trainers])
         host = stats.sender.peak_host_bytes if stats.sender is not None else 0
     else:
-        recv = StreamReceiver([1], buffer, planes, peer_timeout_s=120.0, pool=pool).start([], 0, share_ledger=True)
+        recv = StreamReceiver([streamer], buffer, planes, peer_timeout_s=120.0, pool=pool).start(
+            [], 0, share_ledger=True)
         first = None
         while (item := recv.get()) is not None:
             if first is None:  # the steady state: the wait for the pipeline's first sample is not a stall
@@ -103,8 +118,7 @@ def _stream(planes, n: int, case: dict, dtype: torch.dtype, step_s: float, buffe
         wait = recv.wait_s / max(time.perf_counter() - (first or t0), 1e-9)
     _sync(planes.device)
     dist.barrier(group=planes.control)
-
-    handover(planes.data, 1 - planes.rank)
+    _hand_over(planes)
     return time.perf_counter() - t0, wait, host
 
 
@@ -114,16 +128,18 @@ def _renamed(cap, i: int):
 
 def worker(rank: int, args: dict, port: int, secret: str, out: str) -> None:
     torch.set_num_threads(1)
-    # Rank 0 is the trainer, rank 1 the streamer: each on its own GPU with NCCL (one node, 2 GPUs).
+    # Ranks 0..K-1 are the trainers (one per group), rank K the streamer: each on its own GPU with
+    # NCCL (one node, K + 1 GPUs).
+    k = args["groups"]
     device = rank_device("cuda" if args["backend"] == "nccl" else "cpu", local=rank, exclusive=True)
-    planes = init_planes(rank, 2, [0], args["backend"], device, args["addr"], port, secret)
+    planes = init_planes(rank, k + 1, list(range(k)), args["backend"], device, args["addr"], port, secret)
     open_pairs(planes)
     results = []
     for case in args["cases"]:
         dtype = getattr(torch, case["dtype"])
         T, A, H, n = case["tokens"], case["n_aux"], case["hidden"], case["samples"]
         raw, stream, waits, host = [], [], [], 0
-        pool = BufferPool(device, limit=args["buffer"]) if rank == 0 else None
+        pool = BufferPool(device, limit=args["buffer"]) if rank < k else None
         _raw(planes, 2, T, A, H, dtype)  # warm up the connection at this size, and the pool below
         _stream(planes, min(n, args["buffer"]), case, dtype, 0.0, args["buffer"], args["in_flight"], pool)
         for _ in range(args["repeats"]):
@@ -169,7 +185,7 @@ def _largest_tokens(T: int, H: int, A: int, dtype: str, args: argparse.Namespace
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return T
-    held = args.buffer + args.in_flight + 2 + 1
+    held = args.buffer * args.groups + args.in_flight + 2 + 1
     per = sample_bytes(T, A, H, getattr(torch, dtype))
     if held * per <= free / 2:
         return T
@@ -190,6 +206,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-flight", type=int, default=2, help="stream.in_flight: samples on the wire per trainer")
     p.add_argument("--step-ms", type=float, default=50.0,
                    help="simulated trainer step for the wait fraction (at least 1.25x a raw send)")
+    p.add_argument("--groups", type=int, default=1,
+                   help="K trainers, one per draft, each fed every sample (sweep.share_verifier); the peer "
+                        "is K raw sends")
     p.add_argument("--addr", default="127.0.0.1")
 
 
@@ -198,30 +217,44 @@ def case_bytes(case: dict) -> int:
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """(the cases, per case the trainer's timings with the streamer's host peak as "host"): two
-    spawned ranks, rank 0 the trainer and rank 1 the streamer (`scripts/gpu-check --gpus 2` too)."""
+    """(the cases, per case trainer 0's timings with the worst trainer's data-wait and the
+    streamer's host peak as "host"): K + 1 spawned ranks, ranks 0..K-1 the trainers and rank K the
+    streamer (`scripts/gpu-check --gpus 2` runs K = 1)."""
     cases = _cases(args)
+    k = getattr(args, "groups", 1)
     cfg = {"backend": args.backend, "repeats": args.repeats, "buffer": args.buffer, "in_flight": args.in_flight,
-           "step_ms": args.step_ms, "addr": args.addr, "cases": cases}
+           "step_ms": args.step_ms, "addr": args.addr, "cases": cases, "groups": k}
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(worker, args=(cfg, free_port(), new_secret(), out), nprocs=2, start_method="spawn")
-        trainer, streamer = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
-    return cases, [{**res, "host": sres["host"]} for res, sres in zip(trainer, streamer, strict=True)]
+        mp.start_processes(worker, args=(cfg, free_port(), new_secret(), out), nprocs=k + 1, start_method="spawn")
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(k + 1)]
+    trainers, streamer = ranks[:k], ranks[k]
+    out_cases = []
+    for i, sres in enumerate(streamer):
+        res = dict(trainers[0][i])
+        # each repeat's worst trainer: the group the streamer kept waiting longest
+        res["wait"] = [max(t[i]["wait"][r] for t in trainers) for r in range(len(res["wait"]))]
+        out_cases.append({**res, "host": sres["host"]})
+    return cases, out_cases
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.groups < 1:
+        print(f"--groups {args.groups}: must be at least 1 (the trainers fed every sample)", file=sys.stderr)
+        return 2
     if args.in_flight < 1 or args.in_flight > args.buffer:
         print(f"--in-flight {args.in_flight}: must be 1..--buffer ({args.buffer}); a trainer grants no more "
               "credits than its buffer", file=sys.stderr)
         return 2
     cases, measured = measure(args)
+    k = args.groups
+    fan = f", {k} groups: each sample to {k} trainers, against {k} raw sends" if k > 1 else ""
     print(f"stream bench: {args.backend}, {args.repeats} repeats (medians), {args.in_flight} in flight per "
-          f"trainer, receive buffer {args.buffer}")
+          f"trainer, receive buffer {args.buffer}{fan}")
     rows = []
     for case, res in zip(cases, measured, strict=True):
         per = case_bytes(case)
-        nbytes = case["samples"] * per
+        nbytes = case["samples"] * per * k  # on the streamer's links
         raw_s, stream_s = statistics.median(res["raw"]), statistics.median(res["stream"])
         rows.append([f"{per / 1e6:,.1f} MB", f"{case['tokens']}x{case['n_aux'] + 1}x{case['hidden']} {case['dtype']}",
                      f"{nbytes / raw_s / 1e9:.3f}", f"{nbytes / stream_s / 1e9:.3f}", f"{raw_s / stream_s:.2f}",

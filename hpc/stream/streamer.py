@@ -137,19 +137,25 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
                  capture: CaptureFn | None, planes: Planes, dtype: torch.dtype, prefetch: int = 2,
                  heartbeat_s: float = 2.0, capture_concurrency: int = 1,
                  start_capture: Callable[[], CaptureFn] | None = None, in_flight: int = 2,
-                 total_in_flight: int | None = None) -> StreamerStats:
+                 total_in_flight: int | None = None, groups: list[list[int]] | None = None) -> StreamerStats:
     """Stream every row not yet trained; `stats.fatal` says why when the verifier failed.
 
     `rows(ledger, epoch)` yields (epoch, id, token ids, loss mask) from `epoch` on, skipping the
     ledger's (epoch, id) pairs. `start_capture` (instead of `capture`) starts the verifier once
     the trainers are listening. Up to `in_flight` samples per trainer are on the wire at once,
     `total_in_flight` in all (what the streamer's GPU holds beside vLLM).
+
+    `groups`: the trainer ranks of each draft trained from this one capture (the variants of a
+    sweep that shares the verifier); default one group, every trainer. Each group sends its own
+    ledger and gets every sample its ledger lacks, on the trainer of that group with the most
+    credit; a sample two groups need is captured once and staged once.
     """
     start = start_capture if start_capture is not None else (lambda: capture)
     trainers = planes.trainers
+    groups = groups or [list(trainers)]
     stats = StreamerStats(per_trainer={t: 0 for t in trainers})
-    header = recv_header(trainers[0], planes)
-    ledger = recv_ledger(header, trainers[0], planes)
+    progress = [_Progress.receive(g[0], planes) for g in groups]
+    ledger, first_epoch = _Progress.common(progress)
     stats.skipped = len(ledger)
     sender = SampleSender(planes, dtype, in_flight, total_in_flight)
     stats.sender = sender
@@ -183,7 +189,7 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
     beat.start()
 
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
-    producer = threading.Thread(target=_producer, args=(rows(ledger, header.epoch), start, ready, stats, stop,
+    producer = threading.Thread(target=_producer, args=(rows(ledger, first_epoch), start, ready, stats, stop,
                                                         capture_concurrency), daemon=True)
     producer.start()
     try:
@@ -196,31 +202,35 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
             if item is None:
                 break
             epoch, sample_id, cap = item
-            if cap is None:  # a failed capture: one trainer records it, the gather shares it with all
-                with changed:
-                    open_ = [t for t in trainers if t not in acked]
-                if open_:
-                    sender.control(Header(Kind.SKIPPED, sample_id, epoch=epoch), open_[0])
+            with changed:
+                wanted = [g for g, done in zip(groups, progress, strict=True)
+                          if not done.has(epoch, sample_id) and any(t not in acked for t in g)]
+            if not wanted:
+                if any(t not in acked for t in trainers):
+                    continue  # every group still training has it already
+                break  # every trainer finished its steps: nothing left to feed
+            if cap is None:  # a failed capture: one trainer per group records it, its gather shares it
+                for g in wanted:
+                    with changed:
+                        open_ = [t for t in g if t not in acked]
+                    if open_:
+                        sender.control(Header(Kind.SKIPPED, sample_id, epoch=epoch), open_[0])
                 continue
             t0 = time.monotonic()
-            best = None
-            with changed:
-                while True:
-                    open_ = [t for t in trainers if t not in acked]
-                    if not open_:  # every trainer finished its steps: nothing left to feed
-                        break
-                    best = max(open_, key=lambda t: (credits[t], -stats.per_trainer[t]))
-                    if credits[best] > 0:
-                        credits[best] -= 1
-                        break
-                    changed.wait(timeout=heartbeat_s / 2)  # held back by full trainer buffers
-                    _raise_first(beat_failed)
-            if best is None or best in acked:
-                break
+            dsts = []
+            for g in wanted:
+                best = _take_credit(g, credits, acked, stats.per_trainer, changed, heartbeat_s, beat_failed)
+                if best is not None:
+                    dsts.append(best)
             stats.wait_credit_s += time.monotonic() - t0
-            stats.bytes += sender.send(cap, epoch, best)
+            if not dsts:  # the groups that needed it finished while we waited
+                if all(t in acked for t in trainers):
+                    break
+                continue
+            stats.bytes += sender.send_many(cap, epoch, dsts)
             stats.sent += 1
-            stats.per_trainer[best] += 1
+            for t in dsts:
+                stats.per_trainer[t] += 1
         sender.drain()
         if stats.fatal is not None:  # not the end of the data: the trainers must not finish
             for t in trainers:
@@ -236,6 +246,45 @@ def run_streamer(rows: Callable[[list[list[int]], int], Iterable[tuple[int, int,
     finally:
         stop.set()
     return stats
+
+
+@dataclass
+class _Progress:
+    """What one group of trainers has trained: its epoch and that epoch's (epoch, id) ledger."""
+    epoch: int
+    ledger: set[tuple[int, int]]
+
+    @classmethod
+    def receive(cls, first: int, planes: Planes) -> _Progress:
+        header = recv_header(first, planes)
+        return cls(header.epoch, {(e, i) for e, i in recv_ledger(header, first, planes)})
+
+    def has(self, epoch: int, sample_id: int) -> bool:
+        return epoch < self.epoch or (epoch, sample_id) in self.ledger
+
+    @staticmethod
+    def common(groups: list[_Progress]) -> tuple[list[list[int]], int]:
+        """The rows every group has trained, from the earliest group's epoch: what nobody needs."""
+        first = min(g.epoch for g in groups)
+        pairs = set.union(*(g.ledger for g in groups))
+        return [[e, i] for e, i in sorted(pairs) if all(g.has(e, i) for g in groups)], first
+
+
+def _take_credit(group: list[int], credits: dict[int, int], acked: set[int], sent: dict[int, int],
+                 changed: threading.Condition, heartbeat_s: float, beat_failed: list[BaseException]) -> int | None:
+    """The trainer of `group` with the most credit (the least loaded from here), once it has one;
+    None when the whole group has finished its steps."""
+    with changed:
+        while True:
+            open_ = [t for t in group if t not in acked]
+            if not open_:
+                return None
+            best = max(open_, key=lambda t: (credits[t], -sent[t]))
+            if credits[best] > 0:
+                credits[best] -= 1
+                return best
+            changed.wait(timeout=heartbeat_s / 2)  # held back by full trainer buffers
+            _raise_first(beat_failed)
 
 
 def _beat_loop(sender: SampleSender, acked: set[int], changed: threading.Condition, heartbeat_s: float,

@@ -117,3 +117,49 @@ def beats(rank: int, port: int, out: str) -> None:
         Path(out, f"beats{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def groups(rank: int, port: int, out: str, ledgers: dict, n: int, b_takes: int) -> None:
+    """One streamer feeds two groups of one trainer each (two drafts from one capture): each group
+    sends its own ledger; B stops after `b_takes` samples, as a variant whose steps are done."""
+    from hpc.stream.receiver import StreamReceiver
+    from hpc.stream.streamer import run_streamer
+
+    torch.set_num_threads(1)
+    planes = init_planes(rank, 3, [A, B], "gloo", torch.device("cpu"), "127.0.0.1", port, "g" * 64, timeout_s=60)
+    try:
+        result: dict = {}
+        if rank == STREAMER:
+            captured: list[int] = []
+
+            def rows(ledger, epoch):
+                done = {tuple(p) for p in ledger}
+                result["common_ledger"] = sorted(done)
+                return ((0, i, [], []) for i in range(n) if (0, i) not in done)
+
+            def capture(i, ids, mask):
+                captured.append(i)
+                return _cap(i)
+
+            stats = run_streamer(rows, capture, planes, torch.bfloat16, heartbeat_s=0.5, in_flight=2,
+                                 groups=[[A], [B]])
+            assert stats.sender is not None
+            result.update(captured=captured, sent=stats.sent, bytes=stats.bytes, per_trainer=stats.per_trainer,
+                          host=stats.sender.peak_host_bytes, fatal=stats.fatal)
+        else:
+            ledger = ledgers[str(rank)]
+            recv = StreamReceiver([STREAMER], 4, planes, peer_timeout_s=30.0).start(ledger, 0, share_ledger=True)
+            got = []
+            while (item := recv.get()) is not None:
+                src, _, cap = item
+                ok = torch.equal(cap.packed_states(), _cap(cap.sample_id).packed_states())
+                got.append([cap.sample_id, ok])
+                recv.consumed(src)
+                recv.release(cap)
+                if rank == B and len(got) == b_takes:
+                    break
+            recv.close()
+            result = {"got": got}
+        Path(out, f"groups{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()

@@ -55,9 +55,9 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
         if stall_after >= 0:  # a peer that stops mid-sample: header and ids go out, the states never do
             from hpc.stream.sender import SampleSender
 
-            real_send, sent = SampleSender.send, [0]
+            real_send, sent = SampleSender.send_many, [0]
 
-            def stalling_send(self, cap, epoch, dst):
+            def stalling_send(self, cap, epoch, dsts):
                 if sent[0] == stall_after:
                     import time
 
@@ -66,14 +66,14 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
                     from hpc.dist import rules
                     from hpc.stream.protocol import DTYPE_CODES, Header, Kind
                     T, n_aux, H = cap.aux_TnH.shape
-                    self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
+                    self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dsts[0])
                     with rules.message(rules.Message.SAMPLE):
                         dist.send(self.planes.place(torch.stack([cap.input_ids_T.long(), cap.loss_mask_T.long()])),
-                                  dst=dst, group=self.planes.data)
+                                  dst=dsts[0], group=self.planes.data)
                     time.sleep(3600)  # alive, heartbeating, holding the sample: only a timeout ends the wait
                 sent[0] += 1
-                return real_send(self, cap, epoch, dst)
-            SampleSender.send = stalling_send  # type: ignore[method-assign]
+                return real_send(self, cap, epoch, dsts)
+            SampleSender.send_many = stalling_send  # type: ignore[method-assign]
 
         verifier = HFVerifier(target_dir, [1, 2, 3])
 

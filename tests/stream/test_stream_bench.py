@@ -18,12 +18,21 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_stream_prints_ratio_wait_and_host_memory_per_size():
-    res = _bench("--samples", "4", "--repeats", "1", "--tokens", "64", "--hidden", "64", "--step-ms", "5")
+    # Two groups: each sample goes to two trainers, against two raw sends.
+    res = _bench("--samples", "4", "--repeats", "1", "--tokens", "64", "--hidden", "64", "--step-ms", "5",
+                 "--groups", "2")
     assert res.returncode == 0, res.stderr[-2000:]
-    header, row = res.stdout.splitlines()[1:3]
+    title, header, row = res.stdout.splitlines()[:3]
+    assert "2 groups" in title and "2 raw sends" in title
     for column in ("raw GB/s", "stream GB/s", "ratio", "data-wait", "streamer host in flight"):
         assert column in header
-    assert row.split()[2] == "64x4x64" and "(2.0 samples)" in row  # two in flight: the default window
+    # Two in flight per trainer, the default window, and each sample staged once for both trainers.
+    assert row.split()[2] == "64x4x64" and "(2.0 samples)" in row
+
+
+def test_no_groups_is_one_line():
+    res = _bench("--groups", "0")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "--groups 0" in res.stderr
 
 
 def test_an_in_flight_count_beyond_the_receive_buffer_is_one_line():
