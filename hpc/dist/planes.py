@@ -10,6 +10,9 @@ every rank in the same order:
 | `train_data`    | trainers  | training (NCCL)    | DDP gradients                                     |
 | `train_control` | trainers  | gloo               | bookkeeping collectives: flags, ledger, metrics   |
 
+With several drafts trained from one stream, `train_data` and `train_control` are per group of
+trainers (each draft's DDP world); every rank creates every group's pair, in group order.
+
 Why this split: an NCCL group refuses CPU tensors, and NCCL serialises one pair's sends and
 receives on one stream, so a thread blocked in `recv(P)` stalls another thread's `send(P)`.
 Control traffic runs both ways and waits for long stretches (credits, heartbeats): it lives
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,6 +99,7 @@ class Planes:
     # NON_GROUP_MEMBER on streamer ranks (torch's functions take it where they take a group)
     train_data: dist.ProcessGroup
     train_control: dist.ProcessGroup
+    group: list[int] = field(default_factory=list)  # this trainer's draft's trainer ranks ([] on a streamer)
 
     def place(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`t` on the data device (a copy only where it lives elsewhere). Every tensor our code puts
@@ -150,7 +154,7 @@ def open_pairs(planes: Planes, sample_bytes: int = 1, bucket_bytes: int = 0) -> 
                     dist.recv(msg, src=s, group=planes.data)
                     rules.handover(planes.data, s)
                 side.synchronize()
-            if bucket_bytes and len(planes.trainers) > 1:
+            if bucket_bytes and len(planes.group) > 1:
                 dist.all_reduce(planes.empty(bucket_bytes // 4, dtype=torch.float32).zero_(),
                                 group=planes.train_data)
         else:
@@ -180,8 +184,11 @@ def broadcast_text(text: str | None, group, src: int = 0) -> str | None:
 
 def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, device: torch.device,
                 master_addr: str, port: int, secret: str, timeout_s: float = 600.0,
-                data_timeout_s: float | None = None) -> Planes:
+                data_timeout_s: float | None = None, groups: list[list[int]] | None = None) -> Planes:
     """Rendezvous and create the four groups (collective over the whole world).
+
+    `groups`: the trainers of each draft trained from this world's stream (default one, every
+    trainer); each gets its own `train_data` and `train_control`.
 
     `device` is the rank's compute device; the planes' data device follows the backend.
     `secret` is the job's rendezvous secret (hpc.dist.rendezvous): every rank holds the same.
@@ -198,11 +205,15 @@ def init_planes(rank: int, world_size: int, trainers: list[int], backend: str, d
     control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     rules.register(control, Plane.CONTROL, "cpu")
     check_members(secret, rank, world_size, control)  # before any other group trusts the world
-    train_data = dist.new_group(trainers, timeout=data_timeout)
-    train_control = dist.new_group(trainers, backend="gloo", timeout=timeout)
+    mine: tuple = (dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.NON_GROUP_MEMBER, [])
+    for members in groups or [list(trainers)]:  # every rank creates every group, in one order
+        train_data = dist.new_group(members, timeout=data_timeout)
+        train_control = dist.new_group(members, backend="gloo", timeout=timeout)
+        rules.register(train_data, Plane.DATA, rules.NCCL_DEVICE)
+        rules.register(train_control, Plane.CONTROL, "cpu")
+        if rank in members:
+            mine = (train_data, train_control, list(members))
     data = dist.distributed_c10d._get_default_group()
     moved = data_device(backend, device)
     rules.register(data, Plane.DATA, rules.NCCL_DEVICE)  # under gloo too: see Planes.place
-    rules.register(train_data, Plane.DATA, rules.NCCL_DEVICE)
-    rules.register(train_control, Plane.CONTROL, "cpu")
-    return Planes(rank, world_size, list(trainers), moved, data, control, train_data, train_control)
+    return Planes(rank, world_size, list(trainers), moved, data, control, mine[0], mine[1], mine[2])

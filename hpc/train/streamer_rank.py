@@ -50,7 +50,7 @@ def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: tor
         stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), None, planes, stream_dtype(cfg),
                              cfg.stream.prefetch, cfg.stream.heartbeat_s, capture_concurrency(cfg),
                              start_capture=start_capture, in_flight=cfg.stream.in_flight,
-                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)))
+                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)), groups=w.trainer_groups)
     finally:
         t_stop = time.time()
         for closer in closers:

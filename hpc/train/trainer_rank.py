@@ -45,7 +45,7 @@ def trainer_rank(cfg: DSparkConfig, w: World, planes: Planes, vocab_file: str | 
                                   epoch_size=epoch_size)
     report = None
     try:
-        if w.rank == 0:
+        if w.group_rank == 0:
             report = TrainReport(cfg, out, parent_run_id)
         code = run_trainer(w, planes, trainer, cfg.stream, out, report.on_step if report is not None else None)
         if report is not None:
@@ -67,12 +67,12 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
     train_cfg = trainer.cfg
     trainer.state.data_hash = prepared_hash(out_dir)  # every checkpoint names the data it counts
     stopped = Path(out_dir) / STOPPED
-    if w.rank == 0:
+    if w.group_rank == 0:
         stopped.unlink(missing_ok=True)  # a cause from an earlier run is not this run's
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
     receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names,
                               held_per_step=train_cfg.grad_accumulation * trainer.micro_batch_size)
-    receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.rank == 0)
+    receiver.start(trainer.state.ledger, trainer.state.epoch, share_ledger=w.group_rank == 0)
 
     def step_hook(step: int, metrics: dict) -> None:
         # What the stream looks like from here: samples waiting, and time spent waiting for them.
@@ -87,7 +87,7 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
         receiver.close()
         _clock_stop(out_dir, trainer, w.rank, time.time() - t_stop)
         print(f"trainer {w.rank}: {why}", file=sys.stderr, flush=True)
-        if w.rank == 0:
+        if w.group_rank == 0:
             _record_stop(stopped, trainer, train_cfg.steps, str(why))
         return EXIT_REQUEUE
     receiver.close()  # the streamers stop feeding us before anything else happens
@@ -100,7 +100,7 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
         msg = receiver.error or "another trainer rank lost its streamer"
         print(f"trainer {w.rank}: stopping at step {trainer.state.step}, checkpoint saved: {msg}",
               file=sys.stderr, flush=True)
-        if w.rank == 0:
+        if w.group_rank == 0:
             _record_stop(stopped, trainer, train_cfg.steps, msg)
         return EXIT_PEER_DIED
     return 0
@@ -113,7 +113,7 @@ def _clock_stop(out_dir: str | Path, trainer: Trainer, rank: int, stop_s: float)
         preempt_clock.mark(out_dir, preempt_clock.SIGNAL, 0.0, at=trainer.signal_at, rank=rank)
     if "boundary_s" in c:
         preempt_clock.mark(out_dir, preempt_clock.BOUNDARY, c["boundary_s"], rank=rank)
-    ckpt = latest_checkpoint(trainer.ckpt_dir) if rank == 0 else None
+    ckpt = latest_checkpoint(trainer.ckpt_dir) if trainer.rank == 0 else None  # its draft's rank 0
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt is not None else None
     preempt_clock.mark(out_dir, preempt_clock.CHECKPOINT, c.get("checkpoint_s", 0.0), rank=rank, bytes=size)
     preempt_clock.mark(out_dir, preempt_clock.STREAM_STOP, stop_s, rank=rank)

@@ -13,7 +13,8 @@ from hpc.fsio import write_text
 
 def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: str, out_dir: str,
          n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000,
-         nccl_timeout_s: float | None = None, stall_after: int = -1) -> None:
+         nccl_timeout_s: float | None = None, stall_after: int = -1, groups: int = 1,
+         lrs: list[float] | None = None) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.config.schema import StreamConfig
     from hpc.dist.world import World, init_world
@@ -22,7 +23,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
     from hpc.train.trainer_rank import run_trainer
     from tests.train.test_resume import make_parts, rows
 
-    w = World(rank, n_trainers, n_streamers)
+    w = World(rank, n_trainers, n_streamers, groups)
     planes = init_world(w, "gloo", "cpu", "127.0.0.1", port, "stream-test-" + "0" * 52, timeout_s=120,
                         data_timeout_s=nccl_timeout_s)
     out = Path(out_dir)
@@ -30,7 +31,11 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
     data = rows(n_rows)
     code = 0
     if w.is_trainer:
-        cfg, model, head, export = make_parts(target_dir, init_seed=0, steps=steps, checkpoint_interval=2)
+        if groups > 1:  # each group trains its own draft, into its own directory
+            out = out / f"group{w.group}"
+            out_dir = str(out)
+        extra = {"lr": lrs[w.group]} if lrs else {}
+        cfg, model, head, export = make_parts(target_dir, init_seed=0, steps=steps, checkpoint_interval=2, **extra)
         depth = []
 
         def on_step(step, metrics):
@@ -46,6 +51,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
         state = json.loads((ckpt / "state.json").read_text()) if ckpt else {}
         (out / f"trainer{rank}.json").write_text(json.dumps(
             {"code": code, "ledger": state.get("ledger", []), "max_depth": max(depth, default=0),
+             "losses": [float(x).hex() for x in state.get("losses", [])],
              "step": state.get("step", 0), "seen": state.get("samples_seen", 0),
              "skipped": state.get("samples_skipped", 0)}))
     else:
@@ -82,7 +88,7 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
                 raise ValueError("truncated capture file")
             return verifier.capture(sample_id, ids, mask)
         stats = run_streamer(streamer_rows(data, w, seed=3, epochs=1), capture, planes, torch.float32,
-                             prefetch=2, heartbeat_s=stream_cfg.heartbeat_s)
+                             prefetch=2, heartbeat_s=stream_cfg.heartbeat_s, groups=w.trainer_groups)
         (out / f"streamer{rank}.json").write_text(json.dumps(
             {"sent": stats.sent, "failed": stats.failed, "per_trainer": stats.per_trainer, "skipped": stats.skipped}))
     os._exit(code)  # a dead peer can leave gloo's teardown waiting forever

@@ -61,6 +61,20 @@ def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):
     assert max(t0["max_depth"], t1["max_depth"]) <= 3 * 1 + 3  # buffer_per_trainer (+ one per streamer share)
 
 
+def test_one_stream_trains_two_drafts_each_as_its_solo_run(target_dir, tmp_path):  # noqa: F811
+    """One verifier, two groups of one trainer, each its own draft (lr 1e-3 and 3e-3): each sample is
+    captured once and trained by both; the second draft's losses are bit-identical to its solo run."""
+    shared, solo = tmp_path / "shared", tmp_path / "solo"
+    assert wait_all(launch(2, 1, target_dir, shared, 24, groups=2, lrs=[1e-3, 3e-3], steps=6)) == [0, 0, 0]
+    assert wait_all(launch(1, 1, target_dir, solo, 24, lrs=[3e-3], steps=6)) == [0, 0]
+    g0, g1 = read(shared / "group0", "trainer0.json"), read(shared / "group1", "trainer1.json")
+    streamer = read(shared, "streamer2.json")
+    assert streamer["sent"] == 24 and streamer["per_trainer"] == {"0": 24, "1": 24}  # captured once, sent twice
+    assert g0["ledger"] == g1["ledger"] and len(g0["losses"]) == len(g1["losses"]) == 6
+    assert g1["losses"] == read(solo, "trainer0.json")["losses"]  # float hex, every step
+    assert g0["losses"] != g1["losses"]  # two drafts, not one trained twice
+
+
 def test_a_peer_that_stops_mid_sample_ends_the_run_within_the_data_timeout(target_dir, tmp_path):  # noqa: F811
     """The streamer sends a sample's header and ids, then holds its states while alive. The data
     plane's timeout (stream.nccl_timeout_s, 5 s here) ends the wait, well before the 90 s a silent
