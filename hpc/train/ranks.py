@@ -34,9 +34,15 @@ from hpc.verifier.gpu_budget import largest_sample_bytes
 
 
 def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, master_addr: str, port: int,
-              secret: str, parent_run_id: str | None = None) -> int:
-    """Join the world, then play this rank's role: trainer ranks first, streamers after."""
-    w = World(rank, n_trainers, n_streamers)
+              secret: str, parent_run_id: str | None = None, variants: list[DSparkConfig] | None = None) -> int:
+    """Join the world, then play this rank's role: trainer ranks first, streamers after.
+
+    `variants`: the drafts trained from this world's one stream, one group of trainers each; a
+    trainer plays its group's variant, and the streamers the first (every variant captures alike).
+    """
+    w = World(rank, n_trainers, n_streamers, len(variants) if variants else 1)
+    if variants:
+        cfg = variants[max(w.group, 0)]
     out = Path(cfg.train.output_dir)
     # Every tensor of this rank, the block mask included, lives on its own GPU (cuda:LOCAL_RANK).
     device = rank_device(cfg.train.device, exclusive=cfg.train.dist_backend == "nccl")
@@ -64,7 +70,8 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
 
 
 def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: int, secret: str,
-                 parent_run_id: str | None = None, local_rank: int = 0) -> None:
+                 parent_run_id: str | None = None, local_rank: int = 0,
+                 variants: list[DSparkConfig] | None = None) -> None:
     """The target of one rank's process (local `dspark train` or a node of a Slurm allocation).
 
     `local_rank` is the rank's index among the processes of its node: its GPU. `secret` is the
@@ -83,7 +90,7 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
               f"(traceback in {tb_file})", file=sys.stderr, flush=True)
     threading.excepthook = thread_died
     try:
-        code = rank_main(rank, cfg, T, V, addr, port, secret, parent_run_id)
+        code = rank_main(rank, cfg, T, V, addr, port, secret, parent_run_id, variants)
     except UserError as err:
         print(f"error: rank {rank}: {scrub(str(err))}", file=sys.stderr)
         code = 2
@@ -102,10 +109,11 @@ def rank_process(rank: int, cfg: DSparkConfig, T: int, V: int, addr: str, port: 
 
 
 def spawn_ranks(cfg: DSparkConfig, ranks: list[int], local_ranks: list[int], T: int, V: int, addr: str, port: int,
-                secret: str, parent_run_id: str | None = None) -> list:
-    """Start `ranks` (global) as processes of this machine, each on its `local_ranks` GPU."""
+                secret: str, parent_run_id: str | None = None, variants: list[DSparkConfig] | None = None) -> list:
+    """Start `ranks` (global) as processes of this machine, each on its `local_ranks` GPU; `T`
+    counts every group's trainers when `variants` share the stream."""
     ctx = mp.get_context("spawn")  # CUDA and gloo state never survive a fork
-    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, addr, port, secret, parent_run_id, local),
+    procs = [ctx.Process(target=rank_process, args=(r, cfg, T, V, addr, port, secret, parent_run_id, local, variants),
                          name=f"rank{r}") for local, r in zip(local_ranks, ranks)]
     for p in procs:
         p.start()

@@ -3,20 +3,28 @@
 One streamer process per verifier node (hosting the verifier backend) and
 trainer_nodes x ranks_per_node trainer processes, over gloo on CPU (NCCL on GPUs), exactly
 as inside a Slurm allocation.
+
+`--share-verifier` trains every variant of the config's sweep from that one verifier: a group of
+trainer processes per variant, each draft in `train.output_dir`/v<i>, every sample captured once.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from hpc.config import ConfigError, sweep_overrides
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redact_uri
+from hpc.config.shared_sweep import share_problems
 from hpc.config.target import localize
 from hpc.config.validate import trainer_ranks
 from hpc.data.prepare import prepare_data
 from hpc.dist.rendezvous import new_secret
+from hpc.errors import UserError
 from hpc.net import free_port
+from hpc.track.pipeline import experiment_id
 from hpc.track.server import is_healthy
 from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
 from hpc.verifier.verifier_checks import resolve
@@ -25,27 +33,58 @@ from hpc.verifier.verifier_checks import resolve
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
     cfg = resolve(args.config, overrides, check_tracking=False, runs_here=True)
-    return train_local(cfg)
+    variants = sweep_variants(cfg)
+    if len(variants) > 1 and not args.share_verifier:
+        raise UserError(f"sweep: {len(variants)} variants, and dspark train runs one config; pass --share-verifier "
+                        "to train them all here from one verifier, or `dspark submit` for an allocation each")
+    if not args.share_verifier:
+        return train_local(cfg)
+    if problems := share_problems(dict(cfg.sweep), len(variants)):
+        raise ConfigError(problems)
+    base = Path(cfg.train.output_dir)
+    return train_local(cfg, variants=[
+        resolve(args.config, [*overrides, *extra, f"train.output_dir={base / f'v{i}'}", "sweep={}"],
+                check_tracking=False, runs_here=True) for i, extra in enumerate(variants)])
 
 
-def train_local(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
-    """Prepare the data, then run every rank of the online world as a local process."""
+def sweep_variants(cfg: DSparkConfig) -> list[list[str]]:
+    from omegaconf import OmegaConf  # as the config's loaders: only where a sweep is expanded
+
+    return sweep_overrides(OmegaConf.structured(cfg))
+
+
+def train_local(cfg: DSparkConfig, parent_run_id: str | None = None,
+                variants: list[DSparkConfig] | None = None) -> int:
+    """Prepare the data, then run every rank of the online world as a local process; with
+    `variants`, one group of trainers per variant, all fed by the one verifier."""
     if cfg.tracking.uri.startswith("http") and not is_healthy(cfg.tracking.uri):
         # Training is not held hostage by the tracking server: metrics wait in a buffer.
         print(f"warning: tracking server {redact_uri(cfg.tracking.uri)} unreachable; metrics are buffered and "
               "sent when it answers", flush=True)
-    cfg = localize(cfg)  # a hub id becomes its local snapshot, once, before any rank starts
-    prep = prepare_data(cfg)
-    print(f"data: {prep.stats.summary()}; draft vocab {cfg.draft.draft_vocab_size}"
-          + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
-    T, V = trainer_ranks(cfg), cfg.cluster.verifier_nodes
-    procs = spawn_ranks(cfg, list(range(T + V)), list(range(T + V)), T, V, "127.0.0.1", free_port(), new_secret(),
-                        parent_run_id)
-    code, own = supervise(procs, grace_s(cfg))
+    # a hub id becomes its local snapshot, once, before any rank starts
+    drafts = [localize(v) for v in variants] if variants else [localize(cfg)]
+    for i, draft in enumerate(drafts):
+        prep = prepare_data(draft)
+        who = f"v{i} ({draft.train.output_dir}): " if variants else ""
+        print(f"data: {who}{prep.stats.summary()}; draft vocab {draft.draft.draft_vocab_size}"
+              + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
+    first = drafts[0]
+    T, V = trainer_ranks(first) * len(drafts), first.cluster.verifier_nodes
+    if variants and first.tracking.uri.startswith("sqlite:"):
+        # Each draft's rank 0 opens the store at once: MLflow would create a new database's
+        # tables, and the experiment, in every one of them (a race that fails all but one).
+        from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
+
+        experiment_id(MlflowClient(first.tracking.uri), first.tracking.experiment)
+    if variants:
+        print(f"one verifier, {len(drafts)} drafts: trainers {T // len(drafts)} per draft, ranks 0..{T - 1}", flush=True)
+    procs = spawn_ranks(first, list(range(T + V)), list(range(T + V)), T, V, "127.0.0.1", free_port(), new_secret(),
+                        parent_run_id, variants=drafts if variants else None)
+    code, own = supervise(procs, grace_s(first))
     if code:
         print(f"ranks exited with {own} (trainers 0..{T - 1}, streamers {T}..{T + V - 1}; None: stopped here)",
               flush=True)
-        print(f"error: {failure_line(own, T, cfg.train.output_dir)}", file=sys.stderr, flush=True)
+        print(f"error: {failure_line(own, T, first.train.output_dir)}", file=sys.stderr, flush=True)
     return exit_status(code)
 
 
@@ -54,4 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument("--share-verifier", action="store_true",
+                   help="train every variant of the config's sweep from one verifier (one group of trainers "
+                        "each, in train.output_dir/v<i>); the sweep may not change what is captured")
     p.set_defaults(func=run)

@@ -48,10 +48,6 @@ def test_two_groups_each_get_every_sample_their_ledger_lacks_from_one_capture(tm
     per_trainer = {int(t): k for t, k in streamer["per_trainer"].items()}
     assert per_trainer[0] == 10 and 4 <= per_trainer[1] <= 9
     assert streamer["sent"] == 10 and streamer["bytes"] == 1024 * sum(per_trainer.values())
-
-
-def test_a_sample_for_two_groups_is_staged_once(tmp_path):
-    *_, streamer = _groups(tmp_path, {"0": [], "1": []}, n=16, b_takes=16)
-    # 2 in flight per trainer, shared by both: never more than 2 samples' buffers (1024 B each, gloo
-    # sends from the staged tensors) held at once, where staging per trainer would hold 4.
-    assert streamer["captured"] == list(range(16)) and 0 < streamer["host"] <= 2 * 1024
+    # Staged once: 2 in flight per trainer, shared by both, so never more than 2 samples' buffers
+    # (1024 B each; gloo sends from the staged tensors) at once, where staging per trainer holds 4.
+    assert 0 < streamer["host"] <= 2 * 1024

@@ -30,12 +30,15 @@ def test_bench_stream_prints_ratio_wait_and_host_memory_per_size():
     assert row.split()[2] == "64x4x64" and "(2.0 samples)" in row
 
 
-def test_no_groups_is_one_line():
-    res = _bench("--groups", "0")
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "--groups 0" in res.stderr
+@pytest.mark.parametrize("argv, named", [(["--groups", "0"], ["--groups 0"]),
+                                         (["--in-flight", "9", "--buffer", "8"], ["--in-flight 9", "--buffer"])])
+def test_a_bad_flag_is_one_line_before_any_rank_starts(capsys, argv, named):
+    import argparse
 
+    from hpc.stream import stream_bench
 
-def test_an_in_flight_count_beyond_the_receive_buffer_is_one_line():
-    res = _bench("--in-flight", "9", "--buffer", "8")
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "--in-flight 9" in res.stderr and "--buffer" in res.stderr
+    parser = argparse.ArgumentParser()
+    stream_bench.add_args(parser)
+    assert stream_bench.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and all(n in err for n in named)
