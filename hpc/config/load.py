@@ -25,6 +25,7 @@ from omegaconf.resolvers import oc as _oc
 
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import env_resolved, scrub, shown
+from hpc.config.shared_sweep import share_problems
 from hpc.config.target import follow_target, written_keys
 from hpc.config.yaml_bounds import MAX_BYTES, load_bounded
 from hpc.errors import ConfigError, UserError
@@ -442,4 +443,6 @@ def check_sweep(cfg: DictConfig) -> list[str]:
                 sub: list[str] = []
                 _apply(probe, _nest(key, value), "", f"sweep {key}", sub, written=key)
                 problems.extend(sub)
+    if OmegaConf.select(cfg, "submit.share_verifier", default=False) is True and not problems:
+        problems += share_problems(sweep, count)  # every variant must be fed the others' samples
     return problems

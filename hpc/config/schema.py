@@ -362,6 +362,11 @@ class SubmitConfig:
     # A sweep expands into one array task per combination: 40 x 40 x 40 values would validate
     # for minutes and queue 64,000 trainings. Above this many, validate refuses the sweep.
     max_variants: int = 256
+    # One allocation trains every variant of the sweep from one verifier's capture (V verifier
+    # nodes + a group of trainer_nodes per variant) instead of an allocation per variant: a
+    # verifier's GPU-hours are spent once. A variant may not change what is captured
+    # (hpc/config/shared_sweep.py). `dspark train` shares the same way on one machine.
+    share_verifier: bool = False
 
 
 @dataclass

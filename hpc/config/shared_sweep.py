@@ -9,6 +9,13 @@ the held-out rows, and the trainers' shape (every group is a DDP world of one si
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+# What turns the config into one of its sweep's variants: no sweep of its own, and so nothing to share
+# (the variant's train job is the shared one when submit.share_verifier is set in the base).
+ONE_VARIANT = ("sweep={}", "submit.share_verifier=false")
+
 # (prefix or key, why a variant may not change it), the first that matches a sweep key wins
 CAPTURE_KEYS = (
     ("verifier.", "the target and its capture"),
@@ -35,3 +42,11 @@ def share_problems(sweep: dict, variants: int) -> list[str]:
             out.append(f"sweep.{key}: changes {why}, which every draft sharing the verifier must share; "
                        "sweep it without sharing (one allocation per variant), or fix it for the whole sweep")
     return out
+
+
+def shared_groups(cfg: Any) -> int:
+    """How many drafts one train allocation feeds from its verifier: the sweep's variants when
+    submit.share_verifier is set, else 1 (each variant then has a verifier of its own)."""
+    if not cfg.submit.share_verifier:
+        return 1
+    return math.prod(len(v) for v in (cfg.sweep or {}).values() if isinstance(v, list)) or 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
+from hpc.config.shared_sweep import shared_groups
 from hpc.config.validate import ranks_per_node
 from hpc.config.validate_ops import check_plan as plan_checks
 from hpc.errors import UserError
@@ -107,6 +108,24 @@ class Plan:
     pipeline: PipelineTime | None = None  # every stage's time, and the preemption window (plan_time)
     timeslice_slowdown: float = 0.0  # prefill lost to the streamer on vLLM's last GPU
     timeslice_measured: bool = False
+    shared: SharedPlan | None = None  # submit.share_verifier: K drafts from one verifier's capture
+
+
+@dataclass
+class SharedPlan:
+    """One allocation training K variants from one verifier, against K allocations of V + T."""
+    variants: int
+    bytes_per_sample: int  # on the streamer's link: every sample goes to each of the K groups
+    link_samples_s: float  # per verifier node, at K copies a sample
+    supply_samples_s: float  # per verifier node: min(prefill, link at K copies)
+    link_bound: bool
+    group_demand_samples_s: float  # one variant's trainer nodes
+    nodes: int  # V + K x T
+    run_hours: float  # train.steps, every variant at once
+    gpu_hours: float
+    solo_run_hours: float
+    solo_gpu_hours: float  # K allocations of V + T, one after another or side by side
+    most_variants_link: int  # the most variants whose trainers the link still feeds at their demand
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -299,7 +318,27 @@ def capacity_plan(cfg: DSparkConfig) -> Plan:
         timeslice_measured=p.timeslice_slowdown is not None,
     )
     pl.pipeline = pipeline_time(cfg, pl)
+    if (k := shared_groups(cfg)) > 1:
+        pl.shared = _shared(cfg, pl, k)
     return pl
+
+
+def _shared(cfg: DSparkConfig, pl: Plan, k: int) -> SharedPlan:
+    """What sharing one verifier between k variants costs on its link and saves in GPU-hours."""
+    c, t = cfg.cluster, cfg.train
+    link = pl.link_bytes_s / (k * pl.bytes_per_sample)
+    supply = min(pl.prefill_samples_s, link)
+    group = c.trainer_nodes * pl.demand_samples_s
+    hours = t.steps * t.global_batch_size / min(c.verifier_nodes * supply, group) / 3600
+    gpus = max(c.gpus_per_node, 1)
+    # The link still feeds every group at its trainers' demand up to this many copies a sample.
+    most = int(c.verifier_nodes * pl.link_bytes_s / (pl.bytes_per_sample * group)) if group > 0 else k
+    nodes = c.verifier_nodes + k * c.trainer_nodes
+    return SharedPlan(
+        variants=k, bytes_per_sample=k * pl.bytes_per_sample, link_samples_s=link, supply_samples_s=supply,
+        link_bound=link < pl.prefill_samples_s, group_demand_samples_s=group, nodes=nodes, run_hours=hours,
+        gpu_hours=nodes * gpus * hours, solo_run_hours=pl.run_hours,
+        solo_gpu_hours=k * (c.verifier_nodes + c.trainer_nodes) * gpus * pl.run_hours, most_variants_link=most)
 
 
 def pipeline_problems(cfg: DSparkConfig) -> list[str]:

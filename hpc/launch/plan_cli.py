@@ -97,6 +97,8 @@ def format_plan(pl: Plan) -> str:
              "ASSUMED 0, not measured: without MPS the streamer's copies and NCCL kernels time-slice with vLLM's TP "
              "rank here; gpu-check's time-slicing row measures it on a GPU (set plan.timeslice_slowdown)"),
         ]))
+    if pl.shared:
+        sections.append(_shared_section(pl))
     sections += pipeline_sections(pl.pipeline) if pl.pipeline else []
     # One table for all sections, so their columns line up; each title then goes above its rows.
     table = iter(text_table(None, [r for _, rs in sections for r in rs], right={1}))
@@ -104,6 +106,27 @@ def format_plan(pl: Plan) -> str:
     for title, rs in sections:
         lines += ["", title] + ["  " + next(table) for _ in rs]
     return "\n".join(lines)
+
+
+def _shared_section(pl: Plan) -> tuple[str, list[tuple[str, str, str]]]:
+    sh = pl.shared
+    assert sh is not None
+    k, v, t = sh.variants, pl.verifier_nodes, pl.trainer_nodes
+    saved = 1 - sh.gpu_hours / sh.solo_gpu_hours if sh.solo_gpu_hours else 0.0
+    return (f"shared verifier (submit.share_verifier: {k} variants from one capture)", [
+        ("bytes per sample on its link", _bytes(sh.bytes_per_sample), f"{k} copies: each sample to every variant"),
+        ("link capacity", f"{_rate(sh.link_samples_s)} samples/s", f"per verifier node, at {k} copies"),
+        ("supply", f"{_rate(sh.supply_samples_s)} samples/s",
+         ("LINK-BOUND at this many copies" if sh.link_bound else "prefill-bound: the link carries every copy")
+         + f"; the link feeds at most {sh.most_variants_link} variants at their demand"),
+        ("each variant's demand", f"{_rate(sh.group_demand_samples_s)} samples/s",
+         f"{t} trainer node(s); every variant takes every sample"),
+        ("allocation", f"{sh.nodes} nodes", f"{v} verifier + {k} x {t} trainer, against {k} allocations of {v + t}"),
+        ("time for train.steps", _duration(sh.run_hours),
+         f"every variant at once; alone, each {_duration(sh.solo_run_hours)}"),
+        ("train GPU-hours", f"{sh.gpu_hours:,.0f}",
+         f"against {sh.solo_gpu_hours:,.0f} for {k} solo allocations: {saved:.0%} saved"),
+    ])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -46,6 +46,8 @@ class JobRequest:
     account: str | None
     gpus_per_node: int
     cpus_per_task: int
+    groups: int = 1  # a shared verifier's train job: `per_group` trainer nodes for each of this many variants
+    per_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,18 +59,21 @@ class Partition:
     default: bool
 
 
-def requests_for(cfg: DSparkConfig) -> list[JobRequest]:
-    """The jobs `dspark submit` queues for this config, in submission order."""
+def requests_for(cfg: DSparkConfig, variants: int = 1) -> list[JobRequest]:
+    """The jobs `dspark submit` queues for this config, in submission order; a shared verifier's
+    train job holds a group of trainer nodes for each of the sweep's `variants`."""
     cl = cfg.cluster
+    groups = variants if cfg.submit.share_verifier else 1
 
-    def job(stage: str, nodes: int, gpus: int) -> JobRequest:
+    def job(stage: str, nodes: int, gpus: int, groups: int = 1) -> JobRequest:
         # The schema has one partition/time/account for every stage.
-        return JobRequest(stage, cl.partition, nodes, cl.time, cl.account, gpus, cl.cpus_per_task)
+        return JobRequest(stage, cl.partition, nodes, cl.time, cl.account, gpus, cl.cpus_per_task, groups,
+                          cl.trainer_nodes if groups > 1 else 0)
 
     reqs = []
     if cfg.data.regenerate:
         reqs.append(job("regenerate", cl.regenerate_nodes, cl.gpus_per_node))
-    reqs.append(job("train", cl.verifier_nodes + cl.trainer_nodes, cl.gpus_per_node))
+    reqs.append(job("train", cl.verifier_nodes + cl.trainer_nodes * groups, cl.gpus_per_node, groups))
     reqs.append(job("eval", cl.eval_nodes, cl.gpus_per_node))
     # The report only reads eval results and the tracking store: no GPU to hold idle.
     reqs.append(job("report", 1, 0))
@@ -240,6 +245,12 @@ def _check_one(req: JobRequest, parts: dict[str, Partition]) -> list[str]:
 def _nodes_problem(req: JobRequest, part: Partition) -> str:
     keys = NODE_KEYS.get(req.stage)
     where = f"partition {part.name!r} has {part.nodes}"
+    if req.groups > 1:  # the shared verifier's allocation: V + K x T
+        most = (part.nodes - (req.nodes - req.groups * req.per_group)) // max(req.per_group, 1)
+        fits = f"at most {most} variants fit" if most >= 2 else "not even two variants fit"
+        return (f"cluster.verifier_nodes + {req.groups} variants x cluster.trainer_nodes = {req.nodes}: the shared "
+                f"verifier's train job needs {req.nodes} nodes but {where} ({fits}); sweep fewer values, lower "
+                "cluster.trainer_nodes, or set submit.share_verifier=false (an allocation per variant)")
     if not keys:  # a fixed-size job (the report): only another partition helps
         return (f"cluster.partition = {req.partition!r}: the {req.stage} job needs {req.nodes} "
                 f"node(s) but {where}; choose a partition with nodes")

@@ -42,13 +42,14 @@ def _regenerate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, loc
     return regenerate_stage(cfg, parent_run_id, local=local)
 
 
-def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
+def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool,
+           variants: list[DSparkConfig] | None = None) -> int:
     if local:  # one machine: every rank a local process, no allocation
         from hpc.train.train_cli import train_local  # safetensors, torch: loaded only on this path
 
-        return train_local(cfg, parent_run_id)
+        return train_local(cfg, parent_run_id, variants)
 
-    return train_allocation(cfg, parent_run_id)
+    return train_allocation(cfg, parent_run_id, variants)
 
 
 def _calibrate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
@@ -109,17 +110,35 @@ class Job:
     stage: Stage
     n: int | None = None
     after: tuple[tuple[str, str], ...] = ()  # (dependency type, job name), enabled jobs only
+    array: bool = True  # one task per variant (when the stage is per_variant); else one job
+    variants: int = 1  # the variants one job trains (a shared verifier's train job: all of them)
 
 
-def jobs(cfg: DSparkConfig) -> list[Job]:
-    """The pipeline's jobs in submission order, with dependencies resolved to job names."""
+def shares_verifier(cfg: DSparkConfig) -> bool:
+    """One train allocation for every variant of the sweep (submit.share_verifier)."""
+    return bool(cfg.submit.share_verifier)
+
+
+def train_nodes(cfg: DSparkConfig, variants: int = 1) -> int:
+    """The train job's nodes: V verifier nodes, and trainer_nodes for each draft it trains."""
+    return cfg.cluster.verifier_nodes + cfg.cluster.trainer_nodes * variants
+
+
+def jobs(cfg: DSparkConfig, variants: int = 1) -> list[Job]:
+    """The pipeline's jobs in submission order, with dependencies resolved to job names. With a
+    shared verifier the train job is one allocation for all `variants`; the per-variant stages
+    after it wait for the whole of it (afterok), not for a task of the same index (aftercorr)."""
     out: list[Job] = []
+    shared = shares_verifier(cfg)
     for s in STAGES:
         if not s.enabled(cfg):
             continue
         ns = list(cfg.eval.num_speculative_tokens) if s.per_n else [None]
-        after = tuple((kind, j.name) for kind, dep in s.after for j in out if j.stage.name == dep)
-        out += [Job(f"{s.name}-n{n}" if n is not None else s.name, s, n, after) for n in ns]
+        after = tuple(("afterok" if kind == "aftercorr" and not j.array else kind, j.name)
+                      for kind, dep in s.after for j in out if j.stage.name == dep)
+        one = shared and s.name == "train"
+        out += [Job(f"{s.name}-n{n}" if n is not None else s.name, s, n, after, array=s.per_variant and not one,
+                    variants=variants if one else 1) for n in ns]
     return out
 
 
@@ -132,22 +151,30 @@ def stage_of(job_name: str) -> str:
 
 
 def run_in_job(name: str, config_file: str, overrides: list[str] | tuple[str, ...] = (),
-               parent_run_id: str | None = None, n: int | None = None) -> int:
-    """One stage inside its Slurm job, from the variant's frozen YAML: its exit code."""
+               parent_run_id: str | None = None, n: int | None = None, shared: tuple[str, ...] = ()) -> int:
+    """One stage inside its Slurm job, from the variant's frozen YAML: its exit code. `shared`:
+    the other variants' frozen YAMLs, which a shared verifier's train job trains beside it."""
     s = stage(name)
-    check_variant_file(config_file)  # before a single key is read
-    # A CPU-only stage (the report) need not see the GPUs the training config names.
-    cfg = resolve(config_file, list(overrides), check_tracking=False, runs_here=s.gpus)
-    if s.localize:
-        cfg = localize_stage(cfg)
+    if shared and name != "train":
+        raise UserError(f"stage {name}: only the train stage trains several variants in one job")
+
+    def load(path: str) -> DSparkConfig:
+        check_variant_file(path)  # before a single key is read
+        # A CPU-only stage (the report) need not see the GPUs the training config names.
+        cfg = resolve(path, list(overrides), check_tracking=False, runs_here=s.gpus)
+        return localize_stage(cfg) if s.localize else cfg
+    cfg = load(config_file)
+    if shared:
+        return _train(cfg, parent_run_id, n, False, [cfg, *map(load, shared)])
     return s.entry(cfg, parent_run_id, n, False)
 
 
-def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = None, n: int | None = None) -> int:
+def run_stage(stage_name: str, config_file: str, parent_run_id: str | None = None, n: int | None = None,
+              shared: tuple[str, ...] = ()) -> int:
     """The callable `dspark submit` hands to submitit. A failing stage raises, so the task
     exits non-zero and Slurm's dependencies see it."""
     try:
-        code = run_in_job(stage_name, config_file, (), parent_run_id, n)
+        code = run_in_job(stage_name, config_file, (), parent_run_id, n, tuple(shared))
     except UserError as err:
         raise UserError(scrub(str(err)), exit_code=err.exit_code) from None
     except Exception as err:

@@ -55,9 +55,10 @@ from hpc.own_env import set_own
 from hpc.track.pipeline import STAGE, common_tags, create_child_run, end_pipeline_run, pipeline_outcome
 
 
-def node_ranks(cfg: DSparkConfig, node_index: int) -> tuple[list[int], int, int]:
-    """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after."""
-    V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes, ranks_per_node(cfg)
+def node_ranks(cfg: DSparkConfig, node_index: int, groups: int = 1) -> tuple[list[int], int, int]:
+    """(global ranks on this node, trainer ranks T, verifier nodes V): trainers first, streamers after.
+    With a shared verifier `groups` drafts each have trainer_nodes nodes, group after group."""
+    V, Tn, rpn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes * groups, ranks_per_node(cfg)
     T = Tn * rpn
     if node_index < V:
         return [T + node_index], T, V
@@ -83,28 +84,34 @@ def _rendezvous(cluster: ClusterConfig, env: SlurmEnv, master_node: int) -> tupl
     return str(info["addr"]), int(info["port"]), str(info["secret"])
 
 
-def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
-    """One node's share of a training allocation; returns the node's exit code."""
+def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None,
+                     variants: list[DSparkConfig] | None = None) -> int:
+    """One node's share of a training allocation; returns the node's exit code. `variants`: the
+    drafts a shared verifier's allocation trains, a group of trainer nodes each (`cfg` is the first)."""
     # torch: never on the login node, which imports this module to submit it
     from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
 
     env = SlurmEnv.from_environ()
-    V, Tn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes
+    K = len(variants) if variants else 1
+    V, Tn = cfg.cluster.verifier_nodes, cfg.cluster.trainer_nodes * K
     if env.n_nodes != V + Tn:
+        each = f" x {K} variants" if K > 1 else ""
         raise UserError(f"allocation has {env.n_nodes} nodes, the config needs cluster.verifier_nodes + "
-                        f"cluster.trainer_nodes = {V + Tn}")
-    prepare_once(cfg, env)
-    ranks, T, V = node_ranks(cfg, env.node_index)
+                        f"cluster.trainer_nodes{each} = {V + Tn}")
+    for draft in variants or [cfg]:
+        prepare_once(draft, env)
+    ranks, T, V = node_ranks(cfg, env.node_index, K)
     master_node = V if env.n_nodes > V else 0
     master, port, secret = _rendezvous(cfg.cluster, env, master_node)
     role = "verifier" if env.node_index < V else "trainer"
-    print(f"node {env.node_index} ({role}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
+    of = f" of v{(env.node_index - V) // cfg.cluster.trainer_nodes}" if K > 1 and role == "trainer" else ""
+    print(f"node {env.node_index} ({role}{of}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
     # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
     locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
     if role == "verifier" and cfg.train.dist_backend == "nccl":
         check_shared_gpu(locals_[0])
-    procs = spawn_ranks(cfg, ranks, locals_, T, V, master, port, secret, parent_run_id)
+    procs = spawn_ranks(cfg, ranks, locals_, T, V, master, port, secret, parent_run_id, variants)
     stop = {"requested": False}
 
     def forward(signum, _frame):  # trainer ranks checkpoint at their next step boundary
@@ -121,7 +128,8 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None) -> int
             signal.signal(s, h)
         if env.node_index == master_node:  # every node read it long ago; a reused job id must not find it
             job_file(cfg.cluster.log_dir, "rendezvous", env.job_id).unlink(missing_ok=True)
-    if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not _training_done(cfg.train):
+    done = all(_training_done(draft.train) for draft in variants or [cfg])
+    if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not done:
         if env.node_index == 0:
             requeue_timed(cfg, lambda: requeue(env), EXIT_REQUEUE)  # and the preemption window's record
         return EXIT_REQUEUE

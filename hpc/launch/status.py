@@ -232,8 +232,11 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
         if not mine:
             rows.append((stage, jid, "-", "UNKNOWN", "-", "-", "-", "not in sacct yet"))
             continue
-        for j in mine:
-            task = j.id.partition("_")[2]
+        shared = stage_of(stage) == "train" and bool(state.get("shared_verifier")) and len(mine) == 1
+        # a shared verifier's one train job trains every variant: a row for each, its progress
+        tasks = [(mine[0], str(i)) for i in range(len(train_dirs))] if shared else [
+            (j, j.id.partition("_")[2]) for j in mine]
+        for j, task in tasks:
             variant = f"v{task}" if task.isdigit() else (task or "-")
             progress = ""
             if stage_of(stage) == "train":

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from hpc.config import sweep_overrides, to_yaml
 from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
+from hpc.config.shared_sweep import ONE_VARIANT
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError, UserError
 from hpc.formats.slurm_time import parse_slurm_time
@@ -35,7 +36,7 @@ from hpc.fsio import write_text
 from hpc.launch.launch_checks import resolve
 from hpc.launch.plan import pipeline_problems
 from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
-from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage
+from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage, train_nodes
 from hpc.launch.variants import private_dir, variant_path
 from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
 
@@ -128,7 +129,7 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     variants = sweep_overrides(OmegaConf.structured(cfg))
     outs = [Path(cfg.train.output_dir) / pid / f"v{i}" for i in range(len(variants))]
     vcfgs = [resolve(config, [*overrides, *extra, f"train.output_dir={out / 'train'}",
-                              f"eval.output_dir={out / 'eval'}", "sweep={}"], check_tracking=False)
+                              f"eval.output_dir={out / 'eval'}", *ONE_VARIANT], check_tracking=False)
              for extra, out in zip(variants, outs)]
     try:
         check_sweep_shape(cfg, list(zip(variants, vcfgs)))
@@ -148,14 +149,18 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
         files.append(path)
 
     stages = []
-    for job in jobs(cfg):
+    for job in jobs(cfg, len(files)):
         s = job.stage
-        params = _base_params(cfg.cluster, f"{cfg.name}-{job.name}", s.nodes(cfg.cluster), s.gpus)
+        nodes = train_nodes(cfg, job.variants) if job.variants > 1 else s.nodes(cfg.cluster)
+        params = _base_params(cfg.cluster, f"{cfg.name}-{job.name}", nodes, s.gpus)
         if s.kill_on_bad_exit:
             params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
         per_n = (job.n,) if job.n is not None else ()
-        calls = [(s.name, str(f), *per_n) for f in (files if s.per_variant else files[:1])]
-        stages.append(StageJobs(job.name, params, calls, list(job.after), array=s.per_variant))
+        if job.variants > 1:  # one allocation trains every variant: the others' configs ride along
+            calls: list[tuple] = [(s.name, str(files[0]), None, tuple(str(f) for f in files[1:]))]
+        else:
+            calls = [(s.name, str(f), *per_n) for f in (files if job.array else files[:1])]
+        stages.append(StageJobs(job.name, params, calls, list(job.after), array=job.array))
     return cfg, Pipeline(pid, root, files, variants, stages)
 
 
@@ -221,7 +226,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
     cfg, p = plan_pipeline(config, overrides)
     try:
-        problems = check_requests(requests_for(cfg)) + array_problems(len(p.variant_files))
+        problems = check_requests(requests_for(cfg, len(p.variant_files))) + array_problems(len(p.variant_files))
         if problems:
             raise UserError("nothing submitted:\n" + "\n".join(problems))
         if dry:
@@ -255,6 +260,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     state = {"pipeline": p.id, "config": str(Path(config).resolve()), "overrides": overrides,
              "parent_run_id": parent, "tracking_uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment,
              "jobs": ids, "variants": [str(f) for f in p.variant_files],
+             "shared_verifier": bool(cfg.submit.share_verifier),
              "train_dirs": [str(Path(cfg.train.output_dir) / p.id / f"v{i}" / "train") for i in range(len(p.variant_files))],
              "submitted": datetime.datetime.now().isoformat(timespec="seconds")}
     state_file = p.root / "pipeline.json"

@@ -17,7 +17,7 @@ from pathlib import Path
 from hpc.config import ConfigError, sweep_overrides
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redact_uri
-from hpc.config.shared_sweep import share_problems
+from hpc.config.shared_sweep import ONE_VARIANT, share_problems
 from hpc.config.target import localize
 from hpc.config.validate import trainer_ranks
 from hpc.data.prepare import prepare_data
@@ -34,16 +34,17 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
     cfg = resolve(args.config, overrides, check_tracking=False, runs_here=True)
     variants = sweep_variants(cfg)
-    if len(variants) > 1 and not args.share_verifier:
+    share = args.share_verifier or cfg.submit.share_verifier
+    if len(variants) > 1 and not share:
         raise UserError(f"sweep: {len(variants)} variants, and dspark train runs one config; pass --share-verifier "
                         "to train them all here from one verifier, or `dspark submit` for an allocation each")
-    if not args.share_verifier:
+    if not share:
         return train_local(cfg)
     if problems := share_problems(dict(cfg.sweep), len(variants)):
         raise ConfigError(problems)
     base = Path(cfg.train.output_dir)
     return train_local(cfg, variants=[
-        resolve(args.config, [*overrides, *extra, f"train.output_dir={base / f'v{i}'}", "sweep={}"],
+        resolve(args.config, [*overrides, *extra, f"train.output_dir={base / f'v{i}'}", *ONE_VARIANT],
                 check_tracking=False, runs_here=True) for i, extra in enumerate(variants)])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from hpc.config import resolver
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
+from hpc.config.shared_sweep import shared_groups
 from hpc.config.validate import DTYPES, CheckContext, trainer_ranks, vllm_interpreter, vllm_users
 from hpc.model import model_checks
 from hpc.verifier.gpu_budget import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
@@ -42,14 +43,23 @@ def check_served(c: Checker, cfg: DSparkConfig, ctx: CheckContext) -> None:
 
 
 def check_streamer_fits(c: Checker, cfg: DSparkConfig, ctx: CheckContext) -> None:
-    """The streamer fits in what vLLM leaves of a verifier node's last GPU."""
+    """The streamer fits in what vLLM leaves of a verifier node's last GPU (with a shared verifier,
+    beside a connection to every trainer rank of every variant)."""
     if not shares_gpu_with_vllm(cfg) or not 0 < cfg.verifier.gpu_memory_utilization < 1:
         return
     if cfg.stream.dtype not in ("auto", *DTYPES):
         return  # stream.dtype's own line says so; its size is unknown
-    need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg)))
+    k = shared_groups(cfg)
+    need = sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg) * k))
     left = headroom_bytes(cfg)
-    if need > left:
+    if need > left and k > 1:
+        fit = next((g for g in range(k - 1, 0, -1)
+                    if sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg) * g)) <= left), 0)
+        c.fail("submit.share_verifier", True,
+               f"the streamer feeding {k} variants' trainers needs {need / GB:.1f} GB of the verifier's last GPU and "
+               f"vLLM leaves {left / GB:.1f} GB (plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}); at most {fit} "
+               "variants fit: sweep fewer values, or lower verifier.gpu_memory_utilization")
+    elif need > left:
         most = 1 - need / (cfg.plan.gpu_memory_gb * GB)
         c.fail("verifier.gpu_memory_utilization", cfg.verifier.gpu_memory_utilization,
                f"leaves {left / GB:.1f} GB of the verifier's last GPU (plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}), "

@@ -356,3 +356,71 @@ def test_the_plans_vllm_grace_is_the_one_the_servers_use():
     from hpc.proc import SubprocessServer
 
     assert VLLM_STOP_GRACE_S == SubprocessServer.stop_grace
+
+
+def test_a_shared_verifier_prices_k_copies_on_its_link_and_the_gpu_hours_it_saves():
+    cfg = tiny()
+    cfg.sweep, cfg.submit.share_verifier = {"train.lr": [1e-3, 3e-4, 1e-4]}, True
+    solo, pl = capacity_plan(tiny()), capacity_plan(cfg)
+    sh = pl.shared
+    assert sh is not None and sh.variants == 3 and pl.run_hours == solo.run_hours  # the solo figures stay
+    assert sh.bytes_per_sample == 3 * 864 and sh.link_samples_s == pytest.approx(1e9 / 8 / (3 * 864))
+    # Prefill-bound at 10 samples/s; each variant's one trainer node wants 4: supply outruns it.
+    assert sh.supply_samples_s == pytest.approx(10.0) and not sh.link_bound
+    assert sh.group_demand_samples_s == pytest.approx(4.0) and sh.nodes == 1 + 3 * 1
+    assert sh.run_hours == pytest.approx(solo.run_hours)  # each variant trains as fast as alone
+    assert sh.gpu_hours == pytest.approx(4 * 2 * sh.run_hours)  # 4 nodes x 2 GPUs
+    assert sh.solo_gpu_hours == pytest.approx(3 * 2 * 2 * solo.run_hours)  # 3 allocations of 2 nodes
+    assert sh.most_variants_link == int(1e9 / 8 / (864 * 4.0))
+    text = format_plan(pl)
+    assert "shared verifier (submit.share_verifier: 3 variants from one capture)" in text
+    assert "33% saved" in text  # 4 nodes against 6
+    assert capacity_plan(tiny()).shared is None and "shared verifier" not in format_plan(solo)
+
+
+def test_a_link_that_cannot_carry_the_copies_is_one_line_naming_the_most_variants(monkeypatch):
+    from hpc.config import ConfigError
+    from tests.fixtures.recipes import resolve_recipe
+
+    sweep = "sweep={train.lr: [3e-4, 1e-4, 5e-5, 3e-5]}"
+    with pytest.raises(ConfigError) as err:  # 4 copies of a Kimi sample over 40 Gb/s
+        resolve_recipe(KIMI, ["cluster.account=a", sweep, "submit.share_verifier=true", "plan.link_gbps=40"])
+    (line,) = [p for p in err.value.problems if p.startswith("submit.share_verifier")]
+    most = int(40e9 / 8 / (capacity_plan(resolve_recipe(KIMI, ["cluster.account=a"])).bytes_per_sample * 4.53))
+    assert "4 variants" in line and f"feeds at most {most} variant(s)" in line, line
+    assert resolve_recipe(KIMI, ["cluster.account=a", sweep, "submit.share_verifier=true"]).submit.share_verifier
+
+
+def test_a_streamer_that_does_not_fit_beside_vllm_for_k_variants_names_the_most_that_do():
+    from hpc.config import ConfigError
+    from tests.fixtures.recipes import resolve_recipe
+
+    base = ["cluster.account=a", "sweep={train.lr: [3e-4, 1e-4, 5e-5]}", "submit.share_verifier=true"]
+    cfg = resolve_recipe(KIMI, ["cluster.account=a"])
+    ranks = cfg.cluster.trainer_nodes * cfg.train.ranks_per_node
+
+    from hpc.verifier import gpu_budget as g
+
+    def least(k: int) -> float:  # the context, NCCL with a connection per trainer rank, a window of samples
+        return (g.CUDA_CONTEXT_BYTES + g.NCCL_COMM_BYTES + ranks * k * g.NCCL_PEER_BYTES
+                + cfg.stream.in_flight * g.largest_sample_bytes(cfg))
+    util = 1 - (least(2) + least(3)) / 2 / (cfg.plan.gpu_memory_gb * 1e9)  # room for 2 variants, not 3
+    with pytest.raises(ConfigError) as err:
+        resolve_recipe(KIMI, [*base, f"verifier.gpu_memory_utilization={util:.6f}"])
+    (line,) = [p for p in err.value.problems if p.startswith("submit.share_verifier")]
+    assert "feeding 3 variants' trainers" in line and "at most 2 variants fit" in line, line
+
+
+def test_the_readmes_shared_verifier_figures_are_the_plans():
+    from tests.fixtures.recipes import resolve_recipe
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    got = re.search(r"it reads (\d+) nodes against 3 x (\d+), .*?up to (\d+) variants\), and (\d+) train GPU-hours "
+                    r"against (\d+)", text)
+    assert got, "README.md's shared-verifier paragraph changed shape"
+    pl = capacity_plan(resolve_recipe(KIMI, ["cluster.account=a", "sweep={train.lr: [3e-4, 1e-4, 5e-5]}",
+                                             "submit.share_verifier=true"]))
+    sh = pl.shared
+    assert sh is not None and not sh.link_bound and sh.run_hours == pytest.approx(sh.solo_run_hours)
+    assert [int(x) for x in got.groups()] == [sh.nodes, pl.verifier_nodes + pl.trainer_nodes, sh.most_variants_link,
+                                              round(sh.gpu_hours), round(sh.solo_gpu_hours)]

@@ -349,3 +349,12 @@ def test_the_dev_clusters_max_array_size_is_read(slurm_cluster: SlurmCluster) ->
     from hpc.launch.slurm import max_array_size
 
     assert isinstance(max_array_size(), int)
+
+
+def test_a_shared_verifier_that_does_not_fit_names_the_most_variants_that_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_slurm(monkeypatch, sinfo=SINFO)  # partition gpu: 4 nodes
+    # 1 verifier node + 5 variants x 1 trainer node = 6 nodes: 3 variants would fit.
+    (line,) = check_requests([replace(REQ, nodes=6, groups=5, per_group=1)])
+    assert line.startswith("cluster.verifier_nodes + 5 variants x cluster.trainer_nodes = 6: ")
+    assert "at most 3 variants fit" in line and "submit.share_verifier=false" in line
+    assert check_requests([replace(REQ, nodes=4, groups=3, per_group=1)]) == []

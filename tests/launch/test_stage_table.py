@@ -15,11 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool = True, calibration=(),
-         adaptive: bool = False):
+         adaptive: bool = False, share: bool = False):
     return SimpleNamespace(data=SimpleNamespace(regenerate=regenerate, calibration_sources=list(calibration)),
                            eval=SimpleNamespace(num_speculative_tokens=list(ns), adaptive=adaptive),
                            train=SimpleNamespace(hold_out_every=hold_out_every),
-                           draft=SimpleNamespace(enable_confidence_head=confidence))
+                           draft=SimpleNamespace(enable_confidence_head=confidence),
+                           submit=SimpleNamespace(share_verifier=share))
 
 
 def test_jobs_in_order_with_dependencies_resolved_to_job_names():
@@ -103,6 +104,7 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
         train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
         verifier=SimpleNamespace(model=str(tmp_path), revision=None, trust_remote_code=False),
+        submit=SimpleNamespace(share_verifier=False),
     )
     monkeypatch.setattr("hpc.launch.submit.resolve", lambda *a, **k: cfg)
     monkeypatch.setattr("hpc.launch.submit.sweep_overrides", lambda c: [[]])
@@ -145,3 +147,13 @@ def test_jobs_ask_for_whole_nodes_unless_told_otherwise(tmp_path, overrides, exc
     lines = set(script.splitlines())
     assert ("#SBATCH --exclusive" in lines) == exclusive
     assert {ln for ln in lines if ln.startswith("#SBATCH --mem")} == ({f"#SBATCH --mem={mem}"} if mem else set())
+
+
+def test_a_shared_verifier_trains_every_variant_in_one_job_and_the_rest_wait_for_all_of_it():
+    got = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50, share=True), variants=3)}
+    assert not got["train"].array and got["train"].variants == 3  # one allocation, three drafts
+    # A task of the calibrate array has no train task of its index to wait for: it waits for the job.
+    assert got["calibrate"].array and got["calibrate"].after == (("afterok", "train"),)
+    assert got["eval-n7"].after == (("afterok", "train"), ("aftercorr", "calibrate"))
+    unshared = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50), variants=3)}
+    assert unshared["train"].array and unshared["calibrate"].after == (("aftercorr", "train"),)

