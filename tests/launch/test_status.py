@@ -167,6 +167,21 @@ def test_table_from_parsed_sacct(monkeypatch, tmp_path: Path) -> None:
     assert text.splitlines()[-1] == "1 completed, 1 running, 2 pending, 1 failed, 1 cancelled, 1 unknown"
 
 
+def test_a_shared_verifiers_one_train_job_shows_a_row_per_variant(monkeypatch, tmp_path: Path) -> None:
+    fake = FakeRun(stdout="12|toy-train|RUNNING|00:01:00|0:0|node[1-3]\n")
+    monkeypatch.setattr(subprocess, "run", fake)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    _progress(tmp_path / "v0" / "train", now, step=40)
+    _progress(tmp_path / "v1" / "train", now, step=25)
+    pf = _write_pipeline(tmp_path, "toy", {"train": "12"}, [str(tmp_path / f"v{i}" / "train") for i in (0, 1)])
+    state = json.loads(pf.read_text())
+    pf.write_text(json.dumps({**state, "shared_verifier": True}))
+    rows = [ln.split() for ln in status(pf).splitlines() if ln.startswith("train ")]
+    # one job, both drafts: each row names its variant and shows that draft's own progress
+    assert [(r[1], r[2], r[3], r[7]) for r in rows] == [("12", "v0", "RUNNING", "40/100"), ("12", "v1", "RUNNING", "25/100")]
+
+
 def test_expand_pending_array_ids() -> None:
     assert expand_array_id("12_[0-1]") == ["12_0", "12_1"]
     assert expand_array_id("12_[0,3-4%2]") == ["12_0", "12_3", "12_4"]
