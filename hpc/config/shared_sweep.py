@@ -50,3 +50,8 @@ def shared_groups(cfg: Any) -> int:
     if not cfg.submit.share_verifier:
         return 1
     return math.prod(len(v) for v in (cfg.sweep or {}).values() if isinstance(v, list)) or 1
+
+
+def train_nodes(cfg: Any) -> int:
+    """The train job's nodes: V verifier nodes and trainer_nodes for each draft it trains."""
+    return cfg.cluster.verifier_nodes + cfg.cluster.trainer_nodes * shared_groups(cfg)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
-from hpc.config.shared_sweep import shared_groups
+from hpc.config.shared_sweep import shared_groups, train_nodes
 from hpc.config.validate import ranks_per_node
 from hpc.config.validate_ops import check_plan as plan_checks
 from hpc.errors import UserError
@@ -333,7 +333,7 @@ def _shared(cfg: DSparkConfig, pl: Plan, k: int) -> SharedPlan:
     gpus = max(c.gpus_per_node, 1)
     # The link still feeds every group at its trainers' demand up to this many copies a sample.
     most = int(c.verifier_nodes * pl.link_bytes_s / (pl.bytes_per_sample * group)) if group > 0 else k
-    nodes = c.verifier_nodes + k * c.trainer_nodes
+    nodes = train_nodes(cfg)
     return SharedPlan(
         variants=k, bytes_per_sample=k * pl.bytes_per_sample, link_samples_s=link, supply_samples_s=supply,
         link_bound=link < pl.prefill_samples_s, group_demand_samples_s=group, nodes=nodes, run_hours=hours,

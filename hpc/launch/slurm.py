@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hpc.config.schema import DSparkConfig
+from hpc.config.shared_sweep import shared_groups, train_nodes
 from hpc.errors import UserError
 from hpc.formats.slurm_time import TIME_FIX, parse_slurm_time
 
@@ -59,11 +60,11 @@ class Partition:
     default: bool
 
 
-def requests_for(cfg: DSparkConfig, variants: int = 1) -> list[JobRequest]:
+def requests_for(cfg: DSparkConfig) -> list[JobRequest]:
     """The jobs `dspark submit` queues for this config, in submission order; a shared verifier's
-    train job holds a group of trainer nodes for each of the sweep's `variants`."""
+    train job holds a group of trainer nodes for each variant of the sweep."""
     cl = cfg.cluster
-    groups = variants if cfg.submit.share_verifier else 1
+    groups = shared_groups(cfg)
 
     def job(stage: str, nodes: int, gpus: int, groups: int = 1) -> JobRequest:
         # The schema has one partition/time/account for every stage.
@@ -73,7 +74,7 @@ def requests_for(cfg: DSparkConfig, variants: int = 1) -> list[JobRequest]:
     reqs = []
     if cfg.data.regenerate:
         reqs.append(job("regenerate", cl.regenerate_nodes, cl.gpus_per_node))
-    reqs.append(job("train", cl.verifier_nodes + cl.trainer_nodes * groups, cl.gpus_per_node, groups))
+    reqs.append(job("train", train_nodes(cfg), cl.gpus_per_node, groups))
     reqs.append(job("eval", cl.eval_nodes, cl.gpus_per_node))
     # The report only reads eval results and the tracking store: no GPU to hold idle.
     reqs.append(job("report", 1, 0))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.config.secrets import scrub, scrubbed_traceback
+from hpc.config.shared_sweep import shared_groups
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.launch_checks import resolve
 from hpc.launch.node_setup import localize_stage
@@ -114,31 +115,22 @@ class Job:
     variants: int = 1  # the variants one job trains (a shared verifier's train job: all of them)
 
 
-def shares_verifier(cfg: DSparkConfig) -> bool:
-    """One train allocation for every variant of the sweep (submit.share_verifier)."""
-    return bool(cfg.submit.share_verifier)
-
-
-def train_nodes(cfg: DSparkConfig, variants: int = 1) -> int:
-    """The train job's nodes: V verifier nodes, and trainer_nodes for each draft it trains."""
-    return cfg.cluster.verifier_nodes + cfg.cluster.trainer_nodes * variants
-
-
-def jobs(cfg: DSparkConfig, variants: int = 1) -> list[Job]:
+def jobs(cfg: DSparkConfig) -> list[Job]:
     """The pipeline's jobs in submission order, with dependencies resolved to job names. With a
-    shared verifier the train job is one allocation for all `variants`; the per-variant stages
-    after it wait for the whole of it (afterok), not for a task of the same index (aftercorr)."""
+    shared verifier the train job is one allocation for every variant of the sweep; the
+    per-variant stages after it wait for the whole of it (afterok), not for a task of the same
+    index (aftercorr)."""
     out: list[Job] = []
-    shared = shares_verifier(cfg)
+    k = shared_groups(cfg)
     for s in STAGES:
         if not s.enabled(cfg):
             continue
         ns = list(cfg.eval.num_speculative_tokens) if s.per_n else [None]
         after = tuple(("afterok" if kind == "aftercorr" and not j.array else kind, j.name)
                       for kind, dep in s.after for j in out if j.stage.name == dep)
-        one = shared and s.name == "train"
+        one = k > 1 and s.name == "train"
         out += [Job(f"{s.name}-n{n}" if n is not None else s.name, s, n, after, array=s.per_variant and not one,
-                    variants=variants if one else 1) for n in ns]
+                    variants=k if one else 1) for n in ns]
     return out
 
 

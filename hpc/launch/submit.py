@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from hpc.config import sweep_overrides, to_yaml
 from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
-from hpc.config.shared_sweep import ONE_VARIANT
+from hpc.config.shared_sweep import ONE_VARIANT, train_nodes
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError, UserError
 from hpc.formats.slurm_time import parse_slurm_time
@@ -36,7 +36,7 @@ from hpc.fsio import write_text
 from hpc.launch.launch_checks import resolve
 from hpc.launch.plan import pipeline_problems
 from hpc.launch.slurm import array_problems, cancel, check_requests, requests_for
-from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage, train_nodes
+from hpc.launch.stage_table import check_sweep_shape, jobs, run_stage
 from hpc.launch.variants import private_dir, variant_path
 from hpc.track.pipeline import create_pipeline_run, end_pipeline_run
 
@@ -149,9 +149,9 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
         files.append(path)
 
     stages = []
-    for job in jobs(cfg, len(files)):
+    for job in jobs(cfg):
         s = job.stage
-        nodes = train_nodes(cfg, job.variants) if job.variants > 1 else s.nodes(cfg.cluster)
+        nodes = train_nodes(cfg) if job.variants > 1 else s.nodes(cfg.cluster)
         params = _base_params(cfg.cluster, f"{cfg.name}-{job.name}", nodes, s.gpus)
         if s.kill_on_bad_exit:
             params["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
@@ -226,7 +226,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     """Submit the pipeline; `extra_tags` go on its MLflow parent run (`dspark schedule` marks its runs)."""
     cfg, p = plan_pipeline(config, overrides)
     try:
-        problems = check_requests(requests_for(cfg, len(p.variant_files))) + array_problems(len(p.variant_files))
+        problems = check_requests(requests_for(cfg)) + array_problems(len(p.variant_files))
         if problems:
             raise UserError("nothing submitted:\n" + "\n".join(problems))
         if dry:

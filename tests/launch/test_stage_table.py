@@ -20,7 +20,7 @@ def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool 
                            eval=SimpleNamespace(num_speculative_tokens=list(ns), adaptive=adaptive),
                            train=SimpleNamespace(hold_out_every=hold_out_every),
                            draft=SimpleNamespace(enable_confidence_head=confidence),
-                           submit=SimpleNamespace(share_verifier=share))
+                           submit=SimpleNamespace(share_verifier=share), sweep={"train.lr": [1e-3, 3e-4, 1e-4]})
 
 
 def test_jobs_in_order_with_dependencies_resolved_to_job_names():
@@ -150,10 +150,10 @@ def test_jobs_ask_for_whole_nodes_unless_told_otherwise(tmp_path, overrides, exc
 
 
 def test_a_shared_verifier_trains_every_variant_in_one_job_and_the_rest_wait_for_all_of_it():
-    got = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50, share=True), variants=3)}
+    got = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50, share=True))}
     assert not got["train"].array and got["train"].variants == 3  # one allocation, three drafts
     # A task of the calibrate array has no train task of its index to wait for: it waits for the job.
     assert got["calibrate"].array and got["calibrate"].after == (("afterok", "train"),)
     assert got["eval-n7"].after == (("afterok", "train"), ("aftercorr", "calibrate"))
-    unshared = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50), variants=3)}
+    unshared = {j.name: j for j in jobs(_cfg(regenerate=False, hold_out_every=50))}
     assert unshared["train"].array and unshared["calibrate"].after == (("aftercorr", "train"),)

@@ -94,7 +94,7 @@ def test_a_submit_refused_before_any_job_leaves_no_pipeline_behind(tmp_path, mon
     import hpc.launch.submit as submit_mod
     from hpc.launch.submit import submit
 
-    monkeypatch.setattr(submit_mod, "requests_for", lambda cfg, variants=1: [])
+    monkeypatch.setattr(submit_mod, "requests_for", lambda cfg: [])
     monkeypatch.setattr(submit_mod, "check_requests", lambda reqs: ["cluster.partition = 'gpu': no such partition"]
                         if fails_at == "slurm" else [])
     if fails_at == "mlflow":
