@@ -26,7 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("export", "hpc.model.export_cli", "write a draft checkpoint in the format vLLM serves"),
     ("evaluate", "hpc.evaluate.evaluate_cli", "benchmark a draft at n=3/n=7 against the no-speculation baseline"),
     ("tracking", "hpc.track.serve_cli", "run the MLflow tracking server (with auth) that the cluster's jobs log to"),
-    ("compare", "hpc.evaluate.compare", "the comparison table of drafts and retrains, from MLflow"),
+    ("compare", "hpc.evaluate.compare_cli", "the comparison table of drafts and retrains, from MLflow"),
     ("submit", "hpc.launch.submit", "submit the whole pipeline to Slurm: regenerate, train array, evals at each n, report"),
     ("status", "hpc.launch.status:register_status", "state, progress and MLflow links of a submitted pipeline"),
     ("cancel", "hpc.launch.status:register_cancel", "cancel every job of a submitted pipeline"),

@@ -40,6 +40,7 @@ from hpc.errors import UserError
 from hpc.evaluate.confidence_report import perfect_head_eces, position_report, reached, survival
 from hpc.evaluate.engines import ReferenceEngine
 from hpc.evaluate.harness import chat_ids
+from hpc.evaluate.ratios import prompt_table, ratio_interval
 from hpc.evaluate.runner import evaluate
 from hpc.formats.benchmarks import load_benchmark
 from hpc.launch.launch_checks import resolve
@@ -56,8 +57,6 @@ from hpc_dev.bench_ratios import (  # noqa: F401 - the table's names, read as ba
     interval_lines,
     mean_tau,
     parse_seeds,
-    prompt_table,
-    ratio_interval,
     ratios,
     tau_table,
 )

@@ -251,6 +251,10 @@ def calibrate_export(cfg: DSparkConfig, quiet: bool = False) -> dict[str, float]
     if not is_export(export):
         raise UserError(f"{export}: no exported draft to calibrate; the train stage must finish first "
                         f"(dspark stage train CONFIG)")
+    if not cfg.draft.enable_confidence_head:  # an ablation's draft: no held-out rows captured for nothing
+        print(f"calibrate: {export} has no confidence head (draft.enable_confidence_head=false); nothing to "
+              "calibrate", flush=True)
+        return {}
     held, where = calibration_rows_for(cfg, out)
     if not held:
         return {}

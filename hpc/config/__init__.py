@@ -88,7 +88,8 @@ def _variant_problems(cfg: DictConfig, known: set[str], shapes: dict, owners: Se
         vcfg, problems = with_overrides(cfg, variant)
         problems = problems or validate(to_object(vcfg), check_tracking=False, check_vllm=False, shapes=shapes,
                                         owners=owners)
-        out += [f"sweep variant {i} ({' '.join(variant)}): {p}" for p in problems if p not in known]
+        shown = " ".join(v for v in variant if not v.startswith("eval.label="))  # the keys the user swept
+        out += [f"sweep variant {i} ({shown}): {p}" for p in problems if p not in known]
     return out
 
 

@@ -11,6 +11,7 @@ import copy
 import difflib
 import hashlib
 import itertools
+import json
 import math
 import re
 from dataclasses import is_dataclass
@@ -25,7 +26,7 @@ from omegaconf.resolvers import oc as _oc
 
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import env_resolved, scrub, shown
-from hpc.config.shared_sweep import share_problems
+from hpc.config.shared_sweep import ABLATIONS, NO_HEAD, ablation_problems, share_problems, sweep_label
 from hpc.config.target import follow_target, written_keys
 from hpc.config.yaml_bounds import MAX_BYTES, load_bounded
 from hpc.errors import ConfigError, UserError
@@ -403,12 +404,20 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
 
 
 def sweep_overrides(cfg: DictConfig) -> list[list[str]]:
-    """One dotlist per sweep variant (the cartesian product); [[]] when there is no sweep."""
+    """One dotlist per variant: the sweep's cartesian product, or the ablations (submit.ablations);
+    [[]] when there is neither. Each names its column on the card (eval.label) unless the config does."""
+    if OmegaConf.select(cfg, "submit.ablations", default=False) is True:
+        return [[*extra, *(NO_HEAD if extra else ()), f"eval.label={name}"] for name, extra in ABLATIONS.items()]
     sweep = OmegaConf.to_container(cfg.sweep, resolve=True) or {}
     keys = sorted(sweep)
-    combos = itertools.product(*(sweep[k] for k in keys))
-    return [[f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-             for k, v in zip(keys, combo)] for combo in combos] or [[]]
+    base = OmegaConf.select(cfg, "eval.label", default=None)
+    out = []
+    for combo in itertools.product(*(sweep[k] for k in keys)):
+        texts = [yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for v in combo]
+        label = sweep_label(keys, texts)
+        label = f"{base} {label}" if base else label
+        out.append([*(f"{k}={t}" for k, t in zip(keys, texts)), f"eval.label={json.dumps(label)}"])
+    return out if keys else [[]]
 
 
 def check_sweep(cfg: DictConfig) -> list[str]:
@@ -443,6 +452,8 @@ def check_sweep(cfg: DictConfig) -> list[str]:
                 sub: list[str] = []
                 _apply(probe, _nest(key, value), "", f"sweep {key}", sub, written=key)
                 problems.extend(sub)
-    if OmegaConf.select(cfg, "submit.share_verifier", default=False) is True and not problems:
+    if OmegaConf.select(cfg, "submit.ablations", default=False) is True and not problems:
+        problems += ablation_problems(cfg)  # three drafts of one DSpark config, from one capture
+    elif OmegaConf.select(cfg, "submit.share_verifier", default=False) is True and not problems:
         problems += share_problems(sweep, count)  # every variant must be fed the others' samples
     return problems

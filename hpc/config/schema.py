@@ -310,6 +310,10 @@ class EvalConfig:
     adaptive_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
     adaptive_cost: CostCurves = field(default_factory=CostCurves)
     output_dir: str = "runs/eval"
+    # The draft's column on the card. None: DSpark, or DFlash for a draft in DFlash's layout. A
+    # pipeline names each variant of its sweep (`lr=0.001`) or ablation (`Markov-only`), so one
+    # card shows them side by side instead of the last one under "DSpark".
+    label: str | None = None
 
 
 @dataclass
@@ -367,6 +371,10 @@ class SubmitConfig:
     # verifier's GPU-hours are spent once. A variant may not change what is captured
     # (hpc/config/shared_sweep.py). `dspark train` shares the same way on one machine.
     share_verifier: bool = False
+    # The equal-budget ablations (`dspark submit CONFIG --ablations`): DSpark, DFlash and
+    # Markov-only trained from one capture stream (so the verifier is shared), each evaluated, and
+    # the card's equal-budget table. The base config is the DSpark draft; no sweep beside it.
+    ablations: bool = False
 
 
 @dataclass

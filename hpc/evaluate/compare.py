@@ -1,22 +1,18 @@
-"""`dspark compare`: the published card's table of drafts (and retrains), read back from MLflow.
+"""The published card's table of drafts (and retrains): what `dspark compare` and the report print.
 
 The table is built by a pure function over `EvalRecord`s so it can be tested without a server;
 only `fetch_evals`/`find_pipelines` talk to MLflow, and they read exactly the tags and metrics
-the eval runner logs (see `hpc.evaluate` for the contract).
+the eval runner logs (see `hpc.evaluate` for the contract). The command is `compare_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
-import os
 from dataclasses import dataclass, field
 
-from hpc.config import load_config
 from hpc.config.schema import BENCHMARKS
 from hpc.errors import UserError
-from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.harness import NOISE_SLACK, implausible
 from hpc.track.keys import (
     CONFIDENCE,
@@ -34,7 +30,6 @@ from hpc.track.keys import (
     TEMPERATURE,
     metric,
 )
-from hpc.track.store import missing_store
 
 OUR_DRAFT = "dspark"
 MISSING = "-"
@@ -56,6 +51,7 @@ class EvalRecord:
     engine: str = ""
     temperature: float = 0.0
     confidence: str = ""  # how its confidences were read (eval.confidence); "" on vLLM or without a head
+    run_id: str = ""  # its MLflow run: the per-prompt counts of the equal-budget table are its artifact
 
 
 @dataclass
@@ -269,53 +265,9 @@ def fetch_evals(client, pipelines: list) -> list[EvalRecord]:
             draft = draft_column(tags.get(DRAFT, OUR_DRAFT), tags.get(METHOD, ""))
             out.append(EvalRecord(labels[p.info.run_id], draft, n,
                                   dict(run.data.metrics), tags.get(METHOD, ""),
-                                  tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0), tags.get(CONFIDENCE, "")))
+                                  tags.get(ENGINE, ""), float(tags.get(TEMPERATURE) or 0), tags.get(CONFIDENCE, ""),
+                                  run.info.run_id))
     return out
-
-
-def _tracking(args: argparse.Namespace) -> tuple[str, str]:
-    uri, experiment = args.tracking_uri, args.experiment
-    if args.config:
-        # Only the tracking section matters here: a config whose model or data paths live on
-        # the cluster must still name its tracking server on a laptop.
-        cfg = load_config(args.config, [])
-        uri, experiment = uri or cfg.tracking.uri, experiment or cfg.tracking.experiment
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        raise UserError("no tracking server: pass --tracking-uri URI or a CONFIG (or set MLFLOW_TRACKING_URI)")
-    return uri, experiment or "dspark"
-
-
-def run(args: argparse.Namespace) -> int:
-    from mlflow.exceptions import MlflowException  # mlflow: loaded only on this path
-    from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
-
-    uri, name = _tracking(args)
-    if (why := missing_store(uri)) is not None:
-        raise UserError(why)
-    # A dead server should fail in seconds, not after MLflow's minutes of backoff.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    client = MlflowClient(uri)
-    try:
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None or experiment.lifecycle_stage != "active":
-            raise UserError(f"no experiment '{name}' at {uri}; pass --experiment or fix tracking.experiment")
-        pipelines = find_pipelines(client, experiment, args.pipeline or [])
-        evals = fetch_evals(client, pipelines)
-    except MlflowException as err:
-        raise UserError(f"mlflow at {uri}: {str(err).splitlines()[0][:200]}") from err
-    if not evals:
-        names = ", ".join(p.info.run_name or p.info.run_id for p in pipelines)
-        raise UserError(f"pipeline {names} has no eval runs (dspark.stage=eval); run `dspark evaluate` first")
-    table = card_table(evals)
-    if args.csv:
-        print(to_csv(table))
-        return 0
-
-    adaptive = adaptive_markdown(fetch_adaptive(client, pipelines, pipeline_labels(pipelines)))
-    print(card_markdown(table, evals) + adaptive)
-    return 0
 
 
 def card_markdown(table: Table, evals: list[EvalRecord]) -> str:
@@ -392,14 +344,3 @@ def confidence_note(evals: list[EvalRecord]) -> str:
             by.setdefault(e.confidence, set()).add(f"{_draft_title(e.draft)} n={e.n}")
     parts = [f"{mode} ({CONFIDENCE_READS.get(mode, mode)}): {', '.join(sorted(cols))}" for mode, cols in sorted(by.items())]
     return "\n\nconfidence: " + "; ".join(parts) if parts else ""
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="the card's comparison table of drafts and retrains, from MLflow")
-    p.add_argument("config", nargs="?", help="YAML config: its tracking.uri and tracking.experiment are the defaults")
-    p.add_argument("--experiment", help="MLflow experiment (default: the config's, else 'dspark')")
-    p.add_argument("--pipeline", action="append", metavar="RUN",
-                   help="pipeline run id, id prefix or run name; repeat to compare retrains (default: the latest)")
-    p.add_argument("--csv", action="store_true", help="print CSV instead of markdown")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's, else $MLFLOW_TRACKING_URI)")
-    p.set_defaults(func=run)

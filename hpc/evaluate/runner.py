@@ -201,7 +201,7 @@ def check_side_file(path: Path, cfg: DSparkConfig) -> None:
 
 def plan(cfg: DSparkConfig, draft_path: str | None, ns: list[int]) -> tuple[list[DraftSpec], list, str, bool]:
     """Drafts, benchmarks, vLLM version, CPU build: every check that needs no server."""
-    drafts = [our_draft(draft_path)] if draft_path else []
+    drafts = [our_draft(draft_path, cfg.eval.label)] if draft_path else []
     for c in cfg.eval.compare:
         drafts.append(our_draft(c.model, c.name) if is_our_export(c.method, c.model)
                       else DraftSpec(c.name, c.method, c.model or None, revision=c.revision))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hpc.config import resolver
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
-from hpc.config.shared_sweep import shared_groups
+from hpc.config.shared_sweep import share_key, shared_groups
 from hpc.config.validate import CheckContext
 from hpc.errors import UserError
 from hpc.launch.cron import HINT, parse_cron
@@ -37,7 +37,7 @@ def check_shared_link(c: Checker, cfg: DSparkConfig, ctx: CheckContext) -> None:
         return  # the plan.* knob's own line says what is wrong
     if shared is not None and shared.most_variants_link < shared.variants:
         most = shared.most_variants_link
-        c.fail("submit.share_verifier", True,
+        c.fail(share_key(cfg), True,
                f"{shared.variants} variants: the verifier's link (plan.link_gbps={cfg.plan.link_gbps:g}) carries "
                f"each sample {shared.variants} times and feeds at most {most} variant(s)' trainers at their demand; "
                + ("sweep fewer values" if most >= 2 else "sharing does not pay on this link")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
-from hpc.config.shared_sweep import shared_groups, train_nodes
+from hpc.config.shared_sweep import share_key, shared_groups, train_nodes
 from hpc.config.validate import ranks_per_node
 from hpc.config.validate_ops import check_plan as plan_checks
 from hpc.errors import UserError
@@ -126,6 +126,7 @@ class SharedPlan:
     solo_run_hours: float
     solo_gpu_hours: float  # K allocations of V + T, one after another or side by side
     most_variants_link: int  # the most variants whose trainers the link still feeds at their demand
+    key: str = "submit.share_verifier"  # what made it shared: the sweep's flag, or submit.ablations
 
 
 def check_plan(cfg: DSparkConfig) -> None:
@@ -338,7 +339,8 @@ def _shared(cfg: DSparkConfig, pl: Plan, k: int) -> SharedPlan:
         variants=k, bytes_per_sample=k * pl.bytes_per_sample, link_samples_s=link, supply_samples_s=supply,
         link_bound=link < pl.prefill_samples_s, group_demand_samples_s=group, nodes=nodes, run_hours=hours,
         gpu_hours=nodes * gpus * hours, solo_run_hours=pl.run_hours,
-        solo_gpu_hours=k * (c.verifier_nodes + c.trainer_nodes) * gpus * pl.run_hours, most_variants_link=most)
+        solo_gpu_hours=k * (c.verifier_nodes + c.trainer_nodes) * gpus * pl.run_hours, most_variants_link=most,
+        key=share_key(cfg))
 
 
 def pipeline_problems(cfg: DSparkConfig) -> list[str]:

@@ -113,7 +113,7 @@ def _shared_section(pl: Plan) -> tuple[str, list[tuple[str, str, str]]]:
     assert sh is not None
     k, v, t = sh.variants, pl.verifier_nodes, pl.trainer_nodes
     saved = 1 - sh.gpu_hours / sh.solo_gpu_hours if sh.solo_gpu_hours else 0.0
-    return (f"shared verifier (submit.share_verifier: {k} variants from one capture)", [
+    return (f"shared verifier ({sh.key}: {k} variants from one capture)", [
         ("bytes per sample on its link", _bytes(sh.bytes_per_sample), f"{k} copies: each sample to every variant"),
         ("link capacity", f"{_rate(sh.link_samples_s)} samples/s", f"per verifier node, at {k} copies"),
         ("supply", f"{_rate(sh.supply_samples_s)} samples/s",

@@ -203,7 +203,9 @@ def check_sweep_shape(cfg: DSparkConfig, variants: list[tuple[list[str], DSparkC
     base = [j.name for j in jobs(cfg)]
     for extra, vcfg in variants:
         names = [j.name for j in jobs(vcfg)]
-        if names != base:
+        # An ablation without a confidence head needs no calibrate or adaptive job: its task in
+        # the base's arrays says so and ends (calibrate_export, adaptive_stage).
+        if names != base and not (cfg.submit.ablations and set(names) <= set(base)):
             raise UserError(f"sweep {' '.join(extra)}: changes the pipeline's jobs ({', '.join(base)} -> "
                             f"{', '.join(names)}), which the tasks of one array share; submit one pipeline "
                             "per value instead")

@@ -41,6 +41,7 @@ from hpc.data.regenerate import (
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
+from hpc.evaluate.equal_budget import equal_budget_markdown, mlflow_per_prompt
 from hpc.evaluate.runner import evaluate
 from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.launch.gpu_mode import check_shared_gpu
@@ -179,6 +180,10 @@ def adaptive_stage(cfg: DSparkConfig, parent_run_id: str | None = None) -> int:
     """Adaptive verification for the training task's export, against fixed n at the same costs."""
     from hpc.evaluate.adaptive_job import evaluate_adaptive  # safetensors, torch: loaded only on this path
 
+    if not cfg.eval.adaptive:  # an ablation without a confidence head, in a pipeline whose DSpark draft has one
+        print(f"eval-adaptive: {cfg.eval.label or 'this variant'} sets eval.adaptive=false (no confidence head "
+              "to rank drafted tokens by); nothing to evaluate", flush=True)
+        return 0
     evaluate_adaptive(cfg, str(Path(cfg.train.output_dir) / "export"), parent_run_id)
     return 0
 
@@ -207,7 +212,8 @@ def _report(cfg: DSparkConfig, client, parent_run_id: str) -> None:
     if not evals:
         raise UserError(f"pipeline run {parent_run_id} has no eval runs to report (did the evals fail?)")
     table = card_table(evals)
-    md = card_markdown(table, evals) + adaptive_markdown(fetch_adaptive(client, [parent], pipeline_labels([parent])))
+    md = (card_markdown(table, evals) + equal_budget_markdown(evals, mlflow_per_prompt(client))
+          + adaptive_markdown(fetch_adaptive(client, [parent], pipeline_labels([parent]))))
     print(md, flush=True)
     run_id = create_child_run(client, cfg.tracking.experiment, parent_run_id, "report",
                               {STAGE: "report", **common_tags(cfg)})

@@ -221,6 +221,7 @@ def progress_text(train_dir: str, state_file: Path, now: float | None = None) ->
 
 def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tuple[str, ...]]:
     train_dirs = list(state.get("train_dirs") or [])
+    labels = list(state.get("labels") or [])  # a state file from before names lists none
     rows: list[tuple[str, ...]] = []
     # In the table's order (a state file written by an older submit may list them otherwise).
     rank = {name: i for i, name in enumerate(NAMES)}
@@ -238,6 +239,8 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
             (j, j.id.partition("_")[2]) for j in mine]
         for j, task in tasks:
             variant = f"v{task}" if task.isdigit() else (task or "-")
+            if task.isdigit() and int(task) < len(labels) and labels[int(task)]:
+                variant += f" {labels[int(task)]}"  # its name on the card: DFlash, lr=0.001
             progress = ""
             if stage_of(stage) == "train":
                 i = int(task) if task.isdigit() else 0

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from hpc.config import sweep_overrides, to_yaml
 from hpc.config.schema import ClusterConfig, DSparkConfig, SourceKind
 from hpc.config.secrets import redact_uri, scrub
-from hpc.config.shared_sweep import ONE_VARIANT, train_nodes
+from hpc.config.shared_sweep import ONE_VARIANT, shares_verifier, train_nodes
 from hpc.config.validate_ops import warn_advisories
 from hpc.errors import ConfigError, UserError
 from hpc.formats.slurm_time import parse_slurm_time
@@ -57,6 +57,7 @@ class Pipeline:
     variant_files: list[Path]
     variant_overrides: list[list[str]]
     stages: list[StageJobs]
+    labels: list[str] = field(default_factory=list)  # each variant's column on the card (eval.label)
 
 
 def _minutes(time: str) -> int:
@@ -161,7 +162,7 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
         else:
             calls = [(s.name, str(f), *per_n) for f in (files if job.array else files[:1])]
         stages.append(StageJobs(job.name, params, calls, list(job.after), array=job.array))
-    return cfg, Pipeline(pid, root, files, variants, stages)
+    return cfg, Pipeline(pid, root, files, variants, stages, [v.eval.label or "" for v in vcfgs])
 
 
 def _executor(folder: Path, params: dict, dependency: str | None, array: int):
@@ -260,7 +261,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
     state = {"pipeline": p.id, "config": str(Path(config).resolve()), "overrides": overrides,
              "parent_run_id": parent, "tracking_uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment,
              "jobs": ids, "variants": [str(f) for f in p.variant_files],
-             "shared_verifier": bool(cfg.submit.share_verifier),
+             "shared_verifier": shares_verifier(cfg), "labels": p.labels,
              "train_dirs": [str(Path(cfg.train.output_dir) / p.id / f"v{i}" / "train") for i in range(len(p.variant_files))],
              "submitted": datetime.datetime.now().isoformat(timespec="seconds")}
     state_file = p.root / "pipeline.json"
@@ -278,4 +279,8 @@ def register(sub) -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--dry-run", action="store_true", help="print every sbatch script and the graph; submit nothing")
-    p.set_defaults(func=lambda a: submit(a.config, list(a.overrides), a.dry_run))
+    p.add_argument("--ablations", action="store_true",
+                   help="train DSpark, DFlash and Markov-only from one verifier's stream, evaluate each, and add "
+                        "the equal-budget table to the card (submit.ablations=true)")
+    p.set_defaults(func=lambda a: submit(a.config, [*a.overrides, *(["submit.ablations=true"] if a.ablations else [])],
+                                         a.dry_run))

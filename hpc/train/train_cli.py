@@ -6,6 +6,7 @@ as inside a Slurm allocation.
 
 `--share-verifier` trains every variant of the config's sweep from that one verifier: a group of
 trainer processes per variant, each draft in `train.output_dir`/v<i>, every sample captured once.
+`--ablations` trains DSpark, DFlash and Markov-only that way (submit.ablations).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from hpc.config import ConfigError, sweep_overrides
 from hpc.config.schema import DSparkConfig
 from hpc.config.secrets import redact_uri
-from hpc.config.shared_sweep import ONE_VARIANT, share_problems
+from hpc.config.shared_sweep import ONE_VARIANT, share_problems, shares_verifier
 from hpc.config.target import localize
 from hpc.config.validate import trainer_ranks
 from hpc.data.prepare import prepare_data
@@ -31,16 +32,17 @@ from hpc.verifier.verifier_checks import resolve
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+    overrides = (list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+                 + (["submit.ablations=true"] if args.ablations else []))
     cfg = resolve(args.config, overrides, check_tracking=False, runs_here=True)
     variants = sweep_variants(cfg)
-    share = args.share_verifier or cfg.submit.share_verifier
+    share = args.share_verifier or shares_verifier(cfg)
     if len(variants) > 1 and not share:
         raise UserError(f"sweep: {len(variants)} variants, and dspark train runs one config; pass --share-verifier "
                         "to train them all here from one verifier, or `dspark submit` for an allocation each")
     if not share:
         return train_local(cfg)
-    if problems := share_problems(dict(cfg.sweep), len(variants)):
+    if not cfg.submit.ablations and (problems := share_problems(dict(cfg.sweep), len(variants))):
         raise ConfigError(problems)
     base = Path(cfg.train.output_dir)
     return train_local(cfg, variants=[
@@ -97,4 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--share-verifier", action="store_true",
                    help="train every variant of the config's sweep from one verifier (one group of trainers "
                         "each, in train.output_dir/v<i>); the sweep may not change what is captured")
+    p.add_argument("--ablations", action="store_true",
+                   help="train DSpark, DFlash and Markov-only from one verifier (submit.ablations): the "
+                        "equal-budget ablations of the config's DSpark draft, in train.output_dir/v0..v2")
     p.set_defaults(func=run)

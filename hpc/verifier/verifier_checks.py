@@ -8,7 +8,7 @@ from __future__ import annotations
 from hpc.config import resolver
 from hpc.config.checker import Checker
 from hpc.config.schema import DSparkConfig
-from hpc.config.shared_sweep import shared_groups
+from hpc.config.shared_sweep import share_key, shared_groups
 from hpc.config.validate import DTYPES, CheckContext, trainer_ranks, vllm_interpreter, vllm_users
 from hpc.model import model_checks
 from hpc.verifier.gpu_budget import GB, headroom_bytes, shares_gpu_with_vllm, streamer_items
@@ -55,7 +55,7 @@ def check_streamer_fits(c: Checker, cfg: DSparkConfig, ctx: CheckContext) -> Non
     if need > left and k > 1:
         fit = next((g for g in range(k - 1, 0, -1)
                     if sum(b for _, b, _ in streamer_items(cfg, trainer_ranks(cfg) * g)) <= left), 0)
-        c.fail("submit.share_verifier", True,
+        c.fail(share_key(cfg), True,
                f"the streamer feeding {k} variants' trainers needs {need / GB:.1f} GB of the verifier's last GPU and "
                f"vLLM leaves {left / GB:.1f} GB (plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}); at most {fit} "
                "variants fit: sweep fewer values, or lower verifier.gpu_memory_utilization")

@@ -230,8 +230,9 @@ def test_target_config_json_is_the_source_of_truth(tmp_path):
 def test_trainer_ranks_and_sweep_expansion():
     cfg = load_config(KIMI, ["sweep={train.lr: [3e-4, 1e-4], train.warmup_steps: [100]}"])
     variants = sweep_overrides(cfg)
-    assert variants == [["train.lr=0.0003", "train.warmup_steps=100"],
-                        ["train.lr=0.0001", "train.warmup_steps=100"]]
+    # each names its column on the card by what it sweeps
+    assert variants == [["train.lr=0.0003", "train.warmup_steps=100", 'eval.label="lr=0.0003,warmup_steps=100"'],
+                        ["train.lr=0.0001", "train.warmup_steps=100", 'eval.label="lr=0.0001,warmup_steps=100"']]
     for v in variants:
         resolve_recipe(KIMI, v)
     assert trainer_ranks(to_object(cfg)) == 4

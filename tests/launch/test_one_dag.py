@@ -107,3 +107,22 @@ def test_the_retrain_tick_submits_the_same_pipeline(tmp_path, toy_target, monkey
     client = MlflowClient(cfg.tracking.uri)  # the registry it asks for a champion: none yet
     assert submit_retrain(CONFIG, over, cfg, client, "f" * 64, "new data", {}, []) == 0
     assert laid_out == [table(tmp_path, toy_target)]
+
+
+def test_submit_ablations_is_one_train_job_of_three_drafts_each_evaluated_under_its_name(tmp_path, toy_target):
+    """`dspark submit --ablations`: one allocation of V + 3 x T nodes trains DSpark, DFlash and
+    Markov-only; calibrate and every eval are arrays of three, each under its draft's name; only
+    DSpark's variant (the one with a confidence head) runs adaptive verification."""
+    from hpc.config import load_config, to_object
+    from hpc.launch.submit import plan_pipeline
+
+    cfg, p = plan_pipeline(CONFIG, [*overrides(tmp_path, toy_target), "submit.ablations=true"])
+    by = {s.name: s for s in p.stages}
+    assert [s.name for s in p.stages] == table(tmp_path, toy_target)  # the same table, with three variants
+    assert by["train"].params["nodes"] == cfg.cluster.verifier_nodes + 3 * cfg.cluster.trainer_nodes
+    assert len(by["train"].calls) == 1 and len(by["train"].calls[0][3]) == 2  # one job; two configs ride along
+    assert all(len(by[s].calls) == 3 for s in ("calibrate", "eval-n3", "eval-n7", "eval-adaptive"))
+    variants = [to_object(load_config(f, [])) for f in p.variant_files]
+    assert [v.eval.label for v in variants] == ["DSpark", "DFlash", "Markov-only"]
+    assert [v.eval.adaptive for v in variants] == [True, False, False]
+    assert [v.draft.enable_confidence_head for v in variants] == [True, False, False]

@@ -424,3 +424,16 @@ def test_the_readmes_shared_verifier_figures_are_the_plans():
     assert sh is not None and not sh.link_bound and sh.run_hours == pytest.approx(sh.solo_run_hours)
     assert [int(x) for x in got.groups()] == [sh.nodes, pl.verifier_nodes + pl.trainer_nodes, sh.most_variants_link,
                                               round(sh.gpu_hours), round(sh.solo_gpu_hours)]
+
+
+def test_the_ablations_are_priced_as_three_drafts_from_one_capture():
+    from tests.fixtures.recipes import resolve_recipe
+
+    ablations = capacity_plan(resolve_recipe(KIMI, ["cluster.account=a", "submit.ablations=true"]))
+    sweep = capacity_plan(resolve_recipe(KIMI, ["cluster.account=a", "sweep={train.lr: [3e-4, 1e-4, 5e-5]}",
+                                                "submit.share_verifier=true"]))
+    a, s = ablations.shared, sweep.shared
+    assert a is not None and s is not None and a.key == "submit.ablations" and a.variants == 3
+    assert (a.nodes, a.bytes_per_sample, a.gpu_hours, a.solo_gpu_hours) == (
+        s.nodes, s.bytes_per_sample, s.gpu_hours, s.solo_gpu_hours)  # the same allocation, the same link
+    assert "shared verifier (submit.ablations: 3 variants from one capture)" in format_plan(ablations)

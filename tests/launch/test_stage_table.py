@@ -20,7 +20,8 @@ def _cfg(regenerate: bool, ns=(3, 7), hold_out_every: int = 0, confidence: bool 
                            eval=SimpleNamespace(num_speculative_tokens=list(ns), adaptive=adaptive),
                            train=SimpleNamespace(hold_out_every=hold_out_every),
                            draft=SimpleNamespace(enable_confidence_head=confidence),
-                           submit=SimpleNamespace(share_verifier=share), sweep={"train.lr": [1e-3, 3e-4, 1e-4]})
+                           submit=SimpleNamespace(share_verifier=share, ablations=False),
+                           sweep={"train.lr": [1e-3, 3e-4, 1e-4]})
 
 
 def test_jobs_in_order_with_dependencies_resolved_to_job_names():
@@ -98,13 +99,13 @@ def test_submit_lays_out_the_tables_jobs(monkeypatch, tmp_path):
     monkeypatch.setattr(stage_table, "STAGES", (*stage_table.STAGES, extra))
     cfg = SimpleNamespace(
         name="t", sweep={}, data=SimpleNamespace(regenerate=False, sources=[], calibration_sources=[]),
-        eval=SimpleNamespace(num_speculative_tokens=[3], compare=[], adaptive=False),
+        eval=SimpleNamespace(num_speculative_tokens=[3], compare=[], adaptive=False, label=None),
         cluster=SimpleNamespace(partition="p", time="1:00:00", cpus_per_task=1, signal_delay_s=90, account="",
                                 qos="", mem="", exclusive=False, gpus_per_node=0, sbatch_extra=[], verifier_nodes=1,
                                 trainer_nodes=1, eval_nodes=1, regenerate_nodes=1, log_dir=str(tmp_path)),
         train=SimpleNamespace(output_dir=str(tmp_path / "train"), hold_out_every=0), tracking=SimpleNamespace(uri="http://x"),
         verifier=SimpleNamespace(model=str(tmp_path), revision=None, trust_remote_code=False),
-        submit=SimpleNamespace(share_verifier=False),
+        submit=SimpleNamespace(share_verifier=False, ablations=False),
     )
     monkeypatch.setattr("hpc.launch.submit.resolve", lambda *a, **k: cfg)
     monkeypatch.setattr("hpc.launch.submit.sweep_overrides", lambda c: [[]])

@@ -180,6 +180,10 @@ def test_a_shared_verifiers_one_train_job_shows_a_row_per_variant(monkeypatch, t
     rows = [ln.split() for ln in status(pf).splitlines() if ln.startswith("train ")]
     # one job, both drafts: each row names its variant and shows that draft's own progress
     assert [(r[1], r[2], r[3], r[7]) for r in rows] == [("12", "v0", "RUNNING", "40/100"), ("12", "v1", "RUNNING", "25/100")]
+    # the ablations (or a named sweep): each row also carries the draft's name on the card
+    pf.write_text(json.dumps({**state, "shared_verifier": True, "labels": ["DSpark", "Markov-only"]}))
+    rows = [ln.split() for ln in status(pf).splitlines() if ln.startswith("train ")]
+    assert [(r[2], r[3], r[4]) for r in rows] == [("v0", "DSpark", "RUNNING"), ("v1", "Markov-only", "RUNNING")]
 
 
 def test_expand_pending_array_ids() -> None:

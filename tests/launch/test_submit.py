@@ -140,7 +140,9 @@ def test_the_whole_pipeline_completes_on_the_local_cluster(readme_pipeline):
                    "--pipeline", parent.info.run_id)
     assert table.returncode == 0, table.stderr
     for out in (table.stdout, run.stdout):
-        assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out
+        assert "| benchmark" in out
+        for lr in ("0.001", "0.0005"):  # each variant its own columns, named by what it sweeps
+            assert f"lr={lr} n=3" in out and f"lr={lr} n=7" in out, out
         assert "Adaptive verification" in out and "| 4 | adaptive |" in out
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"  # the adaptive runs are there too
 

@@ -110,3 +110,20 @@ def test_an_adaptive_pipeline_fails_without_its_adaptive_run(tmp_path):
     assert got == "FAILED" and "no adaptive-verification eval run" in why
     _stage_run(client, parent, "eval_adaptive", "FINISHED")
     assert pipeline_outcome(client, parent, [3, 7], adaptive=True) == ("FINISHED", "every stage succeeded")
+
+
+def test_an_ablation_without_a_confidence_head_owes_no_adaptive_run(tmp_path):
+    """submit.ablations with eval.adaptive: DSpark's variant chains adaptive verification; DFlash's and
+    Markov-only's train with eval.adaptive off (no head to rank by), so only DSpark's run is owed."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = create_child_run(client, "pipe", None, "pipeline", {STAGE: "pipeline"})
+    for variant, adaptive in (("dspark", "True"), ("dflash", "False"), ("markov", "False")):
+        run = create_child_run(client, "pipe", parent, f"train-{variant}", {STAGE: "train", "dspark.config_hash": variant})
+        client.log_param(run, "eval.adaptive", adaptive)
+        client.set_terminated(run, "FINISHED")
+        for n in (3, 7):
+            _stage_run(client, parent, "eval", "FINISHED", variant, n)
+    assert pipeline_outcome(client, parent, [3, 7], adaptive=True) == (
+        "FAILED", "1 variant(s) have no adaptive-verification eval run")
+    _stage_run(client, parent, "eval_adaptive", "FINISHED", "dspark")
+    assert pipeline_outcome(client, parent, [3, 7], adaptive=True) == ("FINISHED", "every stage succeeded")

@@ -120,9 +120,10 @@ def test_dspark_train_rejects_an_indivisible_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_verifier_trains_every_variant_of_a_sweep(toy_target, tmp_path):
-    """`dspark train --share-verifier`: one HF verifier, two drafts (lr 1e-3 and 3e-3) in v0/ and v1/;
-    a sweep it would not run, or one that changes the capture, is refused before anything starts."""
+def test_one_verifier_trains_the_three_ablations(toy_target, tmp_path):
+    """`dspark train --ablations`: one HF verifier, DSpark, DFlash and Markov-only in v0/, v1/, v2/,
+    each its own draft from the same samples; a sweep it would not run, one that changes the capture,
+    or ablations beside a sweep are refused before anything starts."""
     data = write_toy_conversations(tmp_path / "train.jsonl", n=48, seed=7)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpc", "train", "configs/toy-cpu.yaml", f"verifier.model={toy_target}",
@@ -131,37 +132,39 @@ def test_one_verifier_trains_every_variant_of_a_sweep(toy_target, tmp_path):
            "train.checkpoint_interval=6", "train.warmup_steps=2", "tracking.uri=sqlite:///" + str(tmp_path / "m.db"),
            "--steps", "6"]
 
-    def train(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*cmd, *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
-
     from hpc.config import ConfigError
     from hpc.errors import UserError
     from hpc.train import train_cli
 
     lrs = "sweep={train.lr: [1e-3, 3e-3]}"
-    for share, sweep, key in ((False, lrs, "--share-verifier"),
-                              (True, "sweep={train.lr: [1e-3, 3e-3], data.max_seq_len: [96, 128]}",
-                               "sweep.data.max_seq_len: changes the rows captured")):
+    for share, ablations, sweep, key in (
+            (False, False, lrs, "--share-verifier"),
+            (True, False, "sweep={train.lr: [1e-3, 3e-3], data.max_seq_len: [96, 128]}",
+             "sweep.data.max_seq_len: changes the rows captured"),
+            (False, True, lrs, "submit.ablations: the config also sweeps train.lr")):
         args = argparse.Namespace(config=str(ROOT / cmd[4]), overrides=[*cmd[5:-2], sweep], steps=6,
-                                  share_verifier=share)
+                                  share_verifier=share, ablations=ablations)
         with pytest.raises(UserError) as err:  # in this process: the same refusal, without a start-up
             train_cli.run(args)
         lines = err.value.problems if isinstance(err.value, ConfigError) else str(err.value).splitlines()
         assert len(lines) == 1 and key in lines[0], lines
         assert not out.exists()  # refused before anything was written
 
-    res = train("--share-verifier", lrs)
+    res = subprocess.run([*cmd, "--ablations"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "one verifier, 2 drafts" in res.stdout
+    assert "one verifier, 3 drafts" in res.stdout
     sent = [line for line in res.stdout.splitlines() if line.startswith("streamer ")]
-    assert len(sent) == 1, sent  # one streamer fed both drafts
+    assert len(sent) == 1, sent  # one streamer fed every draft
     states = [json.loads((out / f"v{i}" / "checkpoints" / "step_00000006" / "state.json").read_text())
-              for i in (0, 1)]
+              for i in range(3)]
     assert all(s["step"] == 6 and s["samples_seen"] == 12 for s in states)
-    assert states[0]["ledger"] == states[1]["ledger"]  # the same samples, captured once
-    assert states[0]["losses"][0] == states[1]["losses"][0] and states[0]["losses"] != states[1]["losses"]
-    assert all((out / f"v{i}" / "export" / "model.safetensors").is_file() for i in (0, 1))
+    assert states[0]["ledger"] == states[1]["ledger"] == states[2]["ledger"]  # the same samples, captured once
+    exported = [json.loads((out / f"v{i}" / "export" / "config.json").read_text()) for i in range(3)]
+    dspark, dflash, markov = exported
+    assert dspark["markov_rank"] > 0 and dspark["enable_confidence_head"]  # the config's own draft
+    assert dflash["speculators_model_type"] == "dflash" and "markov_rank" not in dflash  # DFlash's layout
+    assert markov["markov_rank"] == dspark["markov_rank"] and not markov["enable_confidence_head"]
     client = MlflowClient("sqlite:///" + str(tmp_path / "m.db"))
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert sorted(r.data.params["train.lr"] for r in runs) == ["0.001", "0.003"]  # a run per draft
+    assert sorted(r.data.params["eval.label"] for r in runs) == ["DFlash", "DSpark", "Markov-only"]  # a run each
     assert all(r.info.status == "FINISHED" for r in runs)
