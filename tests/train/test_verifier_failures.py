@@ -22,7 +22,7 @@ from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.wait import poll
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, BATCH = 40, 8
+STEPS, BATCH = 24, 8  # 192 samples: past three epochs of 58 rows, so a resume crosses an epoch
 
 
 def train_cmd(toy_target, vllm_python, mlflow_uri, data, out, experiment, *extra) -> list[str]:
@@ -98,7 +98,7 @@ def test_a_killed_verifier_stops_training_and_a_rerun_resumes_every_sample_once(
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"resuming from {stopped['checkpoint']}" in again.stdout
     state = json.loads((out / "checkpoints" / f"step_{STEPS:08d}" / "state.json").read_text())
-    # Every sample exactly once: 320 samples = 5.5 epochs of the 58 rows configs/toy-cpu.yaml trains
+    # Every sample exactly once: 192 samples = 3.3 epochs of the 58 rows configs/toy-cpu.yaml trains
     # on (every 10th of the 64 is held out for the calibrate stage), nothing repeated or dropped.
     assert state["samples_seen"] == STEPS * BATCH
     # A capture that failed is in the ledger but never trained: none may have (the verifier's
