@@ -73,9 +73,11 @@ def train_local(cfg: DSparkConfig, parent_run_id: str | None = None,
               + (f" ({prep.filled} slots filled with unseen ids)" if prep.filled else ""), flush=True)
     first = drafts[0]
     T, V = trainer_ranks(first) * len(drafts), first.cluster.verifier_nodes
-    if variants and first.tracking.uri.startswith("sqlite:"):
-        # Each draft's rank 0 opens the store at once: MLflow would create a new database's
-        # tables, and the experiment, in every one of them (a race that fails all but one).
+    if first.tracking.uri.startswith("sqlite:"):
+        # A new database's tables take MLflow's migrations seconds to create. In rank 0 they
+        # would delay its ledger to the streamer, which sends nothing until it has every group's,
+        # so the other trainers could call the streamer dead (stream.peer_timeout_s). With several
+        # drafts, each draft's rank 0 would also create them at once (a race that fails all but one).
         from mlflow.tracking import MlflowClient  # mlflow: loaded only on this path
 
         experiment_id(MlflowClient(first.tracking.uri), first.tracking.experiment)

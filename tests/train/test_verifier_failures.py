@@ -75,6 +75,14 @@ def start_and_break(cmd: list[str], out: Path, sig: int, at_step: int = 6) -> tu
     return proc.returncode, stdout, stderr
 
 
+def is_rank(child: psutil.Process) -> bool:
+    """A rank process (multiprocessing's spawn child); a short-lived helper may exit while asked."""
+    try:
+        return any("spawn_main" in part for part in child.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
 def last_error(stderr: str) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
     assert lines, stderr[-3000:]
@@ -151,8 +159,7 @@ def test_a_killed_trainer_rank_is_named_in_one_line(toy_target, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     poll(lambda: proc.poll() is not None or progress_step(out) >= 3, bool, 300, 0.2)
     # The rank processes, in start order (rank 0, 1, ...): multiprocessing's spawn children.
-    ranks = sorted((c for c in psutil.Process(proc.pid).children()
-                    if any("spawn_main" in part for part in c.cmdline())), key=lambda c: c.create_time())
+    ranks = sorted((c for c in psutil.Process(proc.pid).children() if is_rank(c)), key=lambda c: c.create_time())
     ranks[1].kill()  # trainer rank 1, as the OOM killer would
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
