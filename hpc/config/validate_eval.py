@@ -50,6 +50,9 @@ def check_eval(c: Checker, cfg: DSparkConfig) -> None:
             c.fail(f"eval.compare[{i}].model", d.model, "needs the draft model path or hub id")
     if len(set(names)) != len(names):
         c.fail("eval.compare", names, "draft names must be unique")
+    if e.label is not None and (not e.label.strip() or e.label in names or e.label.lower() == "baseline"):
+        c.fail("eval.label", e.label, "the draft's column on the card: give it a name of its own (not empty, not "
+               "'baseline', not an eval.compare name), or leave it unset for DSpark")
 
 
 def _check_adaptive(c: Checker, cfg: DSparkConfig) -> None:

@@ -102,6 +102,11 @@ def run_all(config: str, overrides: list[str], only: list[str] | None = None, n:
     print(f"dspark stage all: job {job_id} attempt {restart + 1} on {os.environ.get('SLURM_JOB_NODELIST', '?')}",
           flush=True)
     base = resolve(config, overrides, check_tracking=False)
+    if base.sweep or base.submit.ablations:  # one allocation runs one config: the others would be dropped unsaid
+        what = "submit.ablations" if base.submit.ablations else f"sweep over {', '.join(sorted(base.sweep))}"
+        raise UserError(f"{what}: dspark stage all runs one config in this allocation and would train the base "
+                        f"alone; submit the pipeline with `dspark submit {config}` (every variant), or drop the "
+                        "sweep for this job", exit_code=2)
     todo = selected(base, only, n)
     have = int(os.environ.get("SLURM_NNODES") or 1)
     for job in todo:  # every node count checked before a directory or a step exists

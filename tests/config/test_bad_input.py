@@ -101,6 +101,10 @@ BAD = {
                                           "data.calibration_sources[0].max_rows = -1: reads no row"),
     "dtype vLLM does not take": (["verifier.dtype=float33"], "verifier.dtype = 'float33'"),
     "eval device": (["eval.device=gpu"], "eval.device = 'gpu': must be cpu, cuda, cuda:N, mps or xpu"),
+    "a draft named as a compared one": (["eval.label=ngram", "eval.compare=[{name: ngram, method: ngram}]"],
+                                        "eval.label = 'ngram': the draft's column on the card"),
+    "a draft named baseline": (["eval.label=Baseline"], "eval.label = 'Baseline'"),
+    "an empty draft name": (["eval.label=' '"], "eval.label = ' '"),
 }
 
 

@@ -126,3 +126,19 @@ def test_submit_ablations_is_one_train_job_of_three_drafts_each_evaluated_under_
     assert [v.eval.label for v in variants] == ["DSpark", "DFlash", "Markov-only"]
     assert [v.eval.adaptive for v in variants] == [True, False, False]
     assert [v.draft.enable_confidence_head for v in variants] == [True, False, False]
+
+
+@pytest.mark.parametrize("extra, says", [(["sweep={train.lr: [0.001, 0.0003]}"], "sweep over train.lr"),
+                                         (["submit.ablations=true"], "submit.ablations")])
+def test_stage_all_refuses_a_config_of_many_variants_rather_than_train_its_base_alone(tmp_path, toy_target,
+                                                                                      monkeypatch, extra, says):
+    """An sbatch script runs one config; a sweep's other variants would be dropped without a word."""
+    from hpc.errors import UserError
+    from hpc.launch.stage_all import run_all
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with pytest.raises(UserError) as err:
+        run_all(CONFIG, [*overrides(tmp_path, toy_target), *extra])
+    line = str(err.value)
+    assert line.startswith(says) and "dspark submit" in line and "\n" not in line, line
+    assert not (tmp_path / "out").exists()  # refused before a directory or a step exists

@@ -126,7 +126,7 @@ def test_the_requeue_code_is_the_trainers_and_the_launcher_loads_without_torch()
                           check=True).stdout.strip() == "False"
 
 
-def test_dspark_train_ends_a_failure_as_a_slurm_node_does(node, monkeypatch, capsys):
+def test_dspark_train_ends_a_failure_as_a_slurm_node_does(node, monkeypatch, capsys, tmp_path):
     """The local launcher supervises with the same code: the first failure stops the rest, and
     the one error line names the rank the kernel killed."""
     cfg, ranks = node
@@ -134,7 +134,7 @@ def test_dspark_train_ends_a_failure_as_a_slurm_node_does(node, monkeypatch, cap
     monkeypatch.setattr(train_cli, "localize", lambda c: c)
     monkeypatch.setattr(train_cli, "prepare_data", lambda c: type("P", (), {"stats": type("S", (), {
         "summary": lambda self: "3 rows kept"})(), "filled": 0})())
-    cfg.tracking.uri = "sqlite:///unused.db"
+    cfg.tracking.uri = f"sqlite:///{tmp_path / 'unused.db'}"  # dspark train creates a new store's tables first
     assert train_cli.train_local(cfg) == 137
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: rank 0 (trainer 0) was killed by SIGKILL"), err
