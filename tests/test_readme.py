@@ -42,7 +42,9 @@ def test_the_walkthrough_runs_as_written(readme_pipeline):
     assert "debug*" in out  # sinfo: the default partition the config names
     done = [ln for ln in out.splitlines() if ln.endswith(" completed") and "," not in ln]
     assert done, out[-3000:]  # status --wait's last line: every job completed, nothing else
-    assert "| benchmark" in out and "DSpark n=3" in out and "DSpark n=7" in out, out[-3000:]
+    # the card: a column per draft and n; the widened Q's sweep names each variant by its lr
+    assert "| benchmark" in out and all(f"lr={lr} n={n}" in out for lr in ("0.001", "0.0005") for n in (3, 7)), \
+        out[-3000:]
     assert (run.runs / "mlflow-server" / "credentials.env").stat().st_mode & 0o777 == 0o600
 
 
