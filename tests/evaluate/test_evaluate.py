@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from hpc.config.shared_sweep import ABLATIONS
 from hpc.launch.launch_checks import resolve
 from hpc_dev.toy_data import write_toy_conversations
 from tests.fixtures.recipes import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-DFLASH = ["draft.markov_rank=0", "draft.enable_confidence_head=false", "draft.sample_from_anchor=false",
-          "draft.confidence_head_with_markov=false"]
+DFLASH = list(ABLATIONS["DFlash"])  # the DFlash ablation's keys, as `submit --ablations` sets them
 BENCHES = ["gsm8k", "math500", "aime", "humaneval", "livecodebench", "speedbench_coding"]
 
 

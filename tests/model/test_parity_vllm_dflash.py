@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc.config.shared_sweep import ABLATIONS
 from hpc.evaluate.reference import SpecStats, greedy_generate, speculative_generate
 from hpc.model.export import export_draft, load_draft
 from hpc_dev.toy_data import toy_conversations
@@ -39,8 +40,7 @@ MAX_TOKENS = 48
 STEPS = 600  # the toy target talks: at 300 steps n=3 accepted [19, 3, 0] in 136 verify steps
 PROMPTS = 12
 TIE_BUDGET = 0.01  # share of drafted positions a float tie may flip
-DFLASH_OVERRIDES = ["draft.markov_rank=0", "draft.enable_confidence_head=false",
-                    "draft.sample_from_anchor=false", "draft.confidence_head_with_markov=false"]
+DFLASH_OVERRIDES = list(ABLATIONS["DFlash"])  # the DFlash ablation's keys, as `submit --ablations` sets them
 
 
 @contextmanager
