@@ -4,6 +4,9 @@
 # launcher reads it as "requeue me". Here because both sides need it and the launcher side
 # runs on the login node, without torch.
 EXIT_REQUEUE = 75
+# A trainer whose own draft failed (its loss went NaN) rather than its stream: when several drafts
+# share one verifier's stream (a sweep, the ablations), its launcher drops that draft alone.
+EXIT_DRAFT_FAILED = 6
 
 
 class UserError(Exception):

@@ -16,6 +16,7 @@ from hpc.config.schema import ClusterConfig, DSparkConfig
 from hpc.config.secrets import scrub, scrubbed_traceback
 from hpc.config.shared_sweep import shared_groups
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.formats import draft_failure
 from hpc.launch.launch_checks import resolve
 from hpc.launch.node_setup import localize_stage
 from hpc.launch.stages import adaptive_stage, calibrate_stage, eval_stage, regenerate_stage, report_stage, train_allocation
@@ -53,17 +54,28 @@ def _train(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: b
     return train_allocation(cfg, parent_run_id, variants)
 
 
+def _trained(cfg: DSparkConfig, stage: str) -> None:
+    """A draft whose training failed while others shared its stream ends its later stages in
+    one line (its job FAILED), before any verifier starts; the other drafts' jobs run."""
+    line = draft_failure.refusal(cfg.train.output_dir, stage)
+    if line is not None:
+        raise UserError(line, exit_code=1)
+
+
 def _calibrate(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
+    _trained(cfg, "calibrate")
     return calibrate_stage(cfg, parent_run_id)
 
 
 def _eval(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
     if n is None:
         raise UserError("the eval stage needs n (num_speculative_tokens): `dspark stage eval CONFIG --n 7`")
+    _trained(cfg, "evaluate")
     return eval_stage(cfg, int(n), parent_run_id)
 
 
 def _adaptive(cfg: DSparkConfig, parent_run_id: str | None, n: int | None, local: bool) -> int:
+    _trained(cfg, "evaluate")
     return adaptive_stage(cfg, parent_run_id)
 
 

@@ -11,7 +11,9 @@ sbatch scripts (`dspark stage NAME CONFIG ...` under srun), so both paths behave
   and nobody can compute the port in advance. Gloo and NCCL bind the interface that holds the
   job's address (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them). A rank
   that dies takes its node's task down with it (non-zero exit), and `srun --kill-on-bad-exit`
-  takes the allocation down: nothing hangs.
+  takes the allocation down: nothing hangs. Except when several drafts share the verifier: a
+  trainer node whose draft failed records it (hpc.formats.draft_failure) and ends cleanly, the
+  streamer drops that draft, and the others train on.
 - Preemption: Slurm sends USR2 (`--signal=USR2@<cluster.signal_delay_s>`); every node forwards it to its ranks,
   which checkpoint at the next step boundary and exit with EXIT_REQUEUE; node 0 then asks
   Slurm to requeue the job, and the requeued job resumes from the checkpoint.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +46,7 @@ from hpc.evaluate.adaptive_card import adaptive_markdown, fetch_adaptive
 from hpc.evaluate.compare import card_markdown, card_table, fetch_evals, pipeline_labels, to_csv
 from hpc.evaluate.equal_budget import equal_budget_markdown, mlflow_per_prompt
 from hpc.evaluate.runner import evaluate
+from hpc.formats import draft_failure
 from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.launch.gpu_mode import check_shared_gpu
 from hpc.launch.job_files import job_file, publish, wait_published
@@ -90,7 +94,15 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None,
     """One node's share of a training allocation; returns the node's exit code. `variants`: the
     drafts a shared verifier's allocation trains, a group of trainer nodes each (`cfg` is the first)."""
     # torch: never on the login node, which imports this module to submit it
-    from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
+    from hpc.train.ranks import (
+        exit_status,
+        failed_drafts,
+        failure_line,
+        grace_s,
+        record_draft_failure,
+        spawn_ranks,
+        supervise,
+    )
 
     env = SlurmEnv.from_environ()
     K = len(variants) if variants else 1
@@ -122,14 +134,25 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None,
                 if p.pid and p.is_alive():
                     os.kill(p.pid, signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    # Several drafts: a trainer node's failure is its draft's alone (hpc.train.ranks.supervise).
+    per = T // K
+    drafts = [r // per if r < T else -1 for r in ranks] if K > 1 else None
     try:
-        code, own = supervise(procs, grace_s(cfg))
+        code, own = supervise(procs, grace_s(cfg), drafts)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         if env.node_index == master_node:  # every node read it long ago; a reused job id must not find it
             job_file(cfg.cluster.log_dir, "rendezvous", env.job_id).unlink(missing_ok=True)
-    done = all(_training_done(draft.train) for draft in variants or [cfg])
+    if code == 0 and drafts and variants:
+        # Named here, and in the draft's directory for its later stages and `dspark status`. The
+        # task still ends cleanly: srun --kill-on-bad-exit would end the live drafts' nodes with it.
+        for d in failed_drafts(own, drafts):
+            line = record_draft_failure(variants[d], d, own, drafts, T, ranks)
+            print(f"error: node {env.node_index} ({role}{of}): {line}", file=sys.stderr, flush=True)
+    # a draft that failed on its own is not waited for: a requeue is for the live ones
+    done = all(_training_done(draft.train) or draft_failure.read(draft.train.output_dir)
+               for draft in variants or [cfg])
     if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not done:
         if env.node_index == 0:
             requeue_timed(cfg, lambda: requeue(env), EXIT_REQUEUE)  # and the preemption window's record

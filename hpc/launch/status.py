@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc.config.secrets import redact_uri, scrub, without_credentials
 from hpc.errors import UserError
+from hpc.formats import draft_failure
 from hpc.fsio import read_trusted, untrusted
 from hpc.launch.slurm import cancel as scancel
 from hpc.launch.slurm import run_slurm
@@ -219,6 +220,12 @@ def progress_text(train_dir: str, state_file: Path, now: float | None = None) ->
     return text
 
 
+def _draft_failure(train_dirs: list[str], i: int, state_file: Path) -> dict | None:
+    """Why draft i of a shared verifier's job failed alone (hpc.formats.draft_failure), if it did."""
+    candidates = _train_dir_candidates(train_dirs[i], state_file) if i < len(train_dirs) else []
+    return next((f for f in map(draft_failure.read, candidates) if f is not None), None)
+
+
 def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tuple[str, ...]]:
     train_dirs = list(state.get("train_dirs") or [])
     labels = list(state.get("labels") or [])  # a state file from before names lists none
@@ -250,7 +257,11 @@ def _rows(state: dict, jobs: dict[str, JobState], state_file: Path) -> list[tupl
                     progress = (progress + "; " if progress else "") + (
                         f"NCCL timeout: flight recorder dumps {dumps[0].parent}/{NCCL_TRACE_PREFIX}* ({len(dumps)} ranks)")
             nodes = "-" if j.nodes.startswith("None") or not j.nodes else j.nodes
-            rows.append((stage, j.id, variant, j.state, j.elapsed, j.exit_code, nodes, progress))
+            job_state = j.state
+            failed = _draft_failure(train_dirs, int(task), state_file) if shared and task.isdigit() else None
+            if failed is not None:  # this draft failed alone; the job trained the others on
+                job_state, progress = "FAILED", f"this draft failed: {failed['cause']}"
+            rows.append((stage, j.id, variant, job_state, j.elapsed, j.exit_code, nodes, progress))
     return rows
 
 

@@ -17,6 +17,10 @@ On CUDA the staging is pinned host memory copied to the device on a side stream 
 `non_blocking=True`; the sends are posted on that stream, so NCCL waits for the copy and the
 host thread does not. A sample's pinned buffer is reused once its copy is done, its device
 buffer once its send is done. On CPU (gloo) tensors are sent from where they are.
+
+With `on_lost`, a trainer that a header or a sample cannot reach (its socket closed: killed, out
+of memory) is handed to it and left out from then on, and the sends to every other trainer go
+on: the streamer then drops that trainer's draft alone. Without it, the failure is raised.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +43,7 @@ from hpc.stream.sample import Capture
 
 @dataclass(eq=False)  # compared by identity: one sample may sit in several trainers' windows
 class _InFlight:
-    works: list
+    works: list  # (trainer, work) of each posted send
     keep: list[torch.Tensor]  # what the sends read from: alive until they are done
     pinned: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
@@ -66,6 +71,8 @@ class SampleSender:
     closed: set[int] = field(default_factory=set)  # trainers we sent STOP or FAILED
     free_pinned: list[torch.Tensor] = field(default_factory=list)
     peak_host_bytes: int = 0  # staging memory held at once: what `bench stream` reports
+    on_lost: Callable[[int, BaseException], None] | None = None  # a trainer we cannot reach (default: raise)
+    lost: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.in_flight = max(1, self.in_flight)
@@ -76,28 +83,43 @@ class SampleSender:
         self.cuda = self.planes.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.planes.device) if self.cuda else None
 
-    def control(self, h: Header, dst: int) -> None:
-        with self.locks[dst]:
-            send_header(h, dst, self.planes)
-            self.last_control[dst] = time.monotonic()
-            if h.kind in (Kind.STOP, Kind.FAILED):  # the trainer reads nothing from us after these
-                self.closed.add(dst)
+    def control(self, h: Header, dst: int) -> bool:
+        """Send one header; False when it did not go: `dst` is lost, or we said goodbye to it."""
+        try:
+            with self.locks[dst]:
+                if dst in self.lost or dst in self.closed:  # after STOP or FAILED it reads nothing from us
+                    return False
+                send_header(h, dst, self.planes)
+                self.last_control[dst] = time.monotonic()
+                if h.kind in (Kind.STOP, Kind.FAILED):  # the trainer reads nothing from us after these
+                    self.closed.add(dst)
+            return True
+        except Exception as err:  # noqa: BLE001 - gloo's closed socket: the trainer is gone
+            self._lose(dst, err)
+            return False
+
+    def _lose(self, dst: int, err: BaseException) -> None:
+        if self.on_lost is None:
+            raise err
+        self.lost.add(dst)
+        self.on_lost(dst, err)
 
     def beat_if_due(self, dst: int, heartbeat_s: float) -> None:
         """A HEARTBEAT when `dst` heard no header from us for `heartbeat_s`, unless we said goodbye."""
         with self.locks[dst]:
-            if dst in self.closed or time.monotonic() - self.last_control[dst] <= heartbeat_s:
+            if dst in self.closed or dst in self.lost or time.monotonic() - self.last_control[dst] <= heartbeat_s:
                 return
             send_header(Header(Kind.HEARTBEAT), dst, self.planes)
             self.last_control[dst] = time.monotonic()
 
     def send(self, cap: Capture, epoch: int, dst: int) -> int:
         """Post one sample to `dst`; returns its payload bytes. Blocks only for a full window."""
-        return self.send_many(cap, epoch, [dst])
+        T, n_aux, H = cap.aux_TnH.shape
+        return sample_bytes(T, n_aux, H, self.dtype) * len(self.send_many(cap, epoch, [dst]))
 
-    def send_many(self, cap: Capture, epoch: int, dsts: list[int]) -> int:
-        """Post one sample to each of `dsts`, staged once; returns the payload bytes put on the
-        wire (the sample's times len(dsts)). Blocks only for a full window."""
+    def send_many(self, cap: Capture, epoch: int, dsts: list[int]) -> list[int]:
+        """Post one sample to each of `dsts`, staged once; returns the trainers it went to (not one
+        that is lost, or that we said goodbye to meanwhile). Blocks only for a full window."""
         for dst in dsts:
             while len(self.window[dst]) >= self.in_flight:
                 self._finish_oldest(dst)
@@ -106,14 +128,21 @@ class SampleSender:
         T, n_aux, H = cap.aux_TnH.shape
         flight = self._stage(cap, T, n_aux, H)
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
+        reached = []
         for dst in dsts:
-            self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst)
-            with stream, message(Message.SAMPLE):  # NCCL: the sends wait for the copy on this stream
-                flight.works += [dist.isend(t, dst=dst, group=self.planes.data) for t in flight.keep]
+            if not self.control(Header(Kind.SAMPLE, cap.sample_id, T, n_aux, H, epoch, DTYPE_CODES[self.dtype]), dst):
+                continue
+            try:
+                with stream, message(Message.SAMPLE):  # NCCL: the sends wait for the copy on this stream
+                    flight.works += [(dst, dist.isend(t, dst=dst, group=self.planes.data)) for t in flight.keep]
+            except Exception as err:  # noqa: BLE001 - as for a header: that trainer is gone
+                self._lose(dst, err)
+                continue
             self.window[dst].append(flight)
+            reached.append(dst)
         self.order.append(flight)
         self.peak_host_bytes = max(self.peak_host_bytes, sum(f.host_bytes for f in self.order))
-        return sample_bytes(T, n_aux, H, self.dtype) * len(dsts)
+        return reached
 
     def drain(self) -> None:
         """Wait for every posted send (the stream's end, or before reporting a failure)."""
@@ -161,8 +190,12 @@ class SampleSender:
     def _finish(self, f: _InFlight) -> None:
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
         with stream:
-            for w in f.works:
-                w.wait()  # gloo: the send is done; NCCL: the copy stream now waits for it
+            for dst, w in f.works:
+                try:
+                    w.wait()  # gloo: the send is done; NCCL: the copy stream now waits for it
+                except Exception as err:  # noqa: BLE001 - gloo's closed socket: the trainer is gone
+                    if dst not in self.lost:
+                        self._lose(dst, err)
         if self.copy_stream is not None:
             self.copy_stream.synchronize()  # the send itself is done: its device buffer may go
         if f.pinned is not None:

@@ -26,6 +26,7 @@ from hpc.data.prepare import load_prepared, split_held_out
 from hpc.dist.planes import flight_recorder_env, rank_device
 from hpc.dist.world import World, init_world
 from hpc.errors import EXIT_REQUEUE, UserError
+from hpc.formats import draft_failure
 from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.own_env import set_own
 from hpc.train.streamer_rank import streamer_rank
@@ -65,7 +66,8 @@ def rank_main(rank: int, cfg: DSparkConfig, n_trainers: int, n_streamers: int, m
     rows, vocab_file = load_prepared(out)
     rows = split_held_out(rows, cfg.train.hold_out_every)[0]  # the calibrate stage's rows: never streamed
     if not w.is_trainer:
-        return streamer_rank(cfg, w, rows, planes, device, out)
+        names = [v.eval.label or f"v{i}" for i, v in enumerate(variants)] if variants else None
+        return streamer_rank(cfg, w, rows, planes, device, out, names)
     return trainer_rank(cfg, w, planes, vocab_file, len(rows), device, out, parent_run_id)
 
 
@@ -120,34 +122,73 @@ def spawn_ranks(cfg: DSparkConfig, ranks: list[int], local_ranks: list[int], T: 
     return procs
 
 
-def supervise(procs, grace_s: float) -> tuple[int, list[int | None]]:
+def supervise(procs, grace_s: float, drafts: list[int] | None = None) -> tuple[int, list[int | None]]:
     """Wait for every rank; the first failure stops the others (no half-alive world).
 
     The others get `grace_s` to checkpoint and exit on their own (they lose the same peer, and
     notice within the stream's peer timeout); whoever is still alive then is killed. Returns the
     code for the whole (EXIT_REQUEUE when every rank checkpointed on a stop signal) and each
     rank's own exit code, None for a rank killed here: a SIGKILL we sent is not the cause to report.
+
+    `drafts`: each process's draft when several share one stream (-1: a streamer). A trainer's
+    failure is then its draft's alone: that draft's ranks get `grace_s` and are stopped, the others
+    go on, and the code is 0 once they finish; `failed_drafts(own, drafts)` names the failed ones.
     """
+    drafts = drafts if drafts is not None else [-1] * len(procs)
+    failed: dict[int, float] = {}  # a draft that failed on its own -> when its ranks' grace ends
+    killed: set[int] = set()
     while True:
-        codes = [p.exitcode for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            break
-        if all(c == 0 for c in codes):
-            return 0, codes
+        now, codes = time.monotonic(), [p.exitcode for p in procs]
+        for i, c in enumerate(codes):
+            if drafts[i] >= 0 and c not in (None, 0, EXIT_REQUEUE):
+                failed.setdefault(drafts[i], now + grace_s)
+        for i, p in enumerate(procs):
+            if drafts[i] in failed and codes[i] is None and now > failed[drafts[i]]:
+                p.kill()
+                killed.add(i)
+        if any(c not in (None, 0) and drafts[i] not in failed for i, c in enumerate(codes)):
+            break  # a streamer failed, or a stop signal: the whole world ends
+        if all(c is not None for c in codes):
+            return 0, [None if i in killed else c for i, c in enumerate(codes)]
         time.sleep(0.5)
     deadline = time.monotonic() + grace_s
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
-    killed = {i for i, p in enumerate(procs) if p.is_alive()}
+    killed |= {i for i, p in enumerate(procs) if p.is_alive()}
     for i in killed:
         procs[i].kill()
     for p in procs:
         p.join(10)
     own = [None if i in killed else p.exitcode for i, p in enumerate(procs)]
-    if not killed and all(c in (0, EXIT_REQUEUE) for c in own):
+    mine = [i for i in range(len(procs)) if drafts[i] not in failed]  # the world's ranks, not a failed draft's
+    if not killed & set(mine) and all(own[i] in (0, EXIT_REQUEUE) for i in mine):
         return EXIT_REQUEUE, own
-    causes = [c for c in own if c not in (0, EXIT_REQUEUE, None)] or [-9]  # only ours: killed
-    return causes[0], own
+    cause = _first_cause([own[i] for i in mine])
+    return cause if cause != -9 else _first_cause(own), own
+
+
+def _first_cause(codes: list[int | None]) -> int:
+    causes = [c for c in codes if c not in (0, EXIT_REQUEUE, None)] or [-9]  # only ours: killed
+    return causes[0]
+
+
+def failed_drafts(own: list[int | None], drafts: list[int]) -> list[int]:
+    """The drafts (of `supervise`'s `drafts`) whose ranks did not all finish."""
+    return sorted({d for d, c in zip(drafts, own, strict=True) if d >= 0 and c != 0})
+
+
+def record_draft_failure(cfg: DSparkConfig, d: int, own: list[int | None], drafts: list[int], n_trainers: int,
+                         ranks: list[int] | None = None) -> str:
+    """The line that names draft `d`'s failure, also written to its directory for its later stages
+    and `dspark status` (hpc.formats.draft_failure). `own`/`drafts` are indexed like `ranks`
+    (global ranks; default 0..n-1)."""
+    codes: list[int | None] = [None] * (max(ranks or [len(own) - 1]) + 1)
+    for r, c, of in zip(ranks or range(len(own)), own, drafts, strict=True):
+        codes[r] = c if of == d else None
+    name = cfg.eval.label or f"v{d}"
+    cause = failure_line(codes, n_trainers, cfg.train.output_dir)
+    draft_failure.record(cfg.train.output_dir, name, cause)
+    return f"variant {name} ({cfg.train.output_dir}): {cause}"
 
 
 def grace_s(cfg: DSparkConfig) -> float:

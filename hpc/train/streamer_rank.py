@@ -38,8 +38,10 @@ def streamer_rows(rows: dict[int, tuple[list[int], list[int]]], w: World, seed: 
     return gen
 
 
-def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: torch.device, out: Path) -> int:
-    """Start the verifier, stream, stop the verifier; non-zero if it failed."""
+def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: torch.device, out: Path,
+                  names: list[str] | None = None) -> int:
+    """Start the verifier, stream, stop the verifier; non-zero if it failed. `names`: each
+    trainer group's draft, when several share the stream."""
     closers = []
 
     def start_capture():
@@ -50,7 +52,8 @@ def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: tor
         stats = run_streamer(streamer_rows(rows, w, cfg.train.seed, epochs=1000), None, planes, stream_dtype(cfg),
                              cfg.stream.prefetch, cfg.stream.heartbeat_s, capture_concurrency(cfg),
                              start_capture=start_capture, in_flight=cfg.stream.in_flight,
-                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)), groups=w.trainer_groups)
+                             total_in_flight=samples_in_flight(cfg, len(planes.trainers)), groups=w.trainer_groups,
+                             names=names)
     finally:
         t_stop = time.time()
         for closer in closers:
@@ -60,7 +63,8 @@ def streamer_rank(cfg: DSparkConfig, w: World, rows, planes: Planes, device: tor
         preempt_clock.mark(out, preempt_clock.VERIFIER_STOP, time.time() - t_stop, rank=w.rank,
                            backend=str(getattr(cfg.verifier.backend, "value", cfg.verifier.backend)))
     print(f"streamer {w.rank}: sent {stats.sent} samples ({stats.bytes / 1e6:.1f} MB), "
-          f"skipped {stats.failed} bad captures", flush=True)
+          f"skipped {stats.failed} bad captures"
+          + (f"; {len(stats.dropped)} of {w.groups} drafts dropped" if stats.dropped else ""), flush=True)
     if stats.fatal:
         print(f"error: streamer {w.rank} (verifier node {w.rank - w.n_trainers}): {stats.fatal}",
               file=sys.stderr, flush=True)

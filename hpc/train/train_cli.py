@@ -6,7 +6,9 @@ as inside a Slurm allocation.
 
 `--share-verifier` trains every variant of the config's sweep from that one verifier: a group of
 trainer processes per variant, each draft in `train.output_dir`/v<i>, every sample captured once.
-`--ablations` trains DSpark, DFlash and Markov-only that way (submit.ablations).
+`--ablations` trains DSpark, DFlash and Markov-only that way (submit.ablations). One draft's failure
+(a rank killed, a NaN loss) is its own: the others finish and export, each failed draft gets one
+line, and the command exits with EXIT_DRAFT_FAILED.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ from hpc.config.target import localize
 from hpc.config.validate import trainer_ranks
 from hpc.data.prepare import prepare_data
 from hpc.dist.rendezvous import new_secret
-from hpc.errors import UserError
+from hpc.errors import EXIT_DRAFT_FAILED, UserError
 from hpc.net import free_port
 from hpc.track.pipeline import experiment_id
 from hpc.track.server import is_healthy
-from hpc.train.ranks import exit_status, failure_line, grace_s, spawn_ranks, supervise
+from hpc.train.ranks import (
+    exit_status,
+    failed_drafts,
+    failure_line,
+    grace_s,
+    record_draft_failure,
+    spawn_ranks,
+    supervise,
+)
 from hpc.verifier.verifier_checks import resolve
 
 
@@ -85,12 +95,20 @@ def train_local(cfg: DSparkConfig, parent_run_id: str | None = None,
         print(f"one verifier, {len(drafts)} drafts: trainers {T // len(drafts)} per draft, ranks 0..{T - 1}", flush=True)
     procs = spawn_ranks(first, list(range(T + V)), list(range(T + V)), T, V, "127.0.0.1", free_port(), new_secret(),
                         parent_run_id, variants=drafts if variants else None)
-    code, own = supervise(procs, grace_s(first))
+    of = [r * len(drafts) // T for r in range(T)] + [-1] * V if variants else None  # each rank's draft
+    code, own = supervise(procs, grace_s(first), of)
     if code:
         print(f"ranks exited with {own} (trainers 0..{T - 1}, streamers {T}..{T + V - 1}; None: stopped here)",
               flush=True)
         print(f"error: {failure_line(own, T, first.train.output_dir)}", file=sys.stderr, flush=True)
-    return exit_status(code)
+        return exit_status(code)
+    lost = failed_drafts(own, of) if of else []
+    for d in lost:  # each failed draft in one line, and in its directory; the others exported
+        print(f"error: {record_draft_failure(drafts[d], d, own, of or [], T)}", file=sys.stderr, flush=True)
+    if lost:
+        print(f"{len(drafts) - len(lost)} of {len(drafts)} drafts finished and exported", file=sys.stderr, flush=True)
+        return EXIT_DRAFT_FAILED
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,6 +14,7 @@ from rank 0 tells any restart exactly which samples of the epoch are done.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpc.config.schema import DSparkConfig, TrainConfig
 from hpc.data.prepare import regeneration_pending
 from hpc.dist.planes import Planes, broadcast_text
+from hpc.errors import UserError
 from hpc.formats.checkpoint_layout import TrainState, latest_checkpoint
 from hpc.formats.draft_args import DraftArgs, LossArgs
 from hpc.model.blocks import check_attention
@@ -46,6 +48,11 @@ from hpc.verifier.target_files import architectures, text_config
 
 class RequeueRequested(Exception):
     """Raised after the checkpoint that a preemption/termination signal asked for."""
+
+
+class NonFiniteLoss(UserError):
+    """The step's loss or gradient norm is NaN or infinite. Raised before the optimizer steps on
+    it, on every rank of the draft at once (both are all-reduced), so the last checkpoint is sound."""
 
 
 def pack(captures: list[Capture]) -> PackedRow:
@@ -269,10 +276,12 @@ class Trainer:
             self.integrity.judge(m, sample_id, origin, n_aux)  # raises before the optimizer steps on it
         self._checks = []
         totals: dict[str, float] = dict(zip(extra, read[len(keys) + 1:]))
+        means, counted_all = self._mean_over_ranks(dict(zip(keys, read[:len(keys)])), read[len(keys)])
+        self._check_finite({**totals, **(means if counted_all else {})}, lr)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state.step += 1
-        totals = {**totals, **self._mean_over_ranks(dict(zip(keys, read[:len(keys)])), read[len(keys)])}
+        totals = {**totals, **means}
         agree, checked = totals.pop("teacher_agree", 0.0), totals.pop("teacher_checked", 0.0)
         if checked > 0:
             totals["teacher_agreement"] = agree / checked
@@ -292,15 +301,24 @@ class Trainer:
         rest = clip([q for q in self.model.parameters() if id(q) not in mine], max_norm)
         return torch.hypot(rest, clip(head.parameters(), max_norm))  # the norm over all, as logged before
 
-    def _mean_over_ranks(self, sums: dict[str, float], counted: float) -> dict[str, float]:
-        """Each metric's mean over the micro-batches of every rank that had a supervised slot.
-        Every rank all-reduces the same keys (an empty micro-batch reports them at zero)."""
+    def _mean_over_ranks(self, sums: dict[str, float], counted: float) -> tuple[dict[str, float], float]:
+        """Each metric's mean over the micro-batches of every rank that had a supervised slot, and
+        how many had one. Every rank all-reduces the same keys (an empty micro-batch reports them at zero)."""
         keys = sorted(sums)
         t = torch.tensor([sums[k] for k in keys] + [float(counted)], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(t, group=self.control_group)
         n = float(t[-1])
-        return {k: float(v) / n if n else float("nan") for k, v in zip(keys, t[:-1])}
+        return {k: float(v) / n if n else float("nan") for k, v in zip(keys, t[:-1])}, n
+
+    def _check_finite(self, step_metrics: dict[str, float], lr: float) -> None:
+        """A NaN or infinite loss (or gradient norm) ends this draft's training before the
+        optimizer steps on it: every later step would train on garbage and export it."""
+        bad = [f"{k} {step_metrics[k]}" for k in ("loss", "grad_norm")
+               if k in step_metrics and not math.isfinite(step_metrics[k])]
+        if bad:
+            raise NonFiniteLoss(f"{', '.join(bad)} at step {self.state.step + 1} (lr {lr:.3g}): the optimizer did "
+                                "not step on it; lower train.lr or raise train.warmup_steps, then re-run")
 
     # -- the loop -----------------------------------------------------------------------------
     def _install_signals(self) -> dict:

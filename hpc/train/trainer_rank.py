@@ -2,7 +2,8 @@
 or the data ends, checkpoint whatever stopped it, and say why in one line (`stopped.json`).
 
 Rank 0 also reports (`hpc.train.train_report`). Exit codes: 0, EXIT_REQUEUE (checkpointed on a stop
-signal), EXIT_PEER_DIED (a streamer or another trainer is gone; checkpointed, resumable).
+signal), EXIT_PEER_DIED (a streamer or another trainer is gone; checkpointed, resumable),
+EXIT_DRAFT_FAILED (this draft's own loss went NaN: when drafts share the stream, the others go on).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from hpc.config.schema import DSparkConfig, StreamConfig
 from hpc.data.prepare import prepared_hash
 from hpc.dist.planes import Planes
 from hpc.dist.world import World
-from hpc.errors import EXIT_REQUEUE
+from hpc.errors import EXIT_DRAFT_FAILED, EXIT_REQUEUE
+from hpc.formats import draft_failure
 from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.fsio import write_text
 from hpc.stream.receiver import StreamReceiver, stream_micro_batches
 from hpc.train import preempt_clock
 from hpc.train.train_report import TrainReport
-from hpc.train.trainer import RequeueRequested, Trainer
+from hpc.train.trainer import NonFiniteLoss, RequeueRequested, Trainer
 
 EXIT_PEER_DIED = 3  # a trainer whose streamer (or another trainer) is gone: checkpointed, resumable
 STOPPED = "stopped.json"  # why the last run ended early: read by the launcher's one-line summary
@@ -47,7 +49,8 @@ def trainer_rank(cfg: DSparkConfig, w: World, planes: Planes, vocab_file: str | 
     try:
         if w.group_rank == 0:
             report = TrainReport(cfg, out, parent_run_id)
-        code = run_trainer(w, planes, trainer, cfg.stream, out, report.on_step if report is not None else None)
+        code = run_trainer(w, planes, trainer, cfg.stream, out, report.on_step if report is not None else None,
+                           variant=(cfg.eval.label or f"v{w.group}") if w.groups > 1 else None)
         if report is not None:
             # A preempted run is KILLED (Slurm requeues it), a failed one FAILED: never left RUNNING.
             report.finish(export=code == 0,
@@ -62,13 +65,15 @@ def trainer_rank(cfg: DSparkConfig, w: World, planes: Planes, vocab_file: str | 
 
 
 def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamConfig, out_dir: str | Path,
-                on_step: Callable | None = None) -> int:
-    """Train from the stream until the data or the step budget ends; returns the exit code."""
+                on_step: Callable | None = None, variant: str | None = None) -> int:
+    """Train from the stream until the data or the step budget ends; returns the exit code.
+    `variant`: this draft's name when several share the stream (its failure line names it)."""
     train_cfg = trainer.cfg
     trainer.state.data_hash = prepared_hash(out_dir)  # every checkpoint names the data it counts
     stopped = Path(out_dir) / STOPPED
     if w.group_rank == 0:
         stopped.unlink(missing_ok=True)  # a cause from an earlier run is not this run's
+        draft_failure.clear(out_dir)
     names = {s: f"streamer rank {s} (verifier node {s - w.n_trainers})" for s in w.streamers}
     receiver = StreamReceiver(w.streamers, stream_cfg.buffer_per_trainer, planes, stream_cfg.peer_timeout_s, names,
                               held_per_step=train_cfg.grad_accumulation * trainer.micro_batch_size)
@@ -90,6 +95,15 @@ def run_trainer(w: World, planes: Planes, trainer: Trainer, stream_cfg: StreamCo
         if w.group_rank == 0:
             _record_stop(stopped, trainer, train_cfg.steps, str(why))
         return EXIT_REQUEUE
+    except NonFiniteLoss as why:
+        # This draft is lost, not the stream: its STOP tells the streamers to feed the others only.
+        # No checkpoint: the last one is the last sound state.
+        receiver.close()
+        who = f"{variant} (trainer {w.rank})" if variant else f"trainer {w.rank}"
+        print(f"error: {who}: {why}", file=sys.stderr, flush=True)
+        if w.group_rank == 0:
+            _record_stop(stopped, trainer, train_cfg.steps, str(why))
+        return EXIT_DRAFT_FAILED
     receiver.close()  # the streamers stop feeding us before anything else happens
     # Whatever stopped the loop, the progress so far is saved before anyone exits.
     if trainer.state.step % train_cfg.checkpoint_interval and trainer.state.step != train_cfg.steps:

@@ -139,3 +139,94 @@ def test_dspark_train_ends_a_failure_as_a_slurm_node_does(node, monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: rank 0 (trainer 0) was killed by SIGKILL"), err
     assert ranks[1].killed and not ranks[2].killed  # the hung trainer was stopped; the streamer had exited
+
+
+def test_dspark_train_drops_a_failed_draft_and_the_others_finish(node, monkeypatch, capsys, tmp_path):
+    """Three drafts share one stream (2 trainer ranks each): the kernel kills a rank of the second.
+    Its draft alone is stopped (the hung rank after its grace), the other drafts and the streamer
+    finish, and the failed draft gets one line naming it; the command's code says some failed."""
+    import copy
+
+    from hpc.errors import EXIT_DRAFT_FAILED
+
+    cfg, ranks = node
+    drafts = []
+    for i, label in enumerate(("DSpark", "DFlash", "Markov-only")):
+        d = copy.deepcopy(cfg)
+        d.train.output_dir, d.eval.label = str(tmp_path / f"v{i}"), label
+        drafts.append(d)
+    done = [None] * 5 + [0]
+    ranks += [FakeRank(done), FakeRank(done), FakeRank([None, -9]), FakeRank([None]),  # draft 1: killed, hung
+              FakeRank(done), FakeRank(done), FakeRank([None] * 300 + [0])]  # draft 2; the streamer, long after
+    monkeypatch.setattr(train_cli, "localize", lambda c: c)
+    monkeypatch.setattr(train_cli, "prepare_data", lambda c: type("P", (), {"stats": type("S", (), {
+        "summary": lambda self: "3 rows kept"})(), "filled": 0})())
+    cfg.tracking.uri = drafts[0].tracking.uri = f"sqlite:///{tmp_path / 'unused.db'}"
+    assert train_cli.train_local(drafts[0], variants=drafts) == EXIT_DRAFT_FAILED
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if " mlflow." not in line]
+    assert err[0].startswith(f"error: variant DFlash ({tmp_path / 'v1'}): rank 2 (trainer 2) was killed by SIGKILL"), err
+    assert err[1] == "2 of 3 drafts finished and exported" and len(err) == 2, err
+    assert [r.killed for r in ranks] == [False, False, False, True, False, False, False]  # only draft 1's hung rank
+    assert rank_supervision.time.now >= rank_supervision.grace_s(cfg)  # it had the grace to stop on its own
+    from hpc.formats import draft_failure  # its later stages and `dspark status` read why
+
+    assert draft_failure.read(tmp_path / "v1")["cause"] == err[0].split("): ", 1)[1]
+    assert draft_failure.read(tmp_path / "v0") is None and draft_failure.read(tmp_path / "v2") is None
+
+
+def test_a_streamer_or_a_lone_draft_failing_still_ends_the_world(node):
+    # Several drafts: a streamer's failure is everyone's; the drafts' live ranks are stopped after their grace.
+    ranks = [FakeRank([None]), FakeRank([None]), FakeRank([None, 4])]
+    code, own = rank_supervision.supervise(ranks, 10.0, drafts=[0, 1, -1])
+    assert code == 4 and own == [None, None, 4] and ranks[0].killed and ranks[1].killed
+    # One draft (no `drafts`): a trainer's failure stops the world, as it always did.
+    ranks = [FakeRank([None, 6]), FakeRank([None])]
+    code, own = rank_supervision.supervise(ranks, 10.0)
+    assert code == 6 and own == [6, None] and ranks[1].killed
+
+
+def test_a_failed_drafts_later_stages_refuse_in_one_line(node, monkeypatch, capsys):
+    """Its evaluation and calibration jobs end FAILED naming why, before any verifier starts."""
+    from hpc.cli import main
+    from hpc.formats import draft_failure
+
+    cfg, _ = node
+    cfg.eval.label = "DFlash"
+    monkeypatch.setattr("hpc.launch.stage_table.check_variant_file", lambda path: None)
+    monkeypatch.setattr("hpc.launch.stage_table.resolve", lambda *a, **k: cfg)
+    monkeypatch.setattr("hpc.launch.stage_table.localize_stage", lambda c: c)
+    for entry in ("eval_stage", "calibrate_stage", "adaptive_stage"):
+        monkeypatch.setattr(f"hpc.launch.stage_table.{entry}", lambda *a, **k: 0)
+    assert main(["stage", "eval", "variant.yaml", "--n", "3"]) == 0  # a draft that trained: the stage runs
+    draft_failure.record(cfg.train.output_dir, "DFlash", "rank 2 (trainer 2) was killed by SIGKILL")
+    for argv, verb in ((["eval", "--n", "3"], "evaluate"), (["calibrate"], "calibrate"),
+                       (["eval-adaptive"], "evaluate")):
+        assert main(["stage", argv[0], "variant.yaml", *argv[1:]]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {verb}: variant DFlash's training failed"), err
+        assert "rank 2 (trainer 2) was killed by SIGKILL" in err[0]
+
+
+def test_a_slurm_node_whose_draft_failed_records_it_and_ends_cleanly(node, monkeypatch, capsys, tmp_path):
+    """Node 2 of V + 2 x T = 3 nodes trains the second draft (ranks 2 and 3): a rank killed there
+    is that draft's alone, so the node's task exits 0 (srun's --kill-on-bad-exit would end the
+    other draft's node too) after naming it, and leaves the cause for its stages and status."""
+    import copy
+
+    from hpc.formats import draft_failure
+
+    cfg, ranks = node
+    monkeypatch.setattr(SlurmEnv, "from_environ", classmethod(lambda cls: SlurmEnv(7, 2, 3, ["a", "b", "c"], "7")))
+    drafts = []
+    for i, label in enumerate(("DSpark", "DFlash")):
+        d = copy.deepcopy(cfg)
+        d.train.output_dir, d.eval.label = str(tmp_path / f"v{i}"), label
+        drafts.append(d)
+    ranks += [None, None, FakeRank([None, -9]), FakeRank([None])]  # ranks 2, 3: this node's
+    assert stages.train_allocation(drafts[0], variants=drafts) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: node 2 (trainer of v1): variant DFlash ({tmp_path / 'v1'}): rank 2 (trainer 2) was "
+                   "killed by SIGKILL (the kernel's OOM killer does this: check the node's memory); the other ranks "
+                   "stopped because they lost it; no checkpoint yet, a re-run starts over"], err
+    assert ranks[3].killed and "SIGKILL" in draft_failure.read(tmp_path / "v1")["cause"]
+    assert draft_failure.read(tmp_path / "v0") is None

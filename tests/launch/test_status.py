@@ -184,6 +184,15 @@ def test_a_shared_verifiers_one_train_job_shows_a_row_per_variant(monkeypatch, t
     pf.write_text(json.dumps({**state, "shared_verifier": True, "labels": ["DSpark", "Markov-only"]}))
     rows = [ln.split() for ln in status(pf).splitlines() if ln.startswith("train ")]
     assert [(r[2], r[3], r[4]) for r in rows] == [("v0", "DSpark", "RUNNING"), ("v1", "Markov-only", "RUNNING")]
+    # One draft failed alone (its launcher wrote why): its row says so, the other trains on.
+    from hpc.formats import draft_failure
+
+    draft_failure.record(tmp_path / "v1" / "train", "Markov-only", "training stopped at step 25 of 100: loss nan")
+    text = status(pf)
+    rows = [ln for ln in text.splitlines() if ln.startswith("train ")]
+    assert "RUNNING" in rows[0] and "FAILED" not in rows[0]
+    assert "FAILED" in rows[1] and "this draft failed: training stopped at step 25 of 100: loss nan" in rows[1]
+    assert text.splitlines()[-1] == "1 running, 1 failed"
 
 
 def test_expand_pending_array_ids() -> None:

@@ -81,6 +81,10 @@ def windows(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _raise(_t: int, err: BaseException) -> None:
+    raise err
+
+
 def beats(rank: int, port: int, out: str) -> None:
     """The main thread waits for trainer A to take a sample body; B hears heartbeats meanwhile."""
     torch.set_num_threads(1)
@@ -90,7 +94,8 @@ def beats(rank: int, port: int, out: str) -> None:
         if rank == STREAMER:
             sender = SampleSender(planes, torch.bfloat16, in_flight=1)
             stop = threading.Event()
-            beat = threading.Thread(target=_beat_loop, args=(sender, set(), threading.Condition(), 0.2, stop))
+            beat = threading.Thread(target=_beat_loop, args=(sender, lambda: [A, B], threading.Condition(), 0.2, stop,
+                                                                   _raise))
             beat.start()
             sender.send(_cap(0), 0, A)
             sender.send(_cap(1), 0, A)  # A's window is full: this waits until A takes sample 0's body

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from hpc.fsio import write_text
 def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: str, out_dir: str,
          n_rows: int, peer_timeout_s: float = 30.0, corrupt_id: int = -1, steps: int = 1000,
          nccl_timeout_s: float | None = None, stall_after: int = -1, groups: int = 1,
-         lrs: list[float] | None = None) -> None:
+         lrs: list[float] | None = None, die_at: dict[int, int] | None = None) -> None:
     torch.set_num_threads(1)  # several ranks share 2 cores: no OpenMP oversubscription
     from hpc.config.schema import StreamConfig
     from hpc.dist.world import World, init_world
@@ -41,6 +42,8 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
         def on_step(step, metrics):
             depth.append(metrics["stream_buffered"])
             write_text(out / f"progress{rank}", str(step))  # atomic: the test polls it
+            if (die_at or {}).get(rank) == step:  # a trainer killed mid-stream (the OOM killer's way)
+                os.kill(os.getpid(), signal.SIGKILL)
 
         # no epoch_size: the ledger keeps every pair
         trainer = Trainer(cfg, model, head, export, out_dir, group=planes.train_data, control_group=planes.train_control)
@@ -90,5 +93,6 @@ def main(rank: int, n_trainers: int, n_streamers: int, port: int, target_dir: st
         stats = run_streamer(streamer_rows(data, w, seed=3, epochs=1), capture, planes, torch.float32,
                              prefetch=2, heartbeat_s=stream_cfg.heartbeat_s, groups=w.trainer_groups)
         (out / f"streamer{rank}.json").write_text(json.dumps(
-            {"sent": stats.sent, "failed": stats.failed, "per_trainer": stats.per_trainer, "skipped": stats.skipped}))
+            {"sent": stats.sent, "failed": stats.failed, "per_trainer": stats.per_trainer, "skipped": stats.skipped,
+             "dropped": stats.dropped}))
     os._exit(code)  # a dead peer can leave gloo's teardown waiting forever

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from hpc.errors import EXIT_DRAFT_FAILED
 from hpc.net import free_port
 from hpc.train.epochs import epoch_order
 from hpc.train.trainer_rank import EXIT_PEER_DIED
@@ -61,18 +63,30 @@ def test_two_verifiers_feed_two_trainers_each_sample_once(target_dir, tmp_path):
     assert max(t0["max_depth"], t1["max_depth"]) <= 3 * 1 + 3  # buffer_per_trainer (+ one per streamer share)
 
 
-def test_one_stream_trains_two_drafts_each_as_its_solo_run(target_dir, tmp_path):  # noqa: F811
-    """One verifier, two groups of one trainer, each its own draft (lr 1e-3 and 3e-3): each sample is
-    captured once and trained by both; the second draft's losses are bit-identical to its solo run."""
+def test_one_stream_trains_drafts_each_as_its_solo_run_and_a_failed_one_fails_alone(target_dir, tmp_path):  # noqa: F811
+    """One verifier, four groups of one trainer, each its own draft: each sample is captured once and
+    trained by each; the second draft's losses are bit-identical to its solo run. The third draft's
+    lr (1e30) makes its loss NaN, and the fourth's trainer is killed at step 2: each fails alone,
+    and the first two train every sample, as if they had shared the stream with nobody."""
     shared, solo = tmp_path / "shared", tmp_path / "solo"
-    assert wait_all(launch(2, 1, target_dir, shared, 24, groups=2, lrs=[1e-3, 3e-3], steps=6)) == [0, 0, 0]
+    codes = wait_all(launch(4, 1, target_dir, shared, 24, groups=4, lrs=[1e-3, 3e-3, 1e30, 1e-3], steps=6,
+                            die_at={3: 2}))
+    assert codes == [0, 0, EXIT_DRAFT_FAILED, -signal.SIGKILL, 0]
     assert wait_all(launch(1, 1, target_dir, solo, 24, lrs=[3e-3], steps=6)) == [0, 0]
     g0, g1 = read(shared / "group0", "trainer0.json"), read(shared / "group1", "trainer1.json")
-    streamer = read(shared, "streamer2.json")
-    assert streamer["sent"] == 24 and streamer["per_trainer"] == {"0": 24, "1": 24}  # captured once, sent twice
+    streamer = read(shared, "streamer4.json")
+    assert streamer["sent"] == 24 and streamer["per_trainer"]["0"] == streamer["per_trainer"]["1"] == 24
     assert g0["ledger"] == g1["ledger"] and len(g0["losses"]) == len(g1["losses"]) == 6
     assert g1["losses"] == read(solo, "trainer0.json")["losses"]  # float hex, every step
     assert g0["losses"] != g1["losses"]  # two drafts, not one trained twice
+
+    # The NaN draft stopped before its optimizer stepped on the NaN, and said so; the killed one
+    # was dropped from the stream by the streamer, naming its trainer.
+    nan = read(shared / "group2", "stopped.json")
+    assert "loss nan" in nan["cause"] and "train.lr" in nan["cause"] and nan["step"] < 6, nan
+    assert all(math.isfinite(float.fromhex(x)) for x in read(shared / "group2", "trainer2.json")["losses"])
+    assert list(streamer["dropped"]) == ["3"] and "trainer rank 3 is gone" in streamer["dropped"]["3"]
+    assert streamer["per_trainer"]["3"] < 24
 
 
 def test_a_peer_that_stops_mid_sample_ends_the_run_within_the_data_timeout(target_dir, tmp_path):  # noqa: F811
