@@ -16,7 +16,7 @@ from hpc.formats.calibration import Calibration
 from hpc_dev.toy_data import write_toy_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 200
+STEPS = 120
 MARGIN = 0.2
 
 
@@ -37,7 +37,8 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
            f"verifier.python={vllm_python}", f"data.sources=[{{path: {data}}}]", f"train.output_dir={out}",
            "train.checkpoint_interval=25", "train.lr=3e-3", f"tracking.uri={mlflow_server.uri}",
            "tracking.experiment=train-cli",
-           f"verifier.env={{VLLM_CPU_KVCACHE_SPACE: '1', HF_TOKEN: {planted['HF_TOKEN']}, "
+           f"verifier.env={{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_ENABLE_V1_MULTIPROCESSING: '0', "
+           f"HF_TOKEN: {planted['HF_TOKEN']}, "
            f"AZURE_STORAGE_CONNECTION_STRING: '{conn}', MY_VAR: {planted['MY_VAR']}}}", "--steps", str(STEPS)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -45,7 +46,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     printed = res.stdout + res.stderr
     state = json.loads((out / "checkpoints" / f"step_{STEPS:08d}" / "state.json").read_text())
     # configs/toy-cpu.yaml holds every 10th row out (ids 9, 19, ...): 144 of the 160 train.
-    # 1600 samples = 11.1 epochs of 144. Finished epochs are forgotten; near a boundary the stream
+    # 960 samples = 6.7 epochs of 144. Finished epochs are forgotten; near a boundary the stream
     # mixes two epochs, so what is left is the unfinished epoch's (epoch, id) pairs, each once.
     trained = 144
     samples = STEPS * 8  # train.global_batch_size
@@ -75,7 +76,7 @@ def test_dspark_train_runs_the_online_pipeline(toy_target, vllm_python, mlflow_s
     before, _ = mean_acceptance_length(target, untrained.eval(), prompts, n=7, max_new_tokens=32)
     print(f"online training, mean acceptance length at n=7: untrained {before:.3f} -> trained {after:.3f}")
     # A short run wants a larger LR than the config's 1e-3. On the talking toy, 60 steps at 3e-3 gave
-    # 1.00 -> 1.17; offline (tests/dev/test_offline.py) 200 steps give 1.33.
+    # 1.00 -> 1.17, 120 steps 1.01 -> 1.35; offline (tests/dev/test_offline.py) 200 steps give 1.33.
     assert after > before + MARGIN
 
     client = MlflowClient(mlflow_server.uri)
