@@ -19,9 +19,13 @@ from hpc.config.secrets import scrub
 from hpc.track.keys import PARENT_RUN_ID, RUN_NAME
 from hpc.track.pipeline import experiment_id
 
-# A dead server must fail fast in the background thread, not retry for minutes.
+# A dead server must fail fast in the background thread, not retry for minutes. The timeout is
+# the whole process's (MLflow reads it per request): a job's direct calls (an eval's metrics) get
+# it too, so it must outlast a live server that is slow under load. At 5 s, the adaptive eval's
+# log_metric timed out against the tracking server while two vLLM servers held both cores.
+# `close` bounds the wait for the last flush on its own.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
 @dataclass
