@@ -36,20 +36,29 @@ def modelled_window(cfg: DSparkConfig) -> dict[str, tuple[float, str]]:
     return {what: (s, how) for what, s, how in pipeline.window} if pipeline is not None else {}
 
 
-def requeue_timed(cfg: DSparkConfig, requeue: Callable[[], None], exit_code: int) -> None:
+def requeue_timed(cfg: DSparkConfig, requeue: Callable[[], None], exit_code: int,
+                  variants: list[DSparkConfig] | None = None) -> None:
     """Node 0's requeue, timed to the job's end: `scontrol requeue` has Slurm end the job at once
     (TERM to every task), often before the command returns here. So the record is written from
-    that TERM (the window's true end), or after the command if it returns first."""
+    that TERM (the window's true end), or after the command if it returns first. `variants`: the
+    drafts of a shared verifier's allocation, whose trainers mark their parts in their own
+    directories; the record (in `cfg`'s) is the slowest of them all."""
+    others = [Path(v.train.output_dir) for v in variants or [] if v.train.output_dir != cfg.train.output_dir]
     model = modelled_window(cfg)  # before the clock starts: the plan's import and arithmetic
     t0 = time.time()
-    written: list[str] = []
+    state = {"writing": False}
 
     def finish(until: str) -> None:
-        if not written:
-            written.append(until)
-            print(record_window(cfg, time.time() - t0, model, until), flush=True)
+        if not state["writing"]:
+            state["writing"] = True
+            print(record_window(cfg, time.time() - t0, model, until, others), flush=True)
 
     def on_term(_signum, _frame):
+        # Slurm's TERM often comes twice (slurmstepd's, then srun's as it forces the step down).
+        # One that lands while the record is being written, here or below this frame, must let
+        # that write finish: exiting from it left a torn temporary file and no record.
+        if state["writing"]:
+            return
         finish("to Slurm's TERM that ended the job")
         os._exit(exit_code)
     previous = signal.signal(signal.SIGTERM, on_term)
@@ -60,12 +69,13 @@ def requeue_timed(cfg: DSparkConfig, requeue: Callable[[], None], exit_code: int
         signal.signal(signal.SIGTERM, previous)
 
 
-def record_window(cfg: DSparkConfig, requeue_s: float, model: dict[str, tuple[float, str]], until: str) -> str:
-    """Write this attempt's record; returns its one line."""
+def record_window(cfg: DSparkConfig, requeue_s: float, model: dict[str, tuple[float, str]], until: str,
+                  others: list[Path] | None = None) -> str:
+    """Write this attempt's record, from the marks in `cfg`'s directory and `others`; returns its one line."""
     out = Path(cfg.train.output_dir)
     attempt = clock.attempt()
     try:
-        marks = clock.read_marks(out, attempt)
+        marks = [m for d in [out, *(others or [])] for m in clock.read_marks(d, attempt)]
     except PermissionError as err:
         return f"preemption window not recorded: {err}"
     marks.append({"part": clock.REQUEUE, "s": requeue_s, "until": until})
