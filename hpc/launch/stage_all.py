@@ -28,7 +28,6 @@ from pathlib import Path
 from hpc.config.schema import DSparkConfig
 from hpc.errors import EXIT_REQUEUE, UserError
 from hpc.launch.launch_checks import resolve
-from hpc.launch.preemption import last_window
 from hpc.launch.slurm_env import attempt_dir
 from hpc.launch.stage_table import NAMES, Job, jobs
 
@@ -130,8 +129,6 @@ def run_all(config: str, overrides: list[str], only: list[str] | None = None, n:
     names = " -> ".join(j.name for j in todo)
     print(f"dspark stage all: {names}" + (f"; parent run {parent}" if parent else "")
           + (f"; output {run_dir}" if run_dir else ""), flush=True)
-    if restart and (line := last_window(cfg, restart)):
-        print(f"dspark stage all: the last attempt's {line}", flush=True)
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # Slurm 22.05 stopped handing it to srun
         os.environ["SRUN_CPUS_PER_TASK"] = os.environ["SLURM_CPUS_PER_TASK"]
     # Slurm signals the steps (srun's tasks), not this batch step; should a USR2 reach it anyway

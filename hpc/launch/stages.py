@@ -51,7 +51,7 @@ from hpc.formats.checkpoint_layout import latest_checkpoint
 from hpc.launch.gpu_mode import check_shared_gpu
 from hpc.launch.job_files import job_file, publish, wait_published
 from hpc.launch.node_setup import prepare_once
-from hpc.launch.preemption import requeue_timed
+from hpc.launch.preemption import last_window, requeue_timed
 from hpc.launch.ray_cluster import RayNode, done_marker
 from hpc.launch.slurm import run_slurm
 from hpc.launch.slurm_env import SlurmEnv, advertised_ip, interface_of
@@ -119,6 +119,10 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None,
     role = "verifier" if env.node_index < V else "trainer"
     of = f" of v{(env.node_index - V) // cfg.cluster.trainer_nodes}" if K > 1 and role == "trainer" else ""
     print(f"node {env.node_index} ({role}{of}): ranks {ranks}, rendezvous {master}:{port}", flush=True)
+    # Node 0 requeued the last attempt: its window, from the record on disk (its own line went
+    # with the step Slurm ended). Here, not in `stage all`: a `dspark submit` job has no batch step.
+    if env.node_index == 0 and env.restart_count and (line := last_window(cfg, env.restart_count)):
+        print(f"node 0 ({role}): attempt {env.restart_count + 1}; the last attempt's {line}", flush=True)
     # A trainer node's ranks take GPUs 0..n-1. A verifier node's one streamer takes the last GPU:
     # GPU 0 also holds vLLM's TP rank 0, where the capture connector stages its copies.
     locals_ = [max(cfg.cluster.gpus_per_node - 1, 0)] if role == "verifier" else list(range(len(ranks)))
@@ -155,7 +159,7 @@ def train_allocation(cfg: DSparkConfig, parent_run_id: str | None = None,
                for draft in variants or [cfg])
     if (code == EXIT_REQUEUE or (stop["requested"] and code == 0)) and not done:
         if env.node_index == 0:
-            requeue_timed(cfg, lambda: requeue(env), EXIT_REQUEUE)  # and the preemption window's record
+            requeue_timed(cfg, lambda: requeue(env), EXIT_REQUEUE, variants)  # and the preemption window's record
         return EXIT_REQUEUE
     if code != 0:  # one line naming the cause, as `dspark train` ends: not "see the lines above"
         codes: list[int | None] = [None] * (T + V)

@@ -230,3 +230,61 @@ def test_a_slurm_node_whose_draft_failed_records_it_and_ends_cleanly(node, monke
                    "stopped because they lost it; no checkpoint yet, a re-run starts over"], err
     assert ranks[3].killed and "SIGKILL" in draft_failure.read(tmp_path / "v1")["cause"]
     assert draft_failure.read(tmp_path / "v0") is None
+
+
+class SignalledRank(FakeRank):
+    """The streamer on node 0 when Slurm's USR2 lands: the signal reaches the node's launcher at
+    the first poll, then the rank ends cleanly (the trainers checkpointed and said goodbye)."""
+
+    def __init__(self):
+        super().__init__([None, 0])
+        self.sent = False
+
+    @property
+    def exitcode(self) -> int | None:
+        if not self.sent:
+            import os
+            import signal
+
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return super().exitcode
+
+
+@pytest.mark.parametrize("v0_finished, requeued", [(False, True), (True, False)])
+def test_a_shared_allocations_requeue_is_for_its_live_drafts_only(node, monkeypatch, tmp_path, v0_finished,
+                                                                   requeued):
+    """Node 0 (the verifier's) of V + 2 x T, preempted after draft v1 failed on its own: it requeues
+    while the live draft v0 has steps left, and not once v0 finished (v1's failure is recorded,
+    and a requeue would only fail it again)."""
+    import copy
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hpc.errors import EXIT_REQUEUE
+    from hpc.formats import draft_failure
+    from hpc.formats.checkpoint_layout import REQUIRED, step_dir
+
+    cfg, ranks = node
+    monkeypatch.setattr(SlurmEnv, "from_environ", classmethod(lambda cls: SlurmEnv(7, 0, 3, ["a", "b", "c"], "7")))
+    calls: list[str] = []
+    monkeypatch.setattr(stages, "requeue_timed", lambda cfg, fn, code, variants: calls.append(cfg.train.output_dir))
+    drafts = []
+    for i in range(2):
+        d = copy.deepcopy(cfg)
+        d.train.output_dir, d.train.steps = str(tmp_path / f"v{i}"), 20
+        drafts.append(d)
+    step = drafts[0].train.steps if v0_finished else 7
+    whole = tmp_path / "v0" / "checkpoints" / step_dir(step)  # a whole checkpoint's files, each parseable
+    whole.mkdir(parents=True)
+    for name in REQUIRED:
+        if name.endswith(".safetensors"):
+            save_file({"x": torch.zeros(1)}, str(whole / name))
+        else:
+            (whole / name).write_text(json.dumps({"step": step}))
+    draft_failure.record(tmp_path / "v1", "v1", "training stopped at step 1 of 20: loss nan")
+    ranks += [None] * 4 + [SignalledRank()]  # trainers 0..3 on nodes 1 and 2; node 0's streamer is rank 4
+    code = stages.train_allocation(drafts[0], variants=drafts)
+    assert (code, calls) == ((EXIT_REQUEUE, [str(tmp_path / "v0")]) if requeued else (0, []))
