@@ -187,7 +187,11 @@ def record_draft_failure(cfg: DSparkConfig, d: int, own: list[int | None], draft
         codes[r] = c if of == d else None
     name = cfg.eval.label or f"v{d}"
     cause = failure_line(codes, n_trainers, cfg.train.output_dir)
-    draft_failure.record(cfg.train.output_dir, name, cause)
+    # A draft on several trainer nodes: each node records what its own ranks saw. The node whose
+    # rank was killed sees it at once, its peers only once they call it dead; their line (a lost
+    # peer) must not overwrite that root cause. (The trainers clear the file as they start.)
+    if exit_cause(codes, n_trainers) is not None or draft_failure.read(cfg.train.output_dir) is None:
+        draft_failure.record(cfg.train.output_dir, name, cause)
     return f"variant {name} ({cfg.train.output_dir}): {cause}"
 
 

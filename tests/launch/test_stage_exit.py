@@ -288,3 +288,19 @@ def test_a_shared_allocations_requeue_is_for_its_live_drafts_only(node, monkeypa
     ranks += [None] * 4 + [SignalledRank()]  # trainers 0..3 on nodes 1 and 2; node 0's streamer is rank 4
     code = stages.train_allocation(drafts[0], variants=drafts)
     assert (code, calls) == ((EXIT_REQUEUE, [str(tmp_path / "v0")]) if requeued else (0, []))
+
+
+@pytest.mark.parametrize("first", ["killed", "peer"])
+def test_a_draft_on_two_nodes_keeps_the_root_cause_whichever_node_records_last(tmp_path, first):
+    """Draft v1's ranks 2 and 3 on two trainer nodes: the kernel kills rank 2, and rank 3 fails
+    because it lost it. Each node records what its own ranks saw; the kill stays the draft's cause."""
+    from hpc.formats import draft_failure
+
+    cfg = DSparkConfig()
+    cfg.train.output_dir, cfg.eval.label = str(tmp_path / "v1"), "lr=5e-4"
+    # each node passes its own ranks' codes: rank 2's node, then rank 3's (4 trainers, 2 per draft)
+    records = {"killed": lambda: rank_supervision.record_draft_failure(cfg, 1, [-9], [1], 4, [2]),
+               "peer": lambda: rank_supervision.record_draft_failure(cfg, 1, [1], [1], 4, [3])}
+    lines = {who: records[who]() for who in (first, "peer" if first == "killed" else "killed")}
+    assert "killed by SIGKILL" in lines["killed"] and "SIGKILL" not in lines["peer"]  # each node's log: its own
+    assert draft_failure.read(tmp_path / "v1")["cause"] == lines["killed"].split("): ", 1)[1]
