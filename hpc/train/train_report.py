@@ -37,16 +37,24 @@ class Progress:
         # this is made): counting from 0, a run resumed at 5000 credited 5000 steps to its first second.
         self.t0 = time.monotonic()
         self.start: int | None = None
+        # From the first step's end on, the rate is the steady one: the first step holds the
+        # verifier's start (minutes for a 1T target) and the first sample's wait, which would
+        # otherwise weigh on the rate, the data-wait share and the ETA for the whole run.
+        self.first: tuple[int, float, float] | None = None  # (step, time, data wait so far)
         self.bar.start()
 
     def update(self, step: int, m: dict) -> dict:
+        now, wait = time.monotonic(), m.get("data_wait_s", 0.0)
         if self.start is None:
             self.start = step - 1
-        done = step - self.start
-        elapsed = max(time.monotonic() - self.t0, 1e-6)
+        if self.first is None:
+            self.first = (step, now, wait)
+            done, elapsed, waited = step - self.start, max(now - self.t0, 1e-6), wait
+        else:
+            done, elapsed, waited = step - self.first[0], max(now - self.first[1], 1e-6), wait - self.first[2]
         rate = done * self.global_batch / elapsed
         steps_per_s = done / elapsed
-        extra = {"samples_per_s": rate, "data_wait_fraction": m.get("data_wait_s", 0.0) / elapsed,
+        extra = {"samples_per_s": rate, "data_wait_fraction": waited / elapsed,
                  "eta_s": (self.total - step) / steps_per_s if steps_per_s > 0 else float("nan")}
         self.bar.update(self.task, completed=step, info=f"loss {m.get('loss', float('nan')):.3f}  "
                         f"acc_len {m.get('accept_len', 0):.2f}  "
@@ -69,7 +77,7 @@ def write_progress(path: Path, step: int, total: int, m: dict) -> None:
         return
     _last_progress[0] = now
     data = {"step": step, "total": total, "loss": m.get("loss"), "samples_per_s": m.get("samples_per_s"),
-            "eta_s": m.get("eta_s"), "updated": time.time()}
+            "data_wait_fraction": m.get("data_wait_fraction"), "eta_s": m.get("eta_s"), "updated": time.time()}
     write_text(path, json.dumps(data))
 
 

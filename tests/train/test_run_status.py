@@ -94,6 +94,23 @@ def test_progress_counts_from_the_step_this_job_resumed_at(monkeypatch):
         p.close()
 
 
+def test_progress_is_the_steady_rate_once_the_first_step_has_ended(monkeypatch):
+    """The first step holds the verifier's start and the first sample's wait: from the second
+    step on, neither weighs on samples/s, the data-wait share or the ETA."""
+    p = report.Progress(100, 8)
+    try:
+        t0, now = p.t0, [0.0]
+        monkeypatch.setattr(report.time, "monotonic", lambda: t0 + now[0])
+        now[0] = 30.0  # a verifier that took 29 s to start, waited for all the while
+        assert p.update(1, {"data_wait_s": 29.0})["samples_per_s"] == pytest.approx(8 / 30)
+        now[0] = 40.0  # 10 more steps in 10 s, 2.5 s of it waiting for data
+        later = p.update(11, {"data_wait_s": 31.5})
+        assert later["samples_per_s"] == pytest.approx(8.0) and later["data_wait_fraction"] == pytest.approx(0.25)
+        assert later["eta_s"] == pytest.approx(89.0)
+    finally:
+        p.close()
+
+
 def test_a_failure_while_the_run_is_being_set_up_ends_it(rank0, monkeypatch):
     """The run exists from the logger's first line: an error logging the params must not leave it RUNNING."""
     def broken(self, params):
