@@ -17,6 +17,7 @@ HELP = "benchmarks that print figures (ratios against a peer run)"
 # name -> (module with add_args/run, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "stream": ("hpc.stream.stream_bench", "streamer->trainer GB/s vs a raw torch.distributed send; data-wait"),
+    "share": ("hpc.launch.share_bench", "per-draft training samples/s with K drafts on one verifier vs one alone"),
     "watch": ("hpc.watch.watch_bench", "CPU of one `dspark watch` tick vs a bare GET of the same endpoints"),
 }
 

@@ -24,7 +24,7 @@ DEPENDS: dict[str, set[str]] = {
     "hpc.__main__": {"hpc.cli"},  # `python -m hpc`
     # the command line: tables naming every command and benchmark by module
     "hpc.cli": {"hpc.bench", "hpc.launch"},
-    "hpc.bench": {"hpc.stream", "hpc.watch"},
+    "hpc.bench": {"hpc.launch", "hpc.stream", "hpc.watch"},
     # the Slurm launcher: submit, stages, status, schedule, plan
     "hpc.launch": {"hpc.calibration", "hpc.train", "hpc.tables", "hpc.watch"},
     # the serving watch: live spec-decode counters against the champion's evaluation

@@ -58,6 +58,7 @@ def test_the_dev_command_holds_the_dev_tools_and_dspark_does_not():
     dev = {name for name, _, _ in DEV_COMMANDS}
     assert {"demo", "devcluster", "toy-target", "bench"} <= dev
     assert not dev - {"bench"} & {name for name, _, _ in COMMANDS}
-    # dspark's own run on a cluster: the stream between real nodes, a watch tick on the login node
-    assert set(BENCHMARKS) == {"stream", "watch"}
+    # dspark's own run on a cluster: the stream between real nodes, training jobs sharing a
+    # verifier against one alone, a watch tick on the login node
+    assert set(BENCHMARKS) == {"stream", "share", "watch"}
     assert {"acceptance", "capture", "train-step", "toy-target"} <= set(DEV_BENCHMARKS)

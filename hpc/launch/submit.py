@@ -165,6 +165,11 @@ def plan_pipeline(config: str, overrides: list[str], pipeline_id: str | None = N
     return cfg, Pipeline(pid, root, files, variants, stages, [v.eval.label or "" for v in vcfgs])
 
 
+def train_dirs(cfg: DSparkConfig, p: Pipeline) -> list[Path]:
+    """Each variant's train.output_dir, as plan_pipeline froze it."""
+    return [Path(cfg.train.output_dir) / p.id / f"v{i}" / "train" for i in range(len(p.variant_files))]
+
+
 def _executor(folder: Path, params: dict, dependency: str | None, array: int):
     import submitit  # submitit: loaded only on this path
 
@@ -262,7 +267,7 @@ def submit(config: str, overrides: list[str], dry: bool = False, extra_tags: dic
              "parent_run_id": parent, "tracking_uri": cfg.tracking.uri, "experiment": cfg.tracking.experiment,
              "jobs": ids, "variants": [str(f) for f in p.variant_files],
              "shared_verifier": shares_verifier(cfg), "labels": p.labels,
-             "train_dirs": [str(Path(cfg.train.output_dir) / p.id / f"v{i}" / "train") for i in range(len(p.variant_files))],
+             "train_dirs": [str(d) for d in train_dirs(cfg, p)],
              "submitted": datetime.datetime.now().isoformat(timespec="seconds")}
     state_file = p.root / "pipeline.json"
     write_text(state_file, json.dumps(state, indent=1) + "\n", mode=0o600)
